@@ -1,0 +1,32 @@
+"""pagedserve's paged KV-cache inference engine. No HTTP, no resilience: torch + transformers only."""
+
+from engine.config import EngineConfig, KVCacheLayout
+from engine.errors import (
+    EngineDeadError,
+    EngineError,
+    EngineOverloadedError,
+    ModelValidationError,
+    RequestRejectedError,
+)
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+
+__all__ = [
+    "LLM", "AsyncEngine", "LLMEngine", "EngineConfig", "KVCacheLayout", "SamplingParams", "RequestOutput",
+    "CompletionOutput", "EngineError", "EngineDeadError", "EngineOverloadedError", "ModelValidationError",
+    "RequestRejectedError",
+]
+
+
+def __getattr__(name: str):
+    # torch and transformers load only when the heavy classes are asked for
+    if name == "LLM":
+        from engine.llm import LLM
+        return LLM
+    if name == "LLMEngine":
+        from engine.llm_engine import LLMEngine
+        return LLMEngine
+    if name == "AsyncEngine":
+        from engine.async_engine import AsyncEngine
+        return AsyncEngine
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

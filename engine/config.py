@@ -1,0 +1,93 @@
+"""`EngineConfig`: a frozen dataclass that validates itself (STYLE 3). Values found at run time
+(number of KV blocks, bytes per block) live in `KVCacheLayout`, never in the config."""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+POLICIES = ("fcfs", "priority", "hybrid")
+PREEMPTION_MODES = ("recompute", "swap")
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int | str = 16  # tokens per KV block, or "auto" (8 under 16 GiB of device memory)
+    kv_cache_memory: int | None = None  # bytes for the KV pool; None = derived from the device
+    gpu_memory_utilization: float = 0.9  # fraction of device memory on CUDA
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # capped by the model's own
+    max_num_waiting: int = 1024
+    scheduler_policy: str = "fcfs"
+    preemption_mode: str = "recompute"
+    swap_space: float = 1.0  # GiB of host memory for swapped-out blocks
+    enable_prefix_caching: bool = True
+    max_num_partial_prefills: int = 4  # hybrid: per-step cap on prefill tokens is a share of the budget
+    aging_seconds: float = 5.0  # hybrid: a waiting request gains one priority level per this many seconds
+    seed: int = 0
+    num_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
+
+    def __post_init__(self) -> None:
+        dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
+        object.__setattr__(self, "dtype", dtype)
+        _check(dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _check(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.block_size != "auto":
+            bs = self.block_size
+            _check(isinstance(bs, int) and 1 <= bs <= 256 and bs & (bs - 1) == 0,
+                   f"block_size must be a power of two in 1..256 or 'auto', got {bs!r}")
+        _check(self.kv_cache_memory is None or self.kv_cache_memory > 0,
+               f"kv_cache_memory must be positive bytes, got {self.kv_cache_memory}")
+        _check(0 < self.gpu_memory_utilization <= 1,
+               f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        _check(self.max_num_seqs >= 1, f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        _check(self.max_num_batched_tokens >= 1,
+               f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
+        _check(self.max_model_len is None or self.max_model_len >= 2,
+               f"max_model_len must be at least 2, got {self.max_model_len}")
+        _check(self.max_num_waiting >= 1, f"max_num_waiting must be at least 1, got {self.max_num_waiting}")
+        _check(self.scheduler_policy in POLICIES,
+               f"scheduler_policy must be one of {POLICIES}, got {self.scheduler_policy!r}")
+        _check(self.preemption_mode in PREEMPTION_MODES,
+               f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        _check(self.swap_space >= 0, f"swap_space must be non-negative GiB, got {self.swap_space}")
+        _check(self.aging_seconds > 0, f"aging_seconds must be positive, got {self.aging_seconds}")
+        _check(self.max_num_partial_prefills >= 1,
+               f"max_num_partial_prefills must be at least 1, got {self.max_num_partial_prefills}")
+
+    @property
+    def model_path(self) -> Path:
+        return Path(self.model)
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    """What the model runner measured: how the KV pool is laid out on the device."""
+
+    num_blocks: int
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+    num_swap_blocks: int
+    max_model_len: int
+
+    @property
+    def bytes_per_block(self) -> int:
+        # K and V, every layer
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)

@@ -1,0 +1,22 @@
+"""The engine's two error families (STYLE 9): request errors and overload are recoverable,
+a dead engine is not."""
+
+
+class EngineError(Exception):
+    """Base of every error the engine raises on purpose."""
+
+
+class ModelValidationError(EngineError, ValueError):
+    """A model directory is missing, incomplete, or unsafe to load (names the file)."""
+
+
+class RequestRejectedError(EngineError, ValueError):
+    """A request that can never be served as asked (too long, more blocks than the pool has)."""
+
+
+class EngineOverloadedError(EngineError):
+    """The bounded waiting queue is full; the caller may retry later."""
+
+
+class EngineDeadError(EngineError):
+    """The engine loop died; no request can be served until the engine is recreated."""

@@ -1,0 +1,81 @@
+"""Validate a model directory before anything heavy is imported, and keep every hub call off.
+
+A known pitfall of offline deployments is a hang at start-up when tokenizer files are missing
+(transformers then tries to reach a hub): we check the files first and fail fast instead."""
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.errors import ModelValidationError
+
+# Set before transformers/huggingface_hub are imported anywhere in the process.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    path: Path
+    config: dict
+    weight_files: tuple[Path, ...]
+    chat_template: str | None
+
+    @property
+    def architecture(self) -> str:
+        return (self.config.get("architectures") or ["?"])[0]
+
+
+def validate_model_dir(path: str | os.PathLike) -> ModelFiles:
+    """Check a local HF model directory; raise `ModelValidationError` naming the bad file."""
+    root = Path(path).expanduser()
+    if not root.exists():
+        raise ModelValidationError(f"model path {str(root)!r} does not exist (models are local directories)")
+    if not root.is_dir():
+        raise ModelValidationError(f"model path {str(root)!r} is not a directory")
+    config = _read_json(root / "config.json", required=True)
+    if config.get("auto_map"):
+        raise ModelValidationError(f"{root / 'config.json'}: auto_map asks for remote code, which is never run")
+    weights = _weight_files(root)
+    for name in TOKENIZER_FILES:
+        _read_json(root / name, required=True)
+    return ModelFiles(root.resolve(), config, weights, _chat_template(root))
+
+
+def _weight_files(root: Path) -> tuple[Path, ...]:
+    weights = tuple(sorted(root.glob("*.safetensors")))
+    if weights:
+        return weights
+    pickles = sorted(p.name for p in root.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise ModelValidationError(
+            f"{root}: only pickle weights ({', '.join(pickles)}); pickle is never loaded, convert to "
+            "model.safetensors")
+    raise ModelValidationError(f"{root / 'model.safetensors'} is missing: no *.safetensors weights in {root}")
+
+
+def _chat_template(root: Path) -> str | None:
+    jinja = root / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    template = _read_json(root / "tokenizer_config.json", required=True).get("chat_template")
+    return template if isinstance(template, str) else None
+
+
+def _read_json(path: Path, required: bool) -> dict:
+    if not path.is_file():
+        if required:
+            raise ModelValidationError(f"{path} is missing")
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelValidationError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ModelValidationError(f"{path} must hold a JSON object")
+    return data

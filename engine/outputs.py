@@ -1,0 +1,34 @@
+"""What the engine hands back: vLLM-shaped `RequestOutput` with one `CompletionOutput` per sample."""
+
+from dataclasses import dataclass, field
+
+# token id -> logprob, the sampled token always included
+TokenLogprobs = dict[int, float]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+    logprobs: list[TokenLogprobs] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """In the offline API the texts are whole; from `AsyncEngine.generate` each one is a delta
+    (the text and tokens new since the previous output of that request)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)  # arrival/first_scheduled/first_token/finished (monotonic s)
