@@ -27,7 +27,7 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     swap_space: float = 1.0  # GiB of host memory for swapped-out blocks
     enable_prefix_caching: bool = True
-    max_num_partial_prefills: int = 4  # hybrid: per-step cap on prefill tokens is a share of the budget
+    max_prefill_tokens: int | None = None  # hybrid: per-step cap on prefill tokens; None = half the budget
     aging_seconds: float = 5.0  # hybrid: a waiting request gains one priority level per this many seconds
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
@@ -57,8 +57,8 @@ class EngineConfig:
                f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         _check(self.swap_space >= 0, f"swap_space must be non-negative GiB, got {self.swap_space}")
         _check(self.aging_seconds > 0, f"aging_seconds must be positive, got {self.aging_seconds}")
-        _check(self.max_num_partial_prefills >= 1,
-               f"max_num_partial_prefills must be at least 1, got {self.max_num_partial_prefills}")
+        _check(self.max_prefill_tokens is None or self.max_prefill_tokens >= 1,
+               f"max_prefill_tokens must be at least 1, got {self.max_prefill_tokens}")
 
     @property
     def model_path(self) -> Path:

@@ -20,3 +20,7 @@ class EngineOverloadedError(EngineError):
 
 class EngineDeadError(EngineError):
     """The engine loop died; no request can be served until the engine is recreated."""
+
+
+class EngineStepError(EngineError):
+    """The engine failed this request (the engine itself lives on); counts against the model's breaker."""

@@ -1,0 +1,188 @@
+"""`AsyncEngine`: the engine loop in its own thread, an asyncio queue per request.
+
+The event loop never runs the model: `generate()` validates on the caller's side, hands the
+request to the loop thread through a command queue, and awaits deltas that the loop thread
+posts back with `call_soon_threadsafe`. If the loop dies, every waiter gets `EngineDeadError`.
+"""
+
+import asyncio
+import collections
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.errors import EngineDeadError, EngineError, EngineOverloadedError
+from engine.faults import FaultInjector
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.5  # the loop thread sleeps this long at most when there is no work
+
+
+@dataclass
+class _Waiter:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.engine = LLMEngine(config)
+        self.config = config
+        self.tokenizer = self.engine.tokenizer
+        self.max_model_len = self.engine.max_model_len
+        self.faults = FaultInjector()
+        self._commands: collections.deque = collections.deque()  # ("add", args) | ("abort", request_id)
+        self._wake = threading.Event()
+        self._waiters: dict[str, _Waiter] = {}
+        self._thread: threading.Thread | None = None
+        self._running = False
+        self.dead_error: BaseException | None = None
+        self._stats = self.engine.stats()
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._running = True
+            self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the loop; requests still in flight get EngineDeadError and their blocks are freed."""
+        self._running = False
+        self.faults.clear()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        if self.dead_error is None:
+            for request_id in list(self.engine.requests):
+                self.engine.abort_request(request_id)
+        self._fail_all(EngineDeadError("the engine was stopped"))
+
+    @property
+    def is_dead(self) -> bool:
+        return self.dead_error is not None
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # --- requests (event-loop side) ---------------------------------------------------------------
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        return self.engine.encode(prompt)
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        return self.engine.apply_chat_template(messages)
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.engine.check_request(prompt_token_ids, params)
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Yield output deltas until the request finishes. Leaving early aborts it."""
+        self._check_alive()
+        prompt_token_ids = self.encode(prompt)
+        self.check_request(prompt_token_ids, params)
+        self._check_room()
+        if request_id in self._waiters:
+            raise EngineError(f"request id {request_id!r} is already in use")
+        waiter = _Waiter(asyncio.get_running_loop(), asyncio.Queue())
+        self._waiters[request_id] = waiter
+        prompt_arg = prompt if isinstance(prompt, str) else prompt_token_ids
+        self._commands.append(("add", (request_id, prompt_arg, params, priority, time.monotonic())))
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                item = await waiter.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._waiters.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Idempotent; safe from any thread. Unknown ids are a no-op."""
+        self._commands.append(("abort", request_id))
+        self._wake.set()
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def _check_alive(self) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine is dead: {self.dead_error}")
+        if not self._running:
+            raise EngineDeadError("the engine is not running")
+
+    def _check_room(self) -> None:
+        queued = self._stats.num_waiting + sum(1 for c in self._commands if c[0] == "add")
+        if queued >= self.config.max_num_waiting:
+            raise EngineOverloadedError(f"waiting queue is full ({self.config.max_num_waiting} requests)")
+
+    # --- the loop thread ---------------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while self._running:
+                self._drain_commands()
+                self.faults.before_step(self.engine, self._fail_request)
+                if not self.engine.has_unfinished_requests:
+                    self._stats = self.engine.stats()
+                    self._wake.wait(IDLE_WAIT_S)
+                    self._wake.clear()
+                    continue
+                outputs = self.engine.step()
+                self._stats = self.engine.stats()
+                self._deliver(outputs)
+        except BaseException as exc:  # noqa: BLE001 - any death of the loop must reach every waiter
+            logger.exception("engine loop died")
+            self.dead_error = exc
+            self._fail_all(EngineDeadError(f"the engine loop died: {exc!r}"))
+        finally:
+            self._running = False
+
+    def _drain_commands(self) -> None:
+        while self._commands:
+            kind, arg = self._commands.popleft()
+            if kind == "abort":
+                output = self.engine.abort_request(arg)
+                if output is not None:
+                    self._deliver([output])
+                continue
+            request_id = arg[0]
+            if request_id not in self._waiters:  # its caller left before the loop saw it
+                continue
+            try:
+                self.engine.add_request(*arg)
+            except EngineError as exc:
+                self._post(request_id, exc)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            self._post(output.request_id, output)
+
+    def _post(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        waiter = self._waiters.get(request_id)
+        if waiter is not None:
+            with contextlib.suppress(RuntimeError):  # its event loop is closed: nobody is listening
+                waiter.loop.call_soon_threadsafe(waiter.queue.put_nowait, item)
+
+    def _fail_request(self, request_id: str, error: BaseException) -> None:
+        self.engine.abort_request(request_id)
+        self._post(request_id, error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for request_id in list(self._waiters):
+            self._post(request_id, error)

@@ -1,0 +1,214 @@
+"""`LLMEngine`: requests in, one step at a time, output deltas out. Single-threaded; `AsyncEngine`
+drives it from its own thread."""
+
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+
+from transformers import AutoTokenizer
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import RequestRejectedError
+from engine.loader import validate_model_dir
+from engine.model_runner import ModelRunner
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SequenceStatus
+from engine.stats import EngineStats
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    seqs: list[Sequence]
+    sent_chars: dict[int, int] = field(default_factory=dict)  # choice index -> text chars handed out
+    sent_tokens: dict[int, int] = field(default_factory=dict)
+    is_aborted: bool = False
+
+    @property
+    def is_finished(self) -> bool:
+        fanned_out = len(self.seqs) == self.params.n or self.is_aborted
+        return fanned_out and all(s.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        files = validate_model_dir(config.model)
+        self.chat_template = files.chat_template
+        self.tokenizer = AutoTokenizer.from_pretrained(files.path, local_files_only=True)
+        self.model_runner = ModelRunner(config, files)
+        layout = self.model_runner.layout
+        self.max_model_len = layout.max_model_len
+        self.block_manager = BlockManager(layout.num_blocks, layout.block_size, config.enable_prefix_caching,
+                                          layout.num_swap_blocks)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.scheduler.make_detokenizer = self._detokenizer
+        self.eos_token_ids = _eos_token_ids(self.model_runner.model, self.tokenizer)
+        self.vocab_size = self.model_runner.model.config.vocab_size
+        self.requests: dict[str, _Request] = {}
+        self._rng = random.Random(config.seed)
+        self.num_steps = self.num_prompt_tokens = self.num_generation_tokens = 0
+        self.last_step_time: float | None = None
+        self.peak_used_blocks = 0
+        self.kv_waste_at_peak = 0.0
+
+    # --- requests --------------------------------------------------------------------------------
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return list(prompt)
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        if not self.chat_template:
+            raise RequestRejectedError("this model has no chat template; use the completions API")
+        return self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False,
+                                                  add_generation_prompt=True)
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Reject what can never be served, with the numbers."""
+        num_prompt = len(prompt_token_ids)
+        if num_prompt == 0:
+            raise RequestRejectedError("the prompt is empty")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestRejectedError(f"token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
+        max_tokens = params.max_tokens or 1
+        if num_prompt + max_tokens > self.max_model_len:
+            raise RequestRejectedError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the request asks for "
+                f"{num_prompt + max_tokens} ({num_prompt} in the prompt, {max_tokens} to generate)")
+        needed = self.block_manager.blocks_needed(num_prompt + max_tokens)
+        if needed > self.block_manager.num_blocks:
+            raise RequestRejectedError(f"the request needs {needed} KV blocks; the pool holds "
+                                       f"{self.block_manager.num_blocks}")
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    priority: int = 0, arrival_time: float | None = None) -> None:
+        if request_id in self.requests:
+            raise RequestRejectedError(f"request id {request_id!r} is already in use")
+        prompt_token_ids = self.encode(prompt)
+        self.check_request(prompt_token_ids, params)
+        now = time.monotonic() if arrival_time is None else arrival_time
+        seq = Sequence(request_id, prompt_token_ids, params, priority=priority, arrival_time=now,
+                       eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
+                       sampling_seed=params.seed if params.seed is not None else self._rng.getrandbits(62))
+        seq.detokenizer = self._detokenizer(seq)
+        self.scheduler.add_seq(seq)
+        self.num_prompt_tokens += len(prompt_token_ids)
+        self.requests[request_id] = _Request(request_id, prompt if isinstance(prompt, str) else None,
+                                             prompt_token_ids, params, now, [seq])
+
+    def _detokenizer(self, seq: Sequence) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params.stop,
+                                      seq.params.skip_special_tokens)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Idempotent; returns the final (aborted) output of a request that was still running."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        for seq in request.seqs:
+            self.scheduler.abort_seq(seq)
+        request.is_aborted = True
+        return self._output(request, request.seqs)
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # --- the step ----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        sampled = self.model_runner.run(batch)
+        updated = self.scheduler.postprocess(batch, sampled)
+        self._account(len(updated))
+        return self._outputs(updated)
+
+    def _account(self, num_sampled: int) -> None:
+        self.num_steps += 1
+        self.num_generation_tokens += num_sampled
+        self.last_step_time = time.monotonic()
+        used = self.block_manager.num_blocks - self.block_manager.num_free_blocks
+        if used > self.peak_used_blocks:
+            self.peak_used_blocks = used
+            self.kv_waste_at_peak = self._kv_waste()
+
+    def _outputs(self, updated: list[Sequence]) -> list[RequestOutput]:
+        by_request: dict[str, list[Sequence]] = {}
+        for seq in updated:
+            by_request.setdefault(seq.request_id, []).append(seq)
+        outputs = []
+        for request_id, seqs in by_request.items():
+            request = self.requests[request_id]
+            request.seqs.extend(s for s in seqs if s not in request.seqs)
+            outputs.append(self._output(request, seqs))
+        return outputs
+
+    def _output(self, request: _Request, seqs: list[Sequence]) -> RequestOutput:
+        """A delta: what each of seqs produced since its last output."""
+        finished = request.is_finished
+        if finished:
+            del self.requests[request.request_id]
+        first = request.seqs[0]
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
+                             [self._delta(request, seq) for seq in sorted(seqs, key=lambda s: s.index)],
+                             finished, first.num_cached_tokens,
+                             {"arrival_time": request.arrival_time,
+                              "first_scheduled_time": first.first_scheduled_time or 0.0,
+                              "first_token_time": first.first_token_time or 0.0})
+
+    def _delta(self, request: _Request, seq: Sequence) -> CompletionOutput:
+        i = seq.index
+        sent_chars, sent_tokens = request.sent_chars.get(i, 0), request.sent_tokens.get(i, 0)
+        text = seq.detokenizer.text if seq.detokenizer else ""
+        readable = seq.detokenizer.readable_length(seq.is_finished) if seq.detokenizer else 0
+        request.sent_chars[i] = max(readable, sent_chars)
+        request.sent_tokens[i] = seq.num_output_tokens
+        logprobs = seq.output_logprobs[sent_tokens:] if seq.params.logprobs is not None else None
+        return CompletionOutput(i, text[sent_chars:readable], seq.output_token_ids[sent_tokens:],
+                                seq.finish_reason, seq.stop_reason, logprobs)
+
+    # --- figures -----------------------------------------------------------------------------------
+    def _kv_waste(self) -> float:
+        allocated, filled = self.block_manager.num_used_slots(self.scheduler.running)
+        return 1.0 - filled / allocated if allocated else 0.0
+
+    def stats(self) -> EngineStats:
+        bm, sched = self.block_manager, self.scheduler
+        return EngineStats(
+            num_running=len(sched.running), num_waiting=len(sched.waiting), num_swapped=len(sched.swapped),
+            num_total_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks,
+            kv_cache_usage=_live_usage(bm, sched), kv_waste=self._kv_waste(),
+            prefix_cache_queries=bm.num_prefix_queries, prefix_cache_hits=bm.num_prefix_hits,
+            num_preemptions=sched.num_preemptions, num_steps=self.num_steps,
+            num_prompt_tokens=self.num_prompt_tokens, num_generation_tokens=self.num_generation_tokens,
+            last_step_time=self.last_step_time, is_busy=sched.has_unfinished)
+
+
+def _live_usage(bm: BlockManager, sched: Scheduler) -> float:
+    """Blocks held by live sequences (cached free blocks do not count as used)."""
+    held = {b for seq in sched.running for b in seq.block_table}
+    return len(held) / bm.num_blocks if bm.num_blocks else 0.0
+
+
+def _eos_token_ids(model, tokenizer) -> frozenset[int]:
+    ids = set()
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+__all__ = ["LLMEngine", "SequenceStatus"]

@@ -1,0 +1,205 @@
+"""Load a local HF checkpoint, own the KV block pool, and run one packed forward per step."""
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine.attention import ATTN_IMPLEMENTATION, AttentionMetadata, PrefillSegment
+from engine.block_manager import BlockCopies
+from engine.config import EngineConfig, KVCacheLayout
+from engine.loader import ModelFiles
+from engine.sampler import Sampler, SampleRow
+from engine.scheduler import ScheduledSeq, SchedulerOutput
+from engine.sequence import SampledToken
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+GiB = 1 << 30
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' asked for, but CUDA is not available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, model_config: dict, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return TORCH_DTYPES[name]
+    dtype = TORCH_DTYPES.get(str(model_config.get("dtype") or model_config.get("torch_dtype")), torch.float32)
+    if dtype == torch.float16 and device.type == "cpu":
+        return torch.float32  # CPU half matmuls are slow and lossy
+    if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        return torch.float16
+    return dtype
+
+
+def device_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@dataclass
+class _Batch:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    metadata: AttentionMetadata
+    sample_indices: torch.Tensor  # [num_rows] rows of the packed batch whose logits are sampled
+    rows: list[SampleRow]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, files: ModelFiles) -> None:
+        if files.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"{files.path}: architecture {files.architecture} is not supported; "
+                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, files.config, self.device)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            files.path, dtype=self.dtype, attn_implementation=ATTN_IMPLEMENTATION, local_files_only=True,
+            use_safetensors=True, trust_remote_code=False).to(self.device).eval()
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.layout = self._plan_kv(files.config)
+        self.kv_caches = self._allocate(self.layout.num_blocks)
+        self.swap_caches = self._allocate(self.layout.num_swap_blocks, host=True)
+        self.sampler = Sampler()
+        logger.info("loaded %s (%s, %s): %.1f MiB weights, %d KV blocks of %d tokens (%.1f MiB), max_model_len %d",
+                    files.path.name, self.device, self.dtype, self.weight_bytes / 2**20, self.layout.num_blocks,
+                    self.layout.block_size, self.layout.total_bytes / 2**20, self.layout.max_model_len)
+
+    # --- KV pool -----------------------------------------------------------------------------------
+    def _plan_kv(self, model_config: dict) -> KVCacheLayout:
+        cfg = self.model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        block_size = self.config.block_size
+        if block_size == "auto":
+            block_size = 8 if device_memory(self.device) < 16 * GiB else 16
+        max_model_len = cfg.max_position_embeddings
+        if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
+            max_model_len = min(max_model_len, cfg.sliding_window)  # attention past the window is not masked
+        max_model_len = min(self.config.max_model_len or max_model_len, max_model_len)
+        dtype_bytes = torch.tensor([], dtype=self.dtype).element_size()
+        per_block = 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * head_dim * dtype_bytes
+        num_blocks = self._kv_budget() // per_block
+        if not self.config.kv_cache_memory:  # a derived budget: no more than the batch can ever hold, twice
+            num_blocks = min(num_blocks, 2 * self.config.max_num_seqs * math.ceil(max_model_len / block_size))
+        if num_blocks < math.ceil(max_model_len / block_size):
+            raise ValueError(f"KV budget holds {num_blocks} blocks of {block_size} tokens ({per_block} bytes each), "
+                             f"too few for one sequence of max_model_len {max_model_len}; raise kv_cache_memory "
+                             f"or lower max_model_len")
+        num_swap = int(self.config.swap_space * GiB) // per_block if self.config.preemption_mode == "swap" else 0
+        return KVCacheLayout(num_blocks, block_size, cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim,
+                             dtype_bytes, num_swap, max_model_len)
+
+    def _kv_budget(self) -> int:
+        """Bytes for the KV pool: as configured, else what the device has left after the weights."""
+        if self.config.kv_cache_memory:
+            return self.config.kv_cache_memory
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            activations = 2 * GiB  # headroom for the forward's activations and logits
+            return max(int(total * self.config.gpu_memory_utilization) - (total - free) - activations, 0)
+        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        return min(4 * GiB, available // 4)
+
+    def _allocate(self, num_blocks: int, host: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        lay = self.layout
+        shape = (num_blocks * lay.block_size, lay.num_kv_heads, lay.head_dim)
+        device = torch.device("cpu") if host else self.device
+        pin = host and self.device.type == "cuda"
+        return [tuple(torch.zeros(shape, dtype=self.dtype, device=device, pin_memory=pin) for _ in range(2))
+                for _ in range(lay.num_layers if num_blocks else 0)]
+
+    def copy_blocks(self, copies: BlockCopies) -> None:
+        """Swap out, swap in, then copy-on-write: all before this step's forward writes anything."""
+        for pairs, src_pool, dst_pool in ((copies.swap_out, self.kv_caches, self.swap_caches),
+                                          (copies.swap_in, self.swap_caches, self.kv_caches),
+                                          (copies.copy, self.kv_caches, self.kv_caches)):
+            if not pairs:
+                continue
+            src_slots = self._block_slots([s for s, _ in pairs], src_pool[0][0].device)
+            dst_slots = self._block_slots([d for _, d in pairs], dst_pool[0][0].device)
+            for (src_k, src_v), (dst_k, dst_v) in zip(src_pool, dst_pool, strict=True):
+                dst_k.index_copy_(0, dst_slots, src_k[src_slots.to(src_k.device)].to(dst_k.device))
+                dst_v.index_copy_(0, dst_slots, src_v[src_slots.to(src_v.device)].to(dst_v.device))
+
+    def _block_slots(self, block_ids: list[int], device: torch.device) -> torch.Tensor:
+        bs = self.layout.block_size
+        blocks = torch.tensor(block_ids, dtype=torch.long, device=device)
+        return (blocks[:, None] * bs + torch.arange(bs, device=device)).flatten()
+
+    # --- a step ------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, output: SchedulerOutput) -> dict[int, list[SampledToken]]:
+        """One forward over every scheduled token; returns seq_id -> sampled tokens."""
+        self.copy_blocks(output.copies)
+        if output.is_empty:
+            return {}
+        batch = self._prepare(output.scheduled)
+        hidden = self.model.model(input_ids=batch.input_ids[None], position_ids=batch.positions[None],
+                                  use_cache=False, paged_metadata=batch.metadata).last_hidden_state
+        if not batch.rows:
+            return {}
+        logits = self.model.lm_head(hidden[0, batch.sample_indices]).float()
+        return self.sampler(logits, batch.rows)
+
+    def _prepare(self, scheduled: list[ScheduledSeq]) -> _Batch:
+        # one new token after some context is decode-shaped, whether or not it ends a prefill
+        decodes = [s for s in scheduled if s.num_new_tokens == 1 and s.start > 0]
+        prefills = [s for s in scheduled if not (s.num_new_tokens == 1 and s.start > 0)]
+        ids, positions, slots, sample_at, rows, segments = [], [], [], [], [], []
+        bs = self.layout.block_size
+        for i, item in enumerate(decodes + prefills):
+            seq, start, end = item.seq, item.start, item.start + item.num_new_tokens
+            row = len(ids)
+            ids.extend(seq.token_id_at(p) for p in range(start, end))
+            positions.extend(range(start, end))
+            slots.extend(seq.block_table[p // bs] * bs + p % bs for p in range(start, end))
+            if i >= len(decodes):
+                segments.append((row, len(ids), item))
+            if item.num_samples:
+                sample_at.append(len(ids) - 1)
+                rows.append(SampleRow(seq, item.num_samples))
+        dev = self.device
+        meta = AttentionMetadata(self.kv_caches, torch.tensor(slots, dtype=torch.long, device=dev), len(decodes),
+                                 *self._decode_context(decodes),
+                                 [self._segment(r0, r1, item) for r0, r1, item in segments])
+        return _Batch(torch.tensor(ids, dtype=torch.long, device=dev),
+                      torch.tensor(positions, dtype=torch.long, device=dev), meta,
+                      torch.tensor(sample_at, dtype=torch.long, device=dev), rows)
+
+    def _context_slots(self, block_table: list[int], length: int) -> torch.Tensor:
+        return self._block_slots(block_table[:math.ceil(length / self.layout.block_size)], self.device)[:length]
+
+    def _decode_context(self, decodes: list[ScheduledSeq]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if not decodes:
+            return None, None
+        bs, dev = self.layout.block_size, self.device
+        lengths = torch.tensor([d.start + 1 for d in decodes], device=dev)
+        max_blocks = max(len(d.seq.block_table) for d in decodes)
+        tables = torch.tensor([d.seq.block_table + [0] * (max_blocks - len(d.seq.block_table)) for d in decodes],
+                              dtype=torch.long, device=dev)
+        max_len = int(lengths.max())
+        slots = (tables[:, :, None] * bs + torch.arange(bs, device=dev)).flatten(1)[:, :max_len]
+        mask = torch.arange(max_len, device=dev)[None, :] < lengths[:, None]
+        return slots, mask[:, None, None, :]
+
+    def _segment(self, row_start: int, row_end: int, item: ScheduledSeq) -> PrefillSegment:
+        if item.start == 0:
+            return PrefillSegment(row_start, row_end, None, None)
+        context_len = item.start + item.num_new_tokens
+        q_pos = torch.arange(item.start, context_len, device=self.device)
+        mask = torch.arange(context_len, device=self.device)[None, :] <= q_pos[:, None]
+        return PrefillSegment(row_start, row_end, self._context_slots(item.seq.block_table, context_len), mask)
