@@ -1,0 +1,146 @@
+import asyncio
+
+import pytest
+
+from resilience.deadline import progress_deadline
+from resilience.errors import DeadlineExceeded
+from tests.resilience.fakes import FakeClock
+
+TICK_S = 0.005  # real idle timeouts in these tests: a few ms
+
+
+class Source:
+    """A fake engine stream: yields `items`, then hangs or ends; records how it was closed."""
+
+    def __init__(self, items: list[int], hang: bool = False, clock: FakeClock | None = None,
+                 step_s: float = 0.0) -> None:
+        self.items, self.hang, self.clock, self.step_s = items, hang, clock, step_s
+        self.num_yielded = 0
+        self.closed_by: str | None = None
+
+    async def stream(self):
+        try:
+            for item in self.items:
+                if self.clock is not None:
+                    self.clock.advance(self.step_s)
+                self.num_yielded += 1
+                yield item
+            if self.hang:
+                await asyncio.Event().wait()
+        except (asyncio.CancelledError, GeneratorExit) as exc:
+            self.closed_by = type(exc).__name__  # where the engine would abort the request
+            raise
+        else:
+            self.closed_by = "end"
+
+
+async def collect(source, *args, **kwargs) -> list[int]:
+    return [item async for item in progress_deadline(source, *args, **kwargs)]
+
+
+async def test_passes_items_through_until_the_end():
+    source = Source([1, 2, 3])
+    assert await collect(source.stream(), 1.0) == [1, 2, 3]
+    assert source.closed_by == "end"
+
+
+async def test_no_first_token_in_time_aborts_the_stream():
+    source = Source([], hang=True)
+    with pytest.raises(DeadlineExceeded) as info:
+        await collect(source.stream(), TICK_S)
+    assert (info.value.stage, info.value.timeout_s) == ("first_token", TICK_S)
+    assert source.closed_by == "CancelledError"
+
+
+async def test_stall_between_tokens_keeps_what_was_streamed():
+    source = Source([7, 8], hang=True)
+    received = []
+    with pytest.raises(DeadlineExceeded) as info:
+        async for item in progress_deadline(source.stream(), TICK_S):
+            received.append(item)
+    assert (received, info.value.stage) == ([7, 8], "between_tokens")
+    assert source.closed_by == "CancelledError"
+
+
+async def test_total_deadline_on_the_fake_clock(clock):
+    # every item takes 4 s of fake time: the third lands at +12 s, past the 10 s deadline
+    source = Source(list(range(100)), clock=clock, step_s=4.0)
+    received = []
+    with pytest.raises(DeadlineExceeded) as info:
+        async for item in progress_deadline(source.stream(), 5.0, clock.now + 10.0, clock=clock):
+            received.append(item)
+    assert (received, info.value.stage) == ([0, 1, 2], "total")
+    assert source.closed_by == "GeneratorExit"
+
+
+async def test_total_deadline_closer_than_idle_timeout_blames_total(clock):
+    source = Source([], hang=True)
+    with pytest.raises(DeadlineExceeded) as info:
+        await collect(source.stream(), 10.0, clock.now + TICK_S, clock=clock)
+    assert (info.value.stage, info.value.timeout_s) == ("total", pytest.approx(TICK_S))
+    assert source.closed_by == "CancelledError"
+
+
+async def test_deadline_already_past_never_waits(clock):
+    source = Source([1], hang=True)
+    with pytest.raises(DeadlineExceeded) as info:
+        await collect(source.stream(), 10.0, clock.now, clock=clock)
+    assert info.value.stage == "total"
+    assert source.num_yielded == 0
+
+
+async def test_source_timeout_error_is_not_a_deadline():
+    async def failing():
+        yield 1
+        raise TimeoutError("engine's own")
+
+    with pytest.raises(TimeoutError) as info:
+        await collect(failing(), 1.0)
+    assert not isinstance(info.value, DeadlineExceeded)
+
+
+async def test_consumer_leaving_early_closes_the_source():
+    source = Source([1, 2, 3], hang=True)
+    wrapped = progress_deadline(source.stream(), 1.0)
+    assert await anext(wrapped) == 1
+    await wrapped.aclose()
+    assert source.closed_by == "GeneratorExit"
+
+
+async def test_consumer_cancelled_while_waiting_closes_the_source():
+    source = Source([1], hang=True)
+    task = asyncio.create_task(collect(source.stream(), 1.0))
+    await asyncio.sleep(TICK_S)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert source.closed_by == "CancelledError"
+
+
+async def test_plain_async_iterator_without_aclose():
+    class Countdown:
+        def __init__(self) -> None:
+            self.n = 3
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self) -> int:
+            if self.n == 0:
+                raise StopAsyncIteration
+            self.n -= 1
+            return self.n
+
+    assert await collect(Countdown(), 1.0) == [2, 1, 0]
+
+
+@pytest.mark.parametrize("idle_timeout_s", [0.0, -1.0])
+async def test_rejects_non_positive_idle_timeout(idle_timeout_s):
+    with pytest.raises(ValueError):
+        await collect(Source([1]).stream(), idle_timeout_s)
+
+
+def test_deadline_exceeded_checks_its_stage():
+    with pytest.raises(ValueError):
+        DeadlineExceeded("prefill", 1.0)
+    assert isinstance(DeadlineExceeded("total", 1.0), TimeoutError)
