@@ -1,0 +1,104 @@
+import asyncio
+
+import pytest
+
+from engine.errors import RequestRejectedError
+from resilience.admission import Bulkhead, BulkheadConfig
+from resilience.errors import AdmissionRejected
+
+
+def make(clock, **kwargs) -> Bulkhead:
+    return Bulkhead("small", BulkheadConfig(**kwargs), clock=clock)
+
+
+@pytest.mark.parametrize("kwargs", [{"max_num_requests": 0}, {"max_num_tokens": 0},
+                                    {"min_retry_after_s": 0.0}, {"min_retry_after_s": 5.0, "max_retry_after_s": 2.0}])
+def test_config_rejects_bad_values(kwargs):
+    with pytest.raises(ValueError):
+        BulkheadConfig(**kwargs)
+
+
+def test_request_cap_refuses_at_once_and_release_makes_room(clock):
+    bulkhead = make(clock, max_num_requests=2, max_num_tokens=100)
+    first, _second = bulkhead.try_acquire(10), bulkhead.try_acquire(10)
+    assert not bulkhead.can_acquire(1)
+    with pytest.raises(AdmissionRejected) as info:
+        bulkhead.try_acquire(1)
+    assert (info.value.model, info.value.reason) == ("small", "2 of 2 requests admitted")
+    assert info.value.retry_after_s == 1.0
+    first.release()
+    assert bulkhead.can_acquire(1)
+    assert (bulkhead.num_requests, bulkhead.num_tokens, bulkhead.num_rejected) == (1, 10, 1)
+
+
+def test_token_cap_counts_prompt_and_max_tokens(clock):
+    bulkhead = make(clock, max_num_requests=10, max_num_tokens=100)
+    bulkhead.try_acquire(60)
+    with pytest.raises(AdmissionRejected, match="60 \\+ 50 tokens exceed 100"):
+        bulkhead.try_acquire(50)
+    bulkhead.try_acquire(40)
+    assert (bulkhead.num_requests, bulkhead.num_tokens) == (2, 100)
+
+
+def test_request_larger_than_the_bulkhead_is_a_request_error(clock):
+    bulkhead = make(clock, max_num_tokens=100)
+    with pytest.raises(RequestRejectedError):
+        bulkhead.try_acquire(101)
+    with pytest.raises(ValueError):
+        bulkhead.try_acquire(-1)
+    assert bulkhead.num_rejected == 0
+
+
+def test_release_is_idempotent(clock):
+    bulkhead = make(clock, max_num_requests=2, max_num_tokens=100)
+    permit = bulkhead.try_acquire(30)
+    bulkhead.try_acquire(20)
+    permit.release()
+    permit.release()
+    with permit:
+        pass
+    assert (permit.is_released, bulkhead.num_requests, bulkhead.num_tokens) == (True, 1, 20)
+
+
+async def test_async_with_releases_on_error(clock):
+    bulkhead = make(clock, max_num_requests=1)
+    with pytest.raises(RuntimeError):
+        async with bulkhead.try_acquire(5):
+            assert bulkhead.num_requests == 1
+            raise RuntimeError("engine died")
+    assert (bulkhead.num_requests, bulkhead.num_tokens) == (0, 0)
+
+
+async def test_releases_when_the_request_is_cancelled(clock):
+    bulkhead = make(clock, max_num_requests=1)
+    holding = asyncio.Event()
+
+    async def handler() -> None:
+        async with bulkhead.try_acquire(5):
+            holding.set()
+            await asyncio.Event().wait()  # a stream the client walks away from
+
+    task = asyncio.create_task(handler())
+    await holding.wait()
+    assert not bulkhead.can_acquire(5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert (bulkhead.num_requests, bulkhead.num_tokens) == (0, 0)
+
+
+def test_retry_after_follows_hold_times_within_bounds(clock):
+    bulkhead = make(clock, max_num_requests=1, min_retry_after_s=1.0, max_retry_after_s=30.0)
+    for hold_s, expected in [(4.0, 4.0), (4.0, 4.0), (14.0, 6.0), (0.0, 4.8)]:
+        permit = bulkhead.try_acquire(1)
+        clock.advance(hold_s)
+        permit.release()
+        assert bulkhead.retry_after_s() == pytest.approx(expected)
+    for _ in range(50):
+        with bulkhead.try_acquire(1):
+            clock.advance(100.0)
+    assert bulkhead.retry_after_s() == 30.0
+    for _ in range(50):
+        with bulkhead.try_acquire(1):
+            pass
+    assert bulkhead.retry_after_s() == 1.0
