@@ -1,0 +1,69 @@
+"""The outermost middleware: a request id on every request (X-Request-Id echoed, or made), one log
+line per request, and the HTTP request counter by route and status."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+import uuid
+
+from aiohttp import web
+
+from service.keys import METRICS_KEY, RECORD_KEY, REQUEST_ID_KEY
+from service.state import RequestRecord
+
+logger = logging.getLogger("service.access")
+
+_CLEAN_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+CLIENT_CLOSED = 499  # nginx's code for "client closed the request": only in logs and metrics
+QUIET_PATHS = ("/metrics", "/health")  # probes and scrapes log at DEBUG
+
+
+@web.middleware
+async def access_middleware(request: web.Request, handler) -> web.StreamResponse:
+    request_id = request_id_of(request)
+    request[REQUEST_ID_KEY] = request_id
+    record = RequestRecord()
+    request[RECORD_KEY] = record
+    status = 500
+    try:
+        response = await handler(request)
+        status = response.status
+        if not response.prepared:
+            response.headers["X-Request-Id"] = request_id
+        return response
+    except web.HTTPException as exc:
+        status = exc.status
+        raise
+    except asyncio.CancelledError:
+        status, record.note = CLIENT_CLOSED, record.note or "client_gone"
+        raise
+    finally:
+        request.app[METRICS_KEY].observe_http(request.method, route_of(request), status)
+        _log(request, request_id, status, record)
+
+
+def request_id_of(request: web.Request) -> str:
+    given = request.headers.get("X-Request-Id", "")
+    return given if _CLEAN_ID.match(given) else uuid.uuid4().hex
+
+
+def route_of(request: web.Request) -> str:
+    """The route's pattern, never the raw path, so the metric's label set stays bounded."""
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "unmatched"
+
+
+def _log(request: web.Request, request_id: str, status: int, record: RequestRecord) -> None:
+    total = time.monotonic() - record.start
+    quiet = request.path.startswith(QUIET_PATHS) and status < 400
+    level = logging.DEBUG if quiet else logging.INFO
+    if not logger.isEnabledFor(level):
+        return
+    ttft = f"{record.ttft:.3f}" if record.ttft is not None else "-"
+    logger.log(level, "request_id=%s %s %s status=%s model=%s served_model=%s prompt_tokens=%d "
+               "completion_tokens=%d ttft_s=%s total_s=%.3f%s", request_id, request.method, request.path, status,
+               record.model or "-", record.served_model or "-", record.prompt_tokens, record.completion_tokens,
+               ttft, total, f" note={record.note}" if record.note else "")

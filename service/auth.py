@@ -1,0 +1,71 @@
+"""Bearer keys: API keys guard /v1/*, a separate admin key guards /admin/*; /health* stays open.
+
+Keys are kept only as sha256 digests and compared with `hmac.compare_digest` against every known
+digest (no early exit), so neither the time taken nor a log line says anything about a key."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+from aiohttp import web
+
+from service.errors import AuthenticationError, PermissionDeniedError
+
+
+class KeyRing:
+    """A set of accepted keys; `matches` takes the same time whichever key (if any) matches."""
+
+    def __init__(self, keys: tuple[str, ...] | list[str]) -> None:
+        self._digests = tuple(_digest(k) for k in keys)
+
+    def __bool__(self) -> bool:
+        return bool(self._digests)
+
+    def __repr__(self) -> str:
+        return f"KeyRing({len(self._digests)} keys)"
+
+    def matches(self, key: str) -> bool:
+        presented = _digest(key)
+        found = False
+        for digest in self._digests:
+            found |= hmac.compare_digest(presented, digest)
+        return found
+
+
+def auth_middleware(api_keys: KeyRing, admin_keys: KeyRing, auth_metrics: bool = False):
+    """/v1/* needs an API key when any is configured; /admin/* always needs the admin key
+    (closed when none is configured); /metrics needs an API key only with `auth_metrics`."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler) -> web.StreamResponse:
+        path = request.path
+        if path == "/admin" or path.startswith("/admin/"):
+            if not admin_keys:
+                raise PermissionDeniedError("the admin API is disabled: start the server with --admin-key")
+            _require(request, admin_keys, "admin key")
+        elif (path.startswith("/v1/") or path == "/v1" or (auth_metrics and path == "/metrics")) and api_keys:
+            _require(request, api_keys, "API key")
+        return await handler(request)
+
+    return middleware
+
+
+def bearer_token(request: web.Request) -> str | None:
+    header = request.headers.get("Authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+def _require(request: web.Request, keys: KeyRing, what: str) -> None:
+    token = bearer_token(request)
+    if token is None:
+        raise AuthenticationError(f"missing {what}: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+    if not keys.matches(token):
+        raise AuthenticationError(f"invalid {what}", code="invalid_api_key")
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()

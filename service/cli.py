@@ -1,0 +1,245 @@
+"""`pagedserve serve` (also `python -m service`) and `pagedserve generate`.
+
+Options are parsed once, here, into a frozen `ServerConfig`. Precedence: flags, then environment
+variables (MODEL, PORT, HOST, MAX_GPU_MEMORY_UTILIZATION, API_KEY, ADMIN_KEY, as in the common vLLM
+Docker usage), then the TOML file of --config, then the defaults (the shipped models: the coder-small
+primary with coder-tiny as its fallback, on 127.0.0.1:8000). Engine flags apply to every model."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from service.config import (
+    DEFAULT_FALLBACK,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MODEL,
+    ENGINE_OPTIONS,
+    ConfigError,
+    ModelSpec,
+    ServerConfig,
+    default_name,
+    engine_config,
+    load_toml,
+    parse_size,
+)
+
+logger = logging.getLogger("service")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command is None:
+        build_parser().print_help()
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "generate":
+        return generate(args)
+    try:
+        config = build_config(args, os.environ)
+        check_model_dirs(config)
+    except ConfigError as exc:
+        print(f"pagedserve: {exc}", file=sys.stderr)
+        return 2
+    return asyncio.run(serve(config))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedserve", description="pagedserve: a resilient LLM serving stack")
+    sub = parser.add_subparsers(dest="command", metavar="{serve,generate}")
+    serve_p = sub.add_parser("serve", help="serve models over an OpenAI-compatible HTTP API")
+    _add_server_options(serve_p)
+    _add_engine_options(serve_p)
+    gen_p = sub.add_parser("generate", help="complete one prompt offline (engine.LLM) and print it")
+    gen_p.add_argument("prompt")
+    gen_p.add_argument("--model", default=str(DEFAULT_MODEL), help="model directory (default: %(default)s)")
+    gen_p.add_argument("--max-tokens", type=int, default=64)
+    gen_p.add_argument("--temperature", type=float, default=0.0)
+    gen_p.add_argument("--seed", type=int)
+    _add_engine_options(gen_p)
+    for p in (serve_p, gen_p):
+        p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return parser
+
+
+def _add_server_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML file: server options and [[models]] tables")
+    p.add_argument("--model", action="append", help="model directory (repeatable; the first is the primary)")
+    p.add_argument("--served-model-name", action="append",
+                   help="name clients use for the --model at the same position (default: directory name)")
+    p.add_argument("--fallback", help="model directory the primary degrades to (served too)")
+    p.add_argument("--host", help="default 127.0.0.1 (env HOST)")
+    p.add_argument("--port", type=int, help="default 8000 (env PORT)")
+    p.add_argument("--api-key", action="append", help="accepted Bearer key for /v1/* (repeatable; env API_KEY)")
+    p.add_argument("--admin-key", help="Bearer key for /admin/* (env ADMIN_KEY)")
+    p.add_argument("--max-body-bytes", type=parse_size, help=f"default {DEFAULT_MAX_BODY_BYTES} (4 MiB)")
+    p.add_argument("--auth-metrics", action="store_true", default=None, help="/metrics needs an API key too")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false", default=None,
+                   help="skip the one-token warm-up generation before turning ready")
+    p.add_argument("--shutdown-timeout", type=float, help="seconds in-flight requests may finish (default 10)")
+
+
+def _add_engine_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine options (applied to every model)")
+    g.add_argument("--dtype", help="auto | float32 | bfloat16 | float16")
+    g.add_argument("--device", help="auto | cpu | cuda")
+    g.add_argument("--block-size", type=_int_or_auto, help="tokens per KV block, or auto")
+    g.add_argument("--kv-cache-memory", type=parse_size, help="KV pool bytes, e.g. 64MiB")
+    g.add_argument("--gpu-memory-utilization", type=float, help="env MAX_GPU_MEMORY_UTILIZATION")
+    g.add_argument("--max-num-seqs", type=int)
+    g.add_argument("--max-num-batched-tokens", type=int)
+    g.add_argument("--max-model-len", type=int)
+    g.add_argument("--max-num-waiting", type=int, help="waiting-queue bound; beyond it 429")
+    g.add_argument("--scheduler-policy", help="fcfs | priority | hybrid")
+    g.add_argument("--preemption-mode", help="recompute | swap")
+    g.add_argument("--swap-space", type=float, help="GiB of host memory for swapped-out blocks")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--engine-seed", dest="seed_engine", type=int, help="seed for requests without one")
+    g.add_argument("--num-threads", type=int, help="torch threads on CPU")
+
+
+def _int_or_auto(value: str) -> int | str:
+    return value if value == "auto" else int(value)
+
+
+def engine_options(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str, Any]:
+    names = ("dtype", "device", "block_size", "kv_cache_memory", "gpu_memory_utilization", "max_num_seqs",
+             "max_num_batched_tokens", "max_model_len", "max_num_waiting", "scheduler_policy", "preemption_mode",
+             "swap_space", "enable_prefix_caching", "num_threads")
+    options = {n: getattr(args, n, None) for n in names}
+    options["seed"] = getattr(args, "seed_engine", None)
+    if options["gpu_memory_utilization"] is None and env.get("MAX_GPU_MEMORY_UTILIZATION"):
+        options["gpu_memory_utilization"] = _env_number(env, "MAX_GPU_MEMORY_UTILIZATION", float)
+    return {k: v for k, v in options.items() if v is not None}
+
+
+def build_config(args: argparse.Namespace, env: Mapping[str, str]) -> ServerConfig:
+    """Flags > environment > --config file > defaults."""
+    base = load_toml(args.config) if args.config else {}
+    options = engine_options(args, env)
+    models = _cli_models(args, env, options)
+    if models is None:
+        models = tuple(ModelSpec(m.name, engine_config(m.engine.model, {**_engine_fields(m), **options}),
+                                 m.fallback) for m in base.get("models", ()))
+    if not models:
+        models = _models_from_dirs([str(DEFAULT_MODEL)], [], str(DEFAULT_FALLBACK), options)
+    api_keys = args.api_key or ([env["API_KEY"]] if env.get("API_KEY") else None)
+    overrides = {
+        "host": args.host or env.get("HOST") or None,
+        "port": args.port if args.port is not None else _env_number(env, "PORT", int),
+        "api_keys": tuple(api_keys) if api_keys else None,
+        "admin_key": args.admin_key or env.get("ADMIN_KEY") or None,
+        "max_body_bytes": args.max_body_bytes, "auth_metrics": args.auth_metrics, "warmup": args.warmup,
+        "shutdown_timeout": args.shutdown_timeout,
+    }
+    merged = {**base, **{k: v for k, v in overrides.items() if v is not None}, "models": models}
+    try:
+        return ServerConfig(**merged)
+    except TypeError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
+def _cli_models(args: argparse.Namespace, env: Mapping[str, str],
+                options: dict[str, Any]) -> tuple[ModelSpec, ...] | None:
+    dirs = args.model or ([env["MODEL"]] if env.get("MODEL") else None)
+    if dirs is None:
+        if args.fallback or args.served_model_name:
+            raise ConfigError("--fallback and --served-model-name need --model")
+        return None
+    return _models_from_dirs(dirs, args.served_model_name or [], args.fallback, options)
+
+
+def _models_from_dirs(dirs: list[str], names: list[str], fallback: str | None,
+                      options: dict[str, Any]) -> tuple[ModelSpec, ...]:
+    if len(names) > len(dirs):
+        raise ConfigError(f"{len(names)} --served-model-name for {len(dirs)} --model")
+    names = names + [default_name(d) for d in dirs[len(names):]]
+    fallback_name = None
+    if fallback is not None:
+        known = {os.path.realpath(d): n for d, n in zip(dirs, names, strict=True)}
+        fallback_name = known.get(os.path.realpath(fallback)) or default_name(fallback)
+        if os.path.realpath(fallback) not in known:
+            dirs, names = [*dirs, fallback], [*names, fallback_name]
+    specs = [ModelSpec(name, engine_config(d, options), fallback_name if i == 0 else None)
+             for i, (d, name) in enumerate(zip(dirs, names, strict=True))]
+    return tuple(specs)
+
+
+def _engine_fields(spec: ModelSpec) -> dict[str, Any]:
+    return {k: getattr(spec.engine, k) for k in ENGINE_OPTIONS}
+
+
+def _env_number(env: Mapping[str, str], name: str, kind: type) -> Any:
+    value = env.get(name)
+    if not value:
+        return None
+    try:
+        return kind(value)
+    except ValueError as exc:
+        raise ConfigError(f"environment variable {name} must be a number, got {value!r}") from exc
+
+
+def check_model_dirs(config: ServerConfig) -> None:
+    """Fail before the port opens when a model directory is missing or incomplete."""
+    from engine.errors import ModelValidationError
+    from engine.loader import validate_model_dir
+
+    for spec in config.models:
+        try:
+            validate_model_dir(spec.engine.model)
+        except ModelValidationError as exc:
+            raise ConfigError(f"model {spec.name!r}: {exc}") from exc
+
+
+async def serve(config: ServerConfig) -> int:
+    """Serve until SIGINT/SIGTERM (exit 0) or until a model fails to load (exit 1)."""
+    from aiohttp import web
+
+    from service.app import create_app
+    from service.keys import STATE_KEY
+
+    app = create_app(config)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=config.shutdown_timeout + 5)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, config.host, config.port)
+        await site.start()
+        logger.info("pagedserve listening on http://%s:%d (models: %s)", config.host, config.port,
+                    ", ".join(config.model_names))
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        fatal = app[STATE_KEY].fatal
+        waiters = [asyncio.create_task(stop.wait()), asyncio.create_task(fatal.wait())]
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        for waiter in waiters:
+            waiter.cancel()
+        logger.info("shutting down")
+    finally:
+        await runner.cleanup()
+    return 1 if app[STATE_KEY].fatal.is_set() else 0
+
+
+def generate(args: argparse.Namespace) -> int:
+    from engine import LLM
+    from engine.sampling_params import SamplingParams
+
+    options = engine_options(args, os.environ)
+    try:
+        engine_config(args.model, options)  # the same checks and messages as the server
+        llm = LLM(model=args.model, **options)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    except (ConfigError, ValueError) as exc:
+        print(f"pagedserve: {exc}", file=sys.stderr)
+        return 2
+    outputs = llm.generate([args.prompt], params, use_tqdm=False)
+    print(outputs[0].outputs[0].text)
+    return 0

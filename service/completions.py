@@ -1,0 +1,232 @@
+"""POST /v1/completions and POST /v1/chat/completions: one JSON body, or SSE when `stream` is true.
+
+For a stream the response is prepared only once the first output arrived: until then an error is
+still a plain JSON error with its status, and the headers can say which model served."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from engine.outputs import CompletionOutput
+from service import protocol
+from service.errors import InvalidRequestError, UnavailableError, classify, error_body
+from service.generation import Generation
+from service.keys import RECORD_KEY, REQUEST_ID_KEY
+from service.router import RoutedOutput
+from service.schemas import parse_chat, parse_completion
+from service.sse import EventStream
+
+logger = logging.getLogger(__name__)
+
+
+async def create_completion(request: web.Request) -> web.StreamResponse:
+    parsed = parse_completion(await read_json(request))
+    gen = Generation(request, "cmpl", parsed.model, parsed.params, parsed.priority)
+    await gen.check_prompts(parsed.prompts)
+    fmt = CompletionFormat(parsed.params.n, parsed.params.logprobs)
+    if parsed.stream:
+        return await stream(request, gen, fmt, parsed.include_usage)
+    return await collect(gen, fmt)
+
+
+async def create_chat_completion(request: web.Request) -> web.StreamResponse:
+    parsed = parse_chat(await read_json(request))
+    gen = Generation(request, "chatcmpl", parsed.model, parsed.params, parsed.priority)
+    await gen.check_chat(parsed.messages)
+    fmt = ChatFormat(parsed.params.n, parsed.params.logprobs)
+    if parsed.stream:
+        return await stream(request, gen, fmt, parsed.include_usage)
+    return await collect(gen, fmt)
+
+
+async def read_json(request: web.Request) -> Any:
+    raw = await request.read()  # over client_max_size: HTTPRequestEntityTooLarge -> 413
+    if not raw:
+        raise InvalidRequestError("the request body is empty; send a JSON object")
+    try:
+        return json.loads(raw, parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from exc
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+async def collect(gen: Generation, fmt: _Format) -> web.Response:
+    served: RoutedOutput | None = None
+    async with contextlib.aclosing(gen.outputs()) as outputs:
+        async for index, routed in outputs:
+            served = served or routed
+            fmt.accumulate(index, routed.output, gen.token_text(routed.served_model))
+    model = served.served_model if served else gen.model
+    record = gen.record
+    body = fmt.body(gen.id, gen.created, model, protocol.usage(record.prompt_tokens, record.completion_tokens))
+    return web.json_response(body, headers=gen.headers(served), dumps=_dumps)
+
+
+async def stream(request: web.Request, gen: Generation, fmt: _Format, include_usage: bool) -> web.StreamResponse:
+    events: EventStream | None = None
+    model = gen.model
+    try:
+        async with contextlib.aclosing(gen.outputs()) as outputs:
+            async for index, routed in outputs:
+                if events is None:
+                    model = routed.served_model
+                    events = await _open(request, gen, routed)
+                chunks = fmt.stream(index, routed.output, gen.token_text(routed.served_model))
+                await events.send_many([protocol.chunk(fmt.chunk_kind, gen.id, gen.created, model, c)
+                                        for c in chunks])
+        events = events or await _open(request, gen, None)
+        if include_usage:
+            record = gen.record
+            await events.send(protocol.chunk(fmt.chunk_kind, gen.id, gen.created, model, [],
+                                             protocol.usage(record.prompt_tokens, record.completion_tokens)))
+        await events.close()
+    except ConnectionResetError:
+        if events is None:
+            raise
+        request[RECORD_KEY].note = "client_gone"  # the iterators are closed: engine requests aborted
+    except asyncio.CancelledError:
+        # the client went away (handler_cancellation), or shutdown ran out of drain time: then the
+        # client is still there and gets a proper end instead of a cut connection
+        if events is not None and gen.state.is_draining:
+            await _send_error(request, events, UnavailableError("the server is shutting down", code="draining"))
+        raise
+    except Exception as exc:
+        if events is None:
+            raise  # nothing sent yet: the error middleware answers with the right status
+        await _send_error(request, events, exc)
+    return events.response
+
+
+async def _open(request: web.Request, gen: Generation, routed: RoutedOutput | None) -> EventStream:
+    events = EventStream(gen.headers(routed))
+    await events.open(request)
+    return events
+
+
+async def _send_error(request: web.Request, events: EventStream, exc: Exception) -> None:
+    """After bytes were streamed the status cannot change: an error event, then [DONE]."""
+    status, message, param, code, _ = classify(exc)
+    request_id = request[REQUEST_ID_KEY]
+    request[RECORD_KEY].note = f"error_{status}"
+    if status >= 500:
+        logger.error("request_id=%s error mid-stream: %r", request_id, exc, exc_info=exc)
+        message = f"{message}; request id {request_id}" if status == 500 else message
+    with contextlib.suppress(ConnectionResetError):
+        await events.send(error_body(status, message, param, code))
+        await events.close()
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False)
+
+
+@dataclass
+class _Choice:
+    text: list[str] = field(default_factory=list)
+    logprobs: dict[str, list] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    offset: int = 0  # completions text_offset: chars of token text so far
+    is_started: bool = False  # chat stream: the role delta was sent
+
+
+class _Format:
+    """What differs between completions and chat: choice shapes and logprob shapes."""
+
+    chunk_kind = ""
+
+    def __init__(self, n: int, logprobs: int | None) -> None:
+        self.n = n
+        self.top_n = logprobs  # None: no logprobs asked for
+        self.choices: dict[int, _Choice] = defaultdict(_Choice)
+
+    def accumulate(self, prompt_index: int, output: Any, token_text: Any) -> None:
+        for out in output.outputs:
+            choice = self.choices[prompt_index * self.n + out.index]
+            choice.text.append(out.text)
+            choice.logprobs = self._merge(choice.logprobs, self._logprobs(out, choice, token_text))
+            if out.finish_reason:
+                choice.finish_reason, choice.stop_reason = out.finish_reason, out.stop_reason
+
+    def body(self, completion_id: str, created: int, model: str, usage: dict) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def stream(self, prompt_index: int, output: Any, token_text: Any) -> list[list[dict]]:
+        """The `choices` list of each chunk this output delta makes (one choice per chunk)."""
+        raise NotImplementedError
+
+    def _logprobs(self, out: CompletionOutput, choice: _Choice, token_text: Any) -> dict | None:
+        raise NotImplementedError
+
+    @staticmethod
+    def _merge(into: dict[str, list] | None, more: dict[str, list] | None) -> dict[str, list] | None:
+        return into if more is None else protocol.merge_completion_logprobs(into, more)
+
+    def _sorted(self) -> list[tuple[int, _Choice]]:
+        return sorted(self.choices.items())
+
+
+class CompletionFormat(_Format):
+    chunk_kind = "text_completion"
+
+    def body(self, completion_id: str, created: int, model: str, usage: dict) -> dict[str, Any]:
+        choices = [protocol.completion_choice(i, "".join(c.text), c.logprobs, c.finish_reason, c.stop_reason)
+                   for i, c in self._sorted()]
+        return protocol.completion_body(completion_id, created, model, choices, usage)
+
+    def stream(self, prompt_index: int, output: Any, token_text: Any) -> list[list[dict]]:
+        chunks = []
+        for out in output.outputs:
+            index = prompt_index * self.n + out.index
+            logprobs = self._logprobs(out, self.choices[index], token_text)
+            if out.text or out.finish_reason or logprobs:
+                chunks.append([protocol.completion_choice(index, out.text, logprobs, out.finish_reason,
+                                                          out.stop_reason)])
+        return chunks
+
+    def _logprobs(self, out: CompletionOutput, choice: _Choice, token_text: Any) -> dict | None:
+        if self.top_n is None or not out.logprobs:
+            return None
+        logprobs = protocol.completion_logprobs(out.token_ids, out.logprobs, token_text, self.top_n, choice.offset)
+        choice.offset += sum(len(t) for t in logprobs["tokens"])
+        return logprobs
+
+
+class ChatFormat(_Format):
+    chunk_kind = "chat.completion.chunk"
+
+    def body(self, completion_id: str, created: int, model: str, usage: dict) -> dict[str, Any]:
+        choices = [protocol.chat_choice(i, "".join(c.text), c.logprobs, c.finish_reason, c.stop_reason)
+                   for i, c in self._sorted()]
+        return protocol.chat_body(completion_id, created, model, choices, usage)
+
+    def stream(self, prompt_index: int, output: Any, token_text: Any) -> list[list[dict]]:
+        chunks = []
+        for out in output.outputs:
+            index = prompt_index * self.n + out.index
+            choice = self.choices[index]
+            if not choice.is_started:
+                choice.is_started = True
+                chunks.append([protocol.chat_chunk_choice(index, {"role": "assistant", "content": ""}, None, None)])
+            logprobs = self._logprobs(out, choice, token_text)
+            if out.text or out.finish_reason or logprobs:
+                delta = {"content": out.text} if out.text or logprobs else {}
+                chunks.append([protocol.chat_chunk_choice(index, delta, logprobs, out.finish_reason,
+                                                          out.stop_reason)])
+        return chunks
+
+    def _logprobs(self, out: CompletionOutput, choice: _Choice, token_text: Any) -> dict | None:
+        if self.top_n is None or not out.logprobs:
+            return None
+        return protocol.chat_logprobs(out.token_ids, out.logprobs, token_text, self.top_n)

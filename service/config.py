@@ -1,0 +1,160 @@
+"""The server's configuration: frozen dataclasses that validate themselves, built once at the edge
+(the CLI) from flags, environment variables and an optional TOML file."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.config import EngineConfig
+
+# the shipped defaults live beside the packages: <repo>/models/
+MODELS_ROOT = Path(__file__).resolve().parents[1] / "models"
+DEFAULT_MODEL = MODELS_ROOT / "pagedserve-coder-small"
+DEFAULT_FALLBACK = MODELS_ROOT / "pagedserve-coder-tiny"
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name != "model")
+SERVER_OPTIONS = ("host", "port", "api_keys", "admin_key", "max_body_bytes", "auth_metrics", "warmup",
+                  "shutdown_timeout", "models")
+MODEL_OPTIONS = ("path", "name", "fallback", *ENGINE_OPTIONS)
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
+          "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20, "gi": 2**30, "gib": 2**30, "ti": 2**40, "tib": 2**40}
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be served; the message names the option."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str  # the served model name: what clients put in "model"
+    engine: EngineConfig
+    fallback: str | None = None  # served name of the model to degrade to
+
+    def __post_init__(self) -> None:
+        _check(bool(self.name) and self.name.strip() == self.name,
+               f"served model name must be non-empty without surrounding spaces, got {self.name!r}")
+        _check(self.fallback != self.name, f"model {self.name!r} cannot be its own fallback")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    models: tuple[ModelSpec, ...]  # configuration order, the primary first
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty: /v1/* is open
+    admin_key: str | None = field(default=None, repr=False)  # None: /admin/* is closed
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    auth_metrics: bool = False  # /metrics needs an API key too
+    warmup: bool = True  # one tiny generation per model before /health/ready says 200
+    shutdown_timeout: float = 10.0  # seconds in-flight requests may take to finish on shutdown
+    retry_after_overload: int = 1  # seconds, on 429
+    retry_after_unavailable: int = 5  # seconds, on 503
+
+    def __post_init__(self) -> None:
+        names = [m.name for m in self.models]
+        _check(len(names) >= 1, "at least one model must be served")
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        _check(not dupes, f"served model names must be unique, repeated: {dupes}")
+        for spec in self.models:
+            _check(spec.fallback is None or spec.fallback in names,
+                   f"model {spec.name!r} falls back to {spec.fallback!r}, which is not served (served: {names})")
+        _check_no_fallback_cycle(self.models)
+        _check(0 <= self.port <= 65535, f"port must be in 0..65535, got {self.port}")
+        _check(self.max_body_bytes >= 1024, f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
+        _check(all(isinstance(k, str) and k for k in self.api_keys), "API keys must be non-empty strings")
+        _check(self.admin_key is None or bool(self.admin_key), "the admin key must be a non-empty string")
+        _check(self.shutdown_timeout >= 0, f"shutdown_timeout must be non-negative, got {self.shutdown_timeout}")
+
+    @property
+    def model_names(self) -> list[str]:
+        return [m.name for m in self.models]
+
+    def model(self, name: str) -> ModelSpec | None:
+        return next((m for m in self.models if m.name == name), None)
+
+
+def parse_size(value: str | int | float) -> int:
+    """Bytes from `1048576`, `"512MiB"`, `"1.5GB"`, `"64m"` (k/m/g/t: powers of 1000, ki/mi/gi: of 1024)."""
+    if isinstance(value, bool):
+        raise ConfigError(f"a size must be bytes or a string like '512MiB', got {value!r}")
+    if isinstance(value, int | float):
+        return int(value)
+    match = _SIZE.match(str(value))
+    if not match:
+        raise ConfigError(f"a size must be bytes or a string like '512MiB', got {value!r}")
+    number, unit = match.groups()
+    return int(float(number) * _UNITS[(unit or "").lower()])
+
+
+def engine_config(path: str | Path, options: dict[str, Any]) -> EngineConfig:
+    """An `EngineConfig` for one model; `ValueError`s of the engine become `ConfigError`s."""
+    options = {k: v for k, v in options.items() if v is not None}
+    unknown = sorted(set(options) - set(ENGINE_OPTIONS))
+    _check(not unknown, f"unknown engine options {unknown}; known: {list(ENGINE_OPTIONS)}")
+    if "kv_cache_memory" in options:
+        options["kv_cache_memory"] = parse_size(options["kv_cache_memory"])
+    try:
+        return EngineConfig(model=str(path), **options)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"model {str(path)!r}: {exc}") from exc
+
+
+def default_name(path: str | Path) -> str:
+    return Path(path).resolve().name or str(path)
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """Read a TOML file into the keyword arguments of `ServerConfig` (model paths relative to the file)."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from exc
+    unknown = sorted(set(data) - set(SERVER_OPTIONS))
+    _check(not unknown, f"{path}: unknown keys {unknown}; known: {list(SERVER_OPTIONS)}")
+    out = {k: v for k, v in data.items() if k != "models"}
+    if "api_keys" in out:
+        out["api_keys"] = tuple(out["api_keys"])
+    if "max_body_bytes" in out:
+        out["max_body_bytes"] = parse_size(out["max_body_bytes"])
+    tables = data.get("models", [])
+    _check(isinstance(tables, list) and all(isinstance(t, dict) for t in tables),
+           f"{path}: models must be an array of tables ([[models]])")
+    out["models"] = tuple(_model_from_table(t, path.parent, i) for i, t in enumerate(tables))
+    return out
+
+
+def _model_from_table(table: dict[str, Any], base: Path, index: int) -> ModelSpec:
+    where = f"[[models]] #{index + 1}"
+    unknown = sorted(set(table) - set(MODEL_OPTIONS))
+    _check(not unknown, f"{where}: unknown keys {unknown}; known: {list(MODEL_OPTIONS)}")
+    _check(isinstance(table.get("path"), str), f"{where}: 'path' (the model directory) is required")
+    model_path = Path(table["path"]).expanduser()
+    if not model_path.is_absolute():
+        model_path = base / model_path
+    options = {k: v for k, v in table.items() if k in ENGINE_OPTIONS}
+    return ModelSpec(table.get("name") or default_name(model_path), engine_config(model_path, options),
+                     table.get("fallback"))
+
+
+def _check_no_fallback_cycle(models: tuple[ModelSpec, ...]) -> None:
+    fallback = {m.name: m.fallback for m in models}
+    for start in fallback:
+        seen, name = [start], fallback[start]
+        while name is not None:
+            _check(name not in seen, f"fallbacks form a cycle: {' -> '.join([*seen, name])}")
+            seen.append(name)
+            name = fallback.get(name)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)

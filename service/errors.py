@@ -1,0 +1,146 @@
+"""HTTP errors in OpenAI's shape, and the one middleware that maps every exception family to them.
+
+    {"error": {"message": "...", "type": "invalid_request_error", "param": "temperature", "code": null}}
+
+Request errors (4xx) and overload (429) are the client's to fix or retry; a dead or loading engine is
+503 with Retry-After so nginx passes the request on; anything unexpected is a 500 that names the request
+id (also on the log line, with the traceback) and never shows the traceback to the client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+from aiohttp import web
+
+from engine.errors import EngineDeadError, EngineOverloadedError, RequestRejectedError
+from service.keys import CONFIG_KEY, REQUEST_ID_KEY
+
+logger = logging.getLogger(__name__)
+
+ERROR_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+    404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+    415: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
+    500: "internal_server_error", 503: "service_unavailable_error",
+}
+
+
+class ServiceError(Exception):
+    """An error the service raises on purpose; the middleware turns it into the JSON body."""
+
+    status = 500
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+        self.retry_after = retry_after
+
+
+class InvalidRequestError(ServiceError):
+    status = 400
+
+
+class AuthenticationError(ServiceError):
+    status = 401
+
+
+class PermissionDeniedError(ServiceError):
+    status = 403
+
+
+class ModelNotFoundError(ServiceError):
+    status = 404
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+
+class OverloadedError(ServiceError):
+    status = 429
+
+
+class UnavailableError(ServiceError):
+    status = 503
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    err_type = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "internal_server_error")
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, *, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response(error_body(status, message, param, code), status=status, headers=headers,
+                             dumps=_dumps)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except asyncio.CancelledError:
+        raise  # the client went away: the handler's finally blocks aborted its engine requests
+    except Exception as exc:  # noqa: BLE001 - this is the one place every error is mapped
+        return to_response(request, exc)
+
+
+def to_response(request: web.Request, exc: Exception) -> web.Response:
+    """The JSON error response for any exception (also used for errors after a stream began)."""
+    config = request.app[CONFIG_KEY]
+    status, message, param, code, retry_after = classify(exc, config.retry_after_overload,
+                                                         config.retry_after_unavailable)
+    headers = dict(getattr(exc, "headers", None) or {}) if isinstance(exc, web.HTTPException) else {}
+    headers.pop("Content-Type", None)
+    if retry_after is not None:
+        headers["Retry-After"] = str(retry_after)
+    if status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    if status >= 500 and not isinstance(exc, EngineDeadError | UnavailableError | web.HTTPException):
+        request_id = request.get(REQUEST_ID_KEY, "-")
+        logger.error("request_id=%s unexpected error: %r", request_id, exc, exc_info=exc)
+        message = f"internal error; request id {request_id}"
+    return error_response(status, message, param=param, code=code, headers=headers)
+
+
+def classify(exc: BaseException, retry_overload: int = 1,
+             retry_unavailable: int = 5) -> tuple[int, str, str | None, str | None, int | None]:
+    """(status, message, param, code, retry_after seconds) for one exception."""
+    if isinstance(exc, ServiceError):
+        retry = exc.retry_after
+        if retry is None and exc.status in (429, 503):
+            retry = retry_overload if exc.status == 429 else retry_unavailable
+        return exc.status, exc.message, exc.param, exc.code, retry
+    if isinstance(exc, web.HTTPException):
+        return exc.status, _http_message(exc), None, None, None
+    if isinstance(exc, RequestRejectedError):
+        return 400, str(exc), None, "request_rejected", None
+    if isinstance(exc, EngineOverloadedError):
+        return 429, str(exc) or "the server is overloaded; retry later", None, "overloaded", retry_overload
+    if isinstance(exc, EngineDeadError):
+        return 503, str(exc) or "the engine is not running", None, "engine_dead", retry_unavailable
+    # errors from layers written later (resilience) may say their own status
+    status = getattr(exc, "http_status", None)
+    if isinstance(status, int) and 400 <= status < 600:
+        retry = getattr(exc, "retry_after", None)
+        return status, str(exc), None, getattr(exc, "code", None), retry
+    return 500, "internal error", None, None, None
+
+
+def _http_message(exc: web.HTTPException) -> str:
+    if exc.status == 413:
+        return f"request body too large: {exc.text or exc.reason}"
+    if exc.status == 404:
+        return "not found"
+    if exc.status == 405:
+        return f"method {exc.method} not allowed" if isinstance(exc, web.HTTPMethodNotAllowed) else exc.reason
+    text = exc.text or ""
+    return text if text and not text.startswith(f"{exc.status}:") else exc.reason
+
+
+def _dumps(obj: object) -> str:
+    return json.dumps(obj, ensure_ascii=False)

@@ -1,0 +1,159 @@
+"""One HTTP generation: resolve the model, check every prompt off the event loop, then run one
+engine request per prompt through the router and merge their outputs. Leaving early (client gone,
+error, cancellation) closes every iterator, which aborts the engine requests and frees their blocks."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiohttp import web
+
+from engine.sampling_params import SamplingParams
+from service.errors import ModelNotFoundError, UnavailableError
+from service.keys import CONFIG_KEY, METRICS_KEY, RECORD_KEY, REQUEST_ID_KEY, STATE_KEY
+from service.protocol import new_id
+from service.router import GenerateRequest, RoutedOutput
+
+_END = object()
+
+
+class Generation:
+    def __init__(self, request: web.Request, id_prefix: str, model: str | None, params: SamplingParams,
+                 priority: int = 0) -> None:
+        self.request = request
+        self.config = request.app[CONFIG_KEY]
+        self.state = request.app[STATE_KEY]
+        self.metrics = request.app[METRICS_KEY]
+        self.record = request[RECORD_KEY]
+        self.id = new_id(id_prefix)
+        self.created = int(time.time())
+        self.params = params
+        self.priority = priority
+        self.model = self._resolve(model)
+        self.record.model = self.model
+        self.prompts: list[str | list[int]] = []
+        self._last_token: float | None = None
+        self._queue_time: float | None = None
+        self._seen: set[int] = set()  # prompt indices with an output already
+
+    @property
+    def engine(self) -> Any:
+        return self.state.engines[self.model]
+
+    def _resolve(self, model: str | None) -> str:
+        name = model or self.config.models[0].name
+        if self.config.model(name) is None:
+            raise ModelNotFoundError(name)
+        if self.state.is_draining:
+            raise UnavailableError("the server is shutting down", code="draining")
+        if name not in self.state.engines or self.state.router is None:
+            raise UnavailableError(f"model {name!r} is loading", code="model_loading")
+        return name
+
+    async def check_prompts(self, prompts: list[str | list[int]]) -> None:
+        """Tokenize and check every prompt in a worker thread (a 4 MiB prompt must not stall the loop);
+        a prompt too long for the context is a 400 that says the numbers."""
+        await asyncio.to_thread(self._check_all, prompts)
+        self.prompts = prompts
+
+    async def check_chat(self, messages: list[dict[str, str]]) -> None:
+        prompt = await asyncio.to_thread(self.engine.apply_chat_template, messages)
+        await self.check_prompts([prompt])
+
+    def _check_all(self, prompts: list[str | list[int]]) -> None:
+        for prompt in prompts:
+            self.engine.check_request(self.engine.encode(prompt), self.params)
+
+    def token_text(self, served_model: str) -> Any:
+        tokenizer = self.state.engines[served_model].tokenizer
+        return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def headers(self, routed: RoutedOutput | None) -> dict[str, str]:
+        headers = {"X-Request-Id": self.request[REQUEST_ID_KEY]}
+        if routed is not None:
+            headers["x-pagedserve-served-model"] = routed.served_model
+            if routed.degraded:
+                headers["x-pagedserve-degraded"] = "1"
+        return headers
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RoutedOutput]]:
+        """(prompt index, output delta) until every engine request finished."""
+        task = asyncio.current_task()
+        self.state.generations.add(task)
+        requests = [GenerateRequest(f"{self.id}-{i}", self.model, prompt, self.params, self.priority)
+                    for i, prompt in enumerate(self.prompts)]
+        try:
+            async for index, routed in merge([self.state.router.generate(r) for r in requests]):
+                self._observe(index, routed)
+                yield index, routed
+            self._finished()
+        finally:
+            self.state.generations.discard(task)
+
+    def _observe(self, index: int, routed: RoutedOutput) -> None:
+        output, record = routed.output, self.record
+        if record.served_model is None:
+            record.served_model = routed.served_model
+        now = time.monotonic()
+        num_tokens = sum(len(o.token_ids) for o in output.outputs)
+        if num_tokens and record.first_token is None:
+            record.first_token = now
+            self.metrics.observe_first_token(routed.served_model, now - record.start)
+        elif num_tokens and self._last_token is not None:
+            self.metrics.observe_tokens(routed.served_model, now - self._last_token, num_tokens)
+        if num_tokens:
+            self._last_token = now
+        record.completion_tokens += num_tokens
+        record.finish_reasons.extend(o.finish_reason for o in output.outputs if o.finish_reason)
+        if index not in self._seen:
+            self._seen.add(index)
+            record.prompt_tokens += len(output.prompt_token_ids)
+        if output.finished:
+            scheduled, arrival = output.metrics.get("first_scheduled_time"), output.metrics.get("arrival_time")
+            if scheduled and arrival and self._queue_time is None:
+                self._queue_time = max(scheduled - arrival, 0.0)
+
+    def _finished(self) -> None:
+        record = self.record
+        self.metrics.observe_finished(record.served_model or self.model, time.monotonic() - record.start,
+                                      self._queue_time, record.finish_reasons)
+
+
+async def merge(iterators: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+    """Items of several async iterators as they come, tagged with the iterator's index. Closing the
+    merged iterator closes (or cancels) every source; the first error of any source is raised."""
+    if len(iterators) == 1:
+        async with contextlib.aclosing(iterators[0]) as only:
+            async for item in only:
+                yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, source: AsyncIterator[Any]) -> None:
+        try:
+            async with contextlib.aclosing(source):
+                async for item in source:
+                    queue.put_nowait((index, item, None))
+            queue.put_nowait((index, _END, None))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            queue.put_nowait((index, None, exc))
+
+    tasks = [asyncio.create_task(pump(i, it)) for i, it in enumerate(iterators)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is _END:
+                remaining -= 1
+                continue
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

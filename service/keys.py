@@ -1,0 +1,30 @@
+"""Every typed key of the app and of a request, in one place (STYLE 10)."""
+
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from engine.config import EngineConfig
+from service.config import ServerConfig
+from service.metrics import Metrics
+from service.state import RequestRecord, ServerState
+
+# builds one engine from its config; blocking (loads weights), so it runs in a worker thread
+EngineFactory = Callable[[EngineConfig], Any]
+# (engines by served name, fallback by served name) -> the router every generation goes through:
+# resilience's ModelRouter, or a stand-in with its interface
+RouterFactory = Callable[[Any, Any], Any]
+
+CONFIG_KEY = web.AppKey("config", ServerConfig)
+STATE_KEY = web.AppKey("state", ServerState)
+METRICS_KEY = web.AppKey("metrics", Metrics)
+ENGINE_FACTORY_KEY = web.AppKey("engine_factory", EngineFactory)
+ROUTER_FACTORY_KEY = web.AppKey("router_factory", RouterFactory)
+
+REQUEST_ID_KEY = web.RequestKey("request_id", str)
+# what the handler learnt (model, tokens, TTFT) for the one log line of the request
+RECORD_KEY = web.RequestKey("record", RequestRecord)
+
+__all__ = ["CONFIG_KEY", "STATE_KEY", "METRICS_KEY", "ENGINE_FACTORY_KEY", "ROUTER_FACTORY_KEY",
+           "REQUEST_ID_KEY", "RECORD_KEY", "EngineFactory", "RouterFactory"]

@@ -1,0 +1,115 @@
+"""Prometheus metrics with vLLM's names (prefix `pagedserve:`, label `model_name`) so existing
+dashboards port. One registry per app, no module globals. Engine figures (queue lengths, KV usage,
+token and preemption counts) are read from `engine.stats()` at scrape time by a custom collector;
+latencies are observed by the request path as outputs arrive."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# seconds; vLLM's buckets, trimmed at the long end
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0)
+REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                   50.0, 60.0, 120.0, 240.0, 480.0)
+PREFIX = "pagedserve:"
+
+
+class Metrics:
+    def __init__(self, engines: Callable[[], Mapping[str, Any]]) -> None:
+        """`engines`: returns the loaded engines by served name, read at every scrape."""
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(engines))
+        model = ["model_name"]
+        self.http_requests = Counter(f"{PREFIX}http_requests", "HTTP requests by route and status",
+                                     ["method", "route", "status"], registry=self.registry)
+        self.request_success = Counter(f"{PREFIX}request_success", "Finished sequences by finish reason",
+                                       [*model, "finished_reason"], registry=self.registry)
+        self.time_to_first_token = Histogram(f"{PREFIX}time_to_first_token_seconds",
+                                             "Time from HTTP arrival to the first output token", model,
+                                             buckets=TTFT_BUCKETS, registry=self.registry)
+        self.inter_token_latency = Histogram(f"{PREFIX}inter_token_latency_seconds",
+                                             "Time between output tokens", model,
+                                             buckets=ITL_BUCKETS, registry=self.registry)
+        self.e2e_request_latency = Histogram(f"{PREFIX}e2e_request_latency_seconds",
+                                             "Time from HTTP arrival to the last output", model,
+                                             buckets=REQUEST_BUCKETS, registry=self.registry)
+        self.request_queue_time = Histogram(f"{PREFIX}request_queue_time_seconds",
+                                            "Time a request waited in the engine before its first step",
+                                            model, buckets=REQUEST_BUCKETS, registry=self.registry)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def observe_http(self, method: str, route: str, status: int) -> None:
+        self.http_requests.labels(method, route, str(status)).inc()
+
+    def observe_first_token(self, model: str, seconds: float) -> None:
+        self.time_to_first_token.labels(model).observe(seconds)
+
+    def observe_tokens(self, model: str, seconds: float, num_tokens: int) -> None:
+        """One inter-token interval per token of a delta that carried `num_tokens` after `seconds`."""
+        per_token = seconds / num_tokens
+        histogram = self.inter_token_latency.labels(model)
+        for _ in range(num_tokens):
+            histogram.observe(per_token)
+
+    def observe_finished(self, model: str, e2e: float, queue_time: float | None, reasons: list[str]) -> None:
+        self.e2e_request_latency.labels(model).observe(e2e)
+        if queue_time is not None:
+            self.request_queue_time.labels(model).observe(queue_time)
+        for reason in reasons:
+            self.request_success.labels(model, reason).inc()
+
+
+class EngineCollector(Collector):
+    """Gauges and counters read from every loaded engine's `stats()` when Prometheus scrapes."""
+
+    def __init__(self, engines: Callable[[], Mapping[str, Any]]) -> None:
+        self.engines = engines
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["model_name"]
+        families = {
+            "num_requests_running": GaugeMetricFamily(f"{PREFIX}num_requests_running",
+                                                      "Requests in model execution batches", labels=labels),
+            "num_requests_waiting": GaugeMetricFamily(f"{PREFIX}num_requests_waiting",
+                                                      "Requests waiting to be scheduled", labels=labels),
+            "num_requests_swapped": GaugeMetricFamily(f"{PREFIX}num_requests_swapped",
+                                                      "Requests swapped out to host memory", labels=labels),
+            "kv_cache_usage_perc": GaugeMetricFamily(f"{PREFIX}kv_cache_usage_perc",
+                                                     "KV-cache usage, 1 means 100 percent", labels=labels),
+            "prefix_cache_queries": CounterMetricFamily(f"{PREFIX}prefix_cache_queries",
+                                                        "Prompt tokens looked up in the prefix cache",
+                                                        labels=labels),
+            "prefix_cache_hits": CounterMetricFamily(f"{PREFIX}prefix_cache_hits",
+                                                     "Prompt tokens found in the prefix cache", labels=labels),
+            "num_preemptions": CounterMetricFamily(f"{PREFIX}num_preemptions", "Cumulative preemptions",
+                                                   labels=labels),
+            "prompt_tokens": CounterMetricFamily(f"{PREFIX}prompt_tokens", "Prefill tokens processed",
+                                                 labels=labels),
+            "generation_tokens": CounterMetricFamily(f"{PREFIX}generation_tokens", "Generation tokens processed",
+                                                     labels=labels),
+        }
+        for name, engine in list(self.engines().items()):
+            for key, value in _figures(engine.stats()).items():
+                families[key].add_metric([name], value)
+        yield from families.values()
+
+
+def _figures(stats: Any) -> dict[str, float]:
+    return {
+        "num_requests_running": stats.num_running, "num_requests_waiting": stats.num_waiting,
+        "num_requests_swapped": stats.num_swapped, "kv_cache_usage_perc": stats.kv_cache_usage,
+        "prefix_cache_queries": stats.prefix_cache_queries, "prefix_cache_hits": stats.prefix_cache_hits,
+        "num_preemptions": stats.num_preemptions, "prompt_tokens": stats.num_prompt_tokens,
+        "generation_tokens": stats.num_generation_tokens,
+    }

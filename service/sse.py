@@ -1,0 +1,50 @@
+"""Server-sent events by hand (STYLE 11): one `data: {json}\\n\\n` per chunk, `data: [DONE]\\n\\n` last.
+
+JSON is written with `ensure_ascii=False` and encoded as UTF-8 from whole Python strings, so the bytes
+on the wire are always valid UTF-8 (the engine never hands out half a character). A write that fails
+because the client went away raises `ConnectionResetError`; the caller's `finally` aborts the engine
+request."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from aiohttp import web
+
+SSE_HEADERS = {
+    "Content-Type": "text/event-stream; charset=utf-8",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",  # nginx: pass each event on at once
+}
+DONE = b"data: [DONE]\n\n"
+
+
+def encode_event(data: Any) -> bytes:
+    return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n\n"
+
+
+class EventStream:
+    """A `web.StreamResponse` that speaks SSE; `open` sends the headers, so call it only when the
+    status and headers are known (after the first output, which says which model served)."""
+
+    def __init__(self, headers: dict[str, str] | None = None) -> None:
+        self.response = web.StreamResponse(status=200, headers={**SSE_HEADERS, **(headers or {})})
+
+    @property
+    def is_open(self) -> bool:
+        return self.response.prepared
+
+    async def open(self, request: web.Request) -> None:
+        await self.response.prepare(request)
+
+    async def send(self, data: Any) -> None:
+        await self.response.write(encode_event(data))
+
+    async def send_many(self, events: list[Any]) -> None:
+        if events:
+            await self.response.write(b"".join(encode_event(e) for e in events))
+
+    async def close(self) -> None:
+        await self.response.write(DONE)
+        await self.response.write_eof()

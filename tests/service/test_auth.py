@@ -1,0 +1,76 @@
+"""API keys guard /v1/*, the admin key guards /admin/*, /health* and /metrics stay open."""
+
+import logging
+
+from aiohttp import web
+
+from service.auth import KeyRing
+
+
+async def _ping(request: web.Request) -> web.Response:
+    return web.json_response({"ok": True})
+
+
+ADMIN_ROUTES = [web.get("/admin/ping", _ping)]
+
+
+def _bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_keyring():
+    ring = KeyRing(["alpha", "beta"])
+    assert ring.matches("alpha") and ring.matches("beta")
+    assert not ring.matches("alph") and not ring.matches("") and not ring.matches("alpha ")
+    assert not KeyRing([]) and "alpha" not in repr(ring)
+
+
+async def test_v1_needs_a_valid_key(start):
+    h = await start(api_keys=("k1", "k2"))
+    missing = await h.client.get("/v1/models")
+    assert missing.status == 401 and missing.headers["WWW-Authenticate"] == "Bearer"
+    assert (await missing.json())["error"]["code"] == "invalid_api_key"
+    assert (await h.client.get("/v1/models", headers=_bearer("nope"))).status == 401
+    assert (await h.client.get("/v1/models", headers={"Authorization": "Basic k1"})).status == 401
+    assert (await h.client.get("/v1/models", headers=_bearer("k2"))).status == 200
+    ok = await h.client.post("/v1/completions", json={"prompt": "hi"}, headers=_bearer("k1"))
+    assert ok.status == 200
+
+
+async def test_health_and_metrics_stay_open(start):
+    h = await start(api_keys=("k1",))
+    for path in ("/health", "/health/live", "/health/ready", "/metrics", "/version"):
+        assert (await h.client.get(path)).status == 200, path
+
+
+async def test_metrics_can_require_a_key(start):
+    h = await start(api_keys=("k1",), auth_metrics=True)
+    assert (await h.client.get("/metrics")).status == 401
+    assert (await h.client.get("/metrics", headers=_bearer("k1"))).status == 200
+
+
+async def test_admin_closed_without_an_admin_key(start):
+    h = await start(api_keys=("k1",), routes=ADMIN_ROUTES)
+    response = await h.client.get("/admin/ping", headers=_bearer("k1"))
+    assert response.status == 403 and "--admin-key" in (await response.json())["error"]["message"]
+
+
+async def test_admin_key_is_separate(start):
+    h = await start(api_keys=("k1",), admin_key="adm", routes=ADMIN_ROUTES)
+    assert (await h.client.get("/admin/ping")).status == 401
+    assert (await h.client.get("/admin/ping", headers=_bearer("k1"))).status == 401
+    assert (await h.client.get("/admin/ping", headers=_bearer("adm"))).status == 200
+
+
+async def test_no_keys_means_open_v1(start):
+    h = await start()
+    assert (await h.client.get("/v1/models")).status == 200
+
+
+async def test_keys_are_never_logged(start, caplog):
+    h = await start(api_keys=("sekrit-key",), admin_key="sekrit-admin", routes=ADMIN_ROUTES)
+    with caplog.at_level(logging.DEBUG):
+        await h.client.get("/v1/models", headers=_bearer("sekrit-wrong"))
+        await h.client.post("/v1/completions", json={"prompt": "hi"}, headers=_bearer("sekrit-key"))
+        await h.client.get("/admin/ping", headers=_bearer("sekrit-admin"))
+    assert caplog.records and not any("sekrit" in r.getMessage() for r in caplog.records)
