@@ -76,7 +76,9 @@ class LLMEngine:
                                                   add_generation_prompt=True)
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Reject what can never be served, with the numbers."""
+        """Reject what can never be served, with the numbers. The KV pool always holds one sequence
+        of max_model_len tokens (the model runner refuses a smaller one), so a request within
+        max_model_len always fits in the pool."""
         num_prompt = len(prompt_token_ids)
         if num_prompt == 0:
             raise RequestRejectedError("the prompt is empty")
@@ -88,10 +90,6 @@ class LLMEngine:
             raise RequestRejectedError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the request asks for "
                 f"{num_prompt + max_tokens} ({num_prompt} in the prompt, {max_tokens} to generate)")
-        needed = self.block_manager.blocks_needed(num_prompt + max_tokens)
-        if needed > self.block_manager.num_blocks:
-            raise RequestRejectedError(f"the request needs {needed} KV blocks; the pool holds "
-                                       f"{self.block_manager.num_blocks}")
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     priority: int = 0, arrival_time: float | None = None) -> None:

@@ -9,7 +9,7 @@ the host pool and copied back.
 Policies (a sort key, lower first):
   fcfs      arrival order
   priority  (priority, arrival): the least important is preempted first
-  hybrid    priority minus one level per `aging_seconds` waited (no starvation), decodes scheduled
+  hybrid    priority minus one level per `aging_seconds` since arrival (no starvation), decodes scheduled
             before prefills, and prefill tokens per step capped to protect inter-token latency
 """
 
@@ -80,8 +80,10 @@ class Scheduler:
         if policy == "fcfs":
             return (0, seq.arrival_time, seq.seq_id)
         priority = float(seq.priority)
-        if policy == "hybrid" and seq.status != SequenceStatus.RUNNING:
-            priority -= (self.clock() - seq.arrival_time) // self.config.aging_seconds
+        if policy == "hybrid":
+            # every sequence ages alike (running ones too, and continuously): the order between two
+            # never flips, so a preempted sequence never outranks, and preempts, its preemptor
+            priority -= (self.clock() - seq.arrival_time) / self.config.aging_seconds
         return (priority, seq.arrival_time, seq.seq_id)
 
     # --- schedule --------------------------------------------------------------------------------
@@ -140,7 +142,12 @@ class Scheduler:
                 i += 1
 
     def _schedule_swapped(self, budget: _Budget, scheduled: list[ScheduledSeq]) -> None:
+        # swapped and waiting sequences are served in one policy order: a swapped one behind a
+        # waiting one would take back the room just made for it
+        first_waiting = min(map(self._key, self.waiting), default=None)
         for seq in sorted(self.swapped, key=self._key):
+            if first_waiting is not None and first_waiting < self._key(seq):
+                return
             if len(self.running) >= self.config.max_num_seqs or not self.block_manager.can_swap_in(seq):
                 return
             self.block_manager.swap_in(seq)
@@ -152,7 +159,10 @@ class Scheduler:
                 self._schedule(seq, num_new, budget, scheduled)
 
     def _schedule_waiting(self, budget: _Budget, scheduled: list[ScheduledSeq]) -> None:
+        first_swapped = min(map(self._key, self.swapped), default=None)  # still out: not overtaken
         for seq in sorted(self.waiting, key=self._key):
+            if first_swapped is not None and first_swapped < self._key(seq):
+                return
             if len(self.running) >= self.config.max_num_seqs or budget.tokens == 0:
                 return
             if budget.prefill_tokens == 0 or not self._admit(seq, budget):

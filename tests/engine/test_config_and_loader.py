@@ -1,0 +1,76 @@
+"""EngineConfig validates itself; model directories are checked before anything heavy, fast."""
+
+import json
+import shutil
+import time
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.errors import ModelValidationError
+from engine.loader import validate_model_dir
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(block_size=12), "block_size must be a power of two"),
+    (dict(block_size=512), "block_size must be a power of two"),
+    (dict(dtype="int8"), "dtype must be one of"),
+    (dict(scheduler_policy="lifo"), "scheduler_policy"),
+    (dict(preemption_mode="drop"), "preemption_mode"),
+    (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+    (dict(max_num_seqs=0), "max_num_seqs"),
+])
+def test_config_rejects_bad_values(options, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model="m", **options)
+
+
+def test_config_accepts_aliases_and_auto():
+    assert EngineConfig(model="m", dtype="bf16", block_size="auto").dtype == "bfloat16"
+
+
+@pytest.fixture
+def model_dir(tmp_path, random_model):
+    target = tmp_path / "m"
+    shutil.copytree(random_model("tiny-llama"), target)
+    return target
+
+
+def _fails_fast(path, match):
+    started = time.monotonic()
+    with pytest.raises(ModelValidationError, match=match):
+        validate_model_dir(path)
+    assert time.monotonic() - started < 1.0
+
+
+def test_valid_directory(model_dir):
+    files = validate_model_dir(model_dir)
+    assert files.architecture == "LlamaForCausalLM" and files.chat_template
+
+
+def test_missing_tokenizer_json(model_dir):
+    (model_dir / "tokenizer.json").unlink()
+    _fails_fast(model_dir, "tokenizer.json is missing")
+
+
+def test_missing_weights(model_dir):
+    (model_dir / "model.safetensors").unlink()
+    _fails_fast(model_dir, "model.safetensors is missing")
+
+
+def test_pickle_only_weights_are_refused(model_dir):
+    (model_dir / "model.safetensors").rename(model_dir / "pytorch_model.bin")
+    _fails_fast(model_dir, "pytorch_model.bin.*pickle is never loaded")
+
+
+def test_not_a_directory(model_dir, tmp_path):
+    _fails_fast(model_dir / "config.json", "is not a directory")
+    _fails_fast(tmp_path / "nowhere", "does not exist")
+
+
+def test_bad_config_and_remote_code(model_dir):
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "auto_map": {"AutoModel": "x.Y"}}))
+    _fails_fast(model_dir, "remote code")
+    (model_dir / "config.json").write_text("{not json")
+    _fails_fast(model_dir, "config.json is not valid JSON")

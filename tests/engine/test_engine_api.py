@@ -1,0 +1,150 @@
+"""LLMEngine / AsyncEngine / LLM behaviour: abort at any point frees the blocks, requests that can
+never fit are rejected with the numbers, a dead loop fails every waiter at once."""
+
+import asyncio
+
+import pytest
+
+from engine import AsyncEngine, EngineConfig, LLMEngine, SamplingParams
+from engine.errors import EngineDeadError, EngineOverloadedError, EngineStepError, RequestRejectedError
+from engine.faults import Fault
+
+LONG = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(random_model):
+    return LLMEngine(EngineConfig(model=random_model("tiny-llama"), dtype="float32", block_size=4,
+                                  max_num_batched_tokens=8, max_model_len=256, max_num_waiting=4))
+
+
+def _all_free(engine: LLMEngine) -> bool:
+    bm = engine.block_manager
+    return bm.num_free_blocks == bm.num_blocks and not engine.requests and not engine.scheduler.has_unfinished
+
+
+def test_abort_mid_prefill_and_mid_decode_frees_blocks(engine):
+    engine.add_request("prefill", list(range(10, 40)), LONG)  # 30 tokens, 8 per step
+    engine.add_request("decode", [5, 6, 7], LONG)
+    engine.step()
+    assert engine.scheduler.running[0].num_computed_tokens == 8  # mid-prefill
+    out = engine.abort_request("prefill")
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    for _ in range(3):
+        engine.step()
+    assert engine.requests["decode"].seqs[0].num_output_tokens > 0  # mid-decode
+    engine.abort_request("decode")
+    assert _all_free(engine)
+    assert engine.abort_request("decode") is None  # idempotent
+    assert engine.abort_request("never-seen") is None
+
+
+def test_requests_that_can_never_fit_are_rejected_with_numbers(engine):
+    with pytest.raises(RequestRejectedError, match=r"maximum context length is 256 tokens.*300"):
+        engine.add_request("big", list(range(5, 205)), SamplingParams(max_tokens=100))
+    with pytest.raises(RequestRejectedError, match="empty"):
+        engine.add_request("empty", [], SamplingParams())
+    with pytest.raises(RequestRejectedError, match="outside the vocabulary"):
+        engine.add_request("oov", [10**7], SamplingParams())
+    assert _all_free(engine)
+
+
+def test_a_pool_smaller_than_one_full_sequence_is_refused(random_model):
+    # 1 KiB per 4-token block here: 8 blocks hold 32 tokens, less than max_model_len 64
+    with pytest.raises(ValueError, match="too few for one sequence of max_model_len 64"):
+        LLMEngine(EngineConfig(model=random_model("tiny-llama"), dtype="float32", block_size=4,
+                               max_model_len=64, kv_cache_memory=8 * 1024))
+
+
+def test_full_waiting_queue_is_an_overload(engine):
+    for i in range(4):
+        engine.add_request(f"q{i}", [5, 6], SamplingParams(max_tokens=2))
+    with pytest.raises(EngineOverloadedError):
+        engine.add_request("q4", [5, 6], SamplingParams(max_tokens=2))
+    for i in range(4):
+        engine.abort_request(f"q{i}")
+    engine.requests.pop("q4", None)
+    assert _all_free(engine)
+
+
+def test_stop_strings_n_and_seed(random_model):
+    from engine import LLM
+    llm = LLM(random_model("tiny-qwen2"), dtype="float32")
+    params = SamplingParams(temperature=1.0, n=3, seed=11, max_tokens=12, logprobs=1)
+    first = llm.generate(["def main():"], params)[0]
+    again = llm.generate(["def main():"], params)[0]
+    assert [o.token_ids for o in first.outputs] == [o.token_ids for o in again.outputs]
+    assert [o.index for o in first.outputs] == [0, 1, 2]
+    assert all(len(o.logprobs) == len(o.token_ids) for o in first.outputs)
+    whole = llm.generate(["x = "], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0]
+    stop = whole.text[3:6]
+    cut = llm.generate(["x = "], SamplingParams(temperature=0, max_tokens=12, stop=[stop], ignore_eos=True))[0]
+    assert cut.outputs[0].finish_reason == "stop" and cut.outputs[0].stop_reason == stop
+    assert cut.outputs[0].text == whole.text[:whole.text.index(stop)]
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+@pytest.fixture
+async def async_engine(random_model):
+    eng = AsyncEngine(EngineConfig(model=random_model("tiny-llama"), dtype="float32", block_size=4))
+    eng.start()
+    yield eng
+    eng.stop()
+
+
+async def _wait_idle(eng: AsyncEngine) -> None:
+    for _ in range(100):
+        stats = eng.stats()
+        if not stats.is_busy and stats.num_free_blocks == stats.num_total_blocks:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"engine never went idle: {eng.stats()}")
+
+
+async def test_async_stream_and_abort_on_close(async_engine):
+    chunks = [d async for d in async_engine.generate("def f(", SamplingParams(temperature=0, max_tokens=5,
+                                                                                ignore_eos=True), "a")]
+    assert chunks[-1].finished and sum(len(c.outputs[0].token_ids) for c in chunks) == 5
+    stream = async_engine.generate("def f(", LONG, "b")
+    await anext(stream)
+    await stream.aclose()  # the client went away
+    await _wait_idle(async_engine)
+
+
+async def test_cancelled_consumer_aborts(async_engine):
+    async def consume():
+        async for _ in async_engine.generate("x", SamplingParams(max_tokens=1000, ignore_eos=True), "c"):
+            pass
+    task = asyncio.create_task(consume())
+    await asyncio.sleep(0.2)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await _wait_idle(async_engine)
+
+
+async def test_error_fault_fails_requests_but_engine_lives(async_engine):
+    async_engine.faults.inject(Fault("error", seconds=0.3))
+    with pytest.raises(EngineStepError):
+        async for _ in async_engine.generate("x", LONG, "d"):
+            pass
+    await asyncio.sleep(0.35)
+    done = [d async for d in async_engine.generate("x", SamplingParams(max_tokens=3), "e")]
+    assert done[-1].finished
+    await _wait_idle(async_engine)
+
+
+async def test_dead_loop_fails_every_waiter_at_once(async_engine):
+    def boom():
+        raise RuntimeError("simulated kernel crash")
+    async_engine.engine.step = boom  # the next step raises inside the loop thread
+
+    async def one(i):
+        async for _ in async_engine.generate("x", LONG, f"dead{i}"):
+            pass
+    results = await asyncio.wait_for(asyncio.gather(*[one(i) for i in range(3)], return_exceptions=True), 5)
+    assert all(isinstance(r, EngineDeadError) for r in results)
+    assert async_engine.is_dead
+    with pytest.raises(EngineDeadError):
+        await anext(async_engine.generate("x", LONG, "late"))

@@ -1,0 +1,96 @@
+"""Greedy outputs token-identical to HF transformers `generate` (fp32, CPU) for every supported
+family, under chunked prefill, preemption (recompute and swap), prefix-cache hits and block sizes
+8, 16 and 32. Every scenario ends with every block free."""
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine import LLM, SamplingParams
+from tests.engine.conftest import FAMILIES
+
+NUM_NEW = 10
+MAX_MODEL_LEN = 128
+
+
+def _prompts(seed: int, vocab: int) -> list[list[int]]:
+    """18 prompts of mixed lengths (1..70 tokens); the last six share a 40-token prefix."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(4, vocab) for _ in range(rng.choice([1, 3, 7, 16, 17, 33, 50, 70]))]
+               for _ in range(12)]
+    shared = [rng.randrange(4, vocab) for _ in range(40)]
+    prompts += [shared + [rng.randrange(4, vocab) for _ in range(rng.randrange(1, 20))] for _ in range(6)]
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def references(random_model):
+    """HF generate, one prompt at a time (no padding), greedy; min_new_tokens masks EOS as min_tokens does."""
+    cache = {}
+
+    def get(preset: str) -> tuple[str, list[list[int]], list[list[int]]]:
+        if preset not in cache:
+            path = random_model(preset)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            prompts = _prompts(7, model.config.vocab_size)
+            outs = []
+            for ids in prompts:
+                gen = model.generate(torch.tensor([ids]), max_new_tokens=NUM_NEW, min_new_tokens=NUM_NEW,
+                                     do_sample=False, pad_token_id=0)
+                outs.append(gen[0, len(ids):].tolist())
+            cache[preset] = (path, prompts, outs)
+        return cache[preset]
+
+    return get
+
+
+def _bytes_for_blocks(num_blocks: int, block_size: int) -> int:
+    # tiny presets: 2 layers x (K, V) x block_size x 2 KV heads x head_dim 16 x 4 bytes
+    return num_blocks * 2 * 2 * block_size * 2 * 16 * 4
+
+
+SCENARIOS = {
+    "chunked_prefill": dict(block_size=16, max_num_batched_tokens=24),
+    "preempt_recompute": dict(block_size=8, kv_cache_memory=_bytes_for_blocks(24, 8), preemption_mode="recompute"),
+    "preempt_swap": dict(block_size=8, kv_cache_memory=_bytes_for_blocks(24, 8), preemption_mode="swap",
+                         swap_space=0.01),
+    "block_size_8": dict(block_size=8),
+    "block_size_16": dict(block_size=16),
+    "block_size_32": dict(block_size=32),
+}
+
+
+def _check(llm: LLM, prompts: list[list[int]], expected: list[list[int]]) -> None:
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, min_tokens=NUM_NEW)  # as HF min_new_tokens
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    got = [o.outputs[0].token_ids for o in outs]
+    assert got == expected
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert len(bm.free_swap_blocks) == bm.num_swap_blocks
+
+
+@pytest.mark.parametrize("preset", FAMILIES)
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_greedy_matches_transformers(references, preset, scenario):
+    path, prompts, expected = references(preset)
+    llm = LLM(path, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=32, **SCENARIOS[scenario])
+    _check(llm, prompts, expected)
+    stats = llm.engine.stats()
+    if scenario.startswith("preempt"):
+        assert stats.num_preemptions > 0
+    if scenario == "chunked_prefill":
+        assert llm.engine.num_steps > NUM_NEW + 2  # 70-token prompts took several steps each
+
+
+@pytest.mark.parametrize("preset", FAMILIES)
+def test_prefix_cache_hits_give_same_tokens(references, preset):
+    path, prompts, expected = references(preset)
+    llm = LLM(path, dtype="float32", max_model_len=MAX_MODEL_LEN, block_size=8)
+    _check(llm, prompts, expected)  # the first pass fills the cache
+    hits_before = llm.engine.block_manager.num_prefix_hits
+    _check(llm, prompts, expected)  # the second reads most prompts from it
+    assert llm.engine.block_manager.num_prefix_hits - hits_before >= 8 * sum(
+        (len(p) - 1) // 8 for p in prompts)
