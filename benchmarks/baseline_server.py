@@ -262,7 +262,6 @@ async def _stream(request: web.Request, body: dict, output: Output, rid: str, us
                   is_chat: bool) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
-    await response.prepare(request)
     head = {"id": rid, "object": "chat.completion.chunk" if is_chat else "text_completion",
             "created": int(time.time()), "model": request.app[MODEL_NAME]}
     delta = {"delta": {"role": "assistant", "content": output.text}} if is_chat else {"text": output.text}
@@ -271,10 +270,14 @@ async def _stream(request: web.Request, body: dict, output: Output, rid: str, us
                                     "finish_reason": output.finish_reason}]}]
     if (body.get("stream_options") or {}).get("include_usage"):
         chunks.append({**head, "choices": [], "usage": usage})
-    for chunk in chunks:
-        await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
+    try:
+        await response.prepare(request)
+        for chunk in chunks:
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+    except ConnectionResetError:  # the client left while its batch ran; the work is done anyway
+        logger.info("%s: client gone before its stream was written", rid)
     return response
 
 
