@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
-from tests.engine.conftest import FAMILIES
+from tests.conftest import FAMILIES
 
 NUM_NEW = 10
 MAX_MODEL_LEN = 128

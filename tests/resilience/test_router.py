@@ -1,0 +1,112 @@
+"""The router on real engines (tiny random models): a stalled or failing primary degrades to its
+fallback before the first token, an open breaker sends requests straight to the fallback, a
+half-open breaker lets one probe through, and nothing streamed is ever retried."""
+
+import asyncio
+
+import pytest
+
+from engine import AsyncEngine, EngineConfig, SamplingParams
+from engine.faults import Fault
+from resilience.admission import BulkheadConfig
+from resilience.breaker import BreakerConfig
+from resilience.errors import AdmissionRejected, NoModelAvailable
+from resilience.retry import RetryBudgetConfig
+from resilience.router import GenerateRequest, ModelRouter, RouterConfig
+
+PARAMS = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture
+async def engines(random_model):
+    made = {name: AsyncEngine(EngineConfig(model=random_model(preset), dtype="float32", block_size=8))
+            for name, preset in (("big", "tiny-llama"), ("small", "tiny-qwen2"))}
+    for engine in made.values():
+        engine.start()
+    yield made
+    for engine in made.values():
+        engine.stop()
+
+
+def _router(engines, **options) -> ModelRouter:
+    breaker = BreakerConfig(min_calls=4, window_s=60, open_s=0.5, max_open_s=2, jitter=0,
+                            ignored=RouterConfig().breaker.ignored)
+    config = RouterConfig(idle_timeout_s=0.4, breaker=breaker, **options)
+    return ModelRouter(engines, {"big": "small", "small": None}, config)
+
+
+async def _run(router: ModelRouter, i: int, model: str = "big") -> tuple[str, str]:
+    served, text = None, ""
+    async for routed in router.generate(GenerateRequest(f"r{i}", model, "def f(x):", PARAMS, num_prompt_tokens=5)):
+        served = routed.served_model
+        text += "".join(o.text for o in routed.output.outputs)
+    return served, text
+
+
+async def test_healthy_primary_serves(engines):
+    assert await _run(_router(engines), 0) == ("big", (await _run(_router(engines), 1))[1])
+
+
+async def test_stalled_primary_degrades_then_breaker_opens_then_one_probe_closes_it(engines):
+    router = _router(engines)
+    engines["big"].faults.inject(Fault("stall"))
+    served = await asyncio.gather(*[_run(router, i) for i in range(8)])
+    assert {s for s, _ in served} == {"small"}  # every request answered, by the fallback
+    assert router.breaker("big").state == "open"
+    before = router.num_engine_requests["big"]
+    assert (await _run(router, 100))[0] == "small"  # straight to the fallback
+    assert router.num_engine_requests["big"] == before
+    engines["big"].faults.clear()
+    await asyncio.sleep(0.6)  # the open period passes: half-open
+    assert router.breaker("big").state == "half_open"
+    results = await asyncio.gather(*[_run(router, 200 + i) for i in range(4)])
+    assert sorted(s for s, _ in results).count("big") == 1  # exactly one probe
+    assert router.breaker("big").state == "closed"
+    assert (await _run(router, 300))[0] == "big"
+
+
+async def test_error_fault_fails_over_within_the_retry_budget(engines):
+    router = _router(engines, retry_budget=RetryBudgetConfig(ratio=0.1, min_retries=2))
+    engines["big"].faults.inject(Fault("error"))
+    results = await asyncio.gather(*[_run(router, i) for i in range(30)], return_exceptions=True)
+    served = [r for r in results if not isinstance(r, BaseException)]
+    assert all(s == "small" for s, _ in served)
+    assert all(isinstance(r, NoModelAvailable) for r in results if isinstance(r, BaseException))
+    engine_requests = sum(router.num_engine_requests.values())
+    assert engine_requests <= 30 * 1.1
+
+
+async def test_whole_ladder_down_is_a_fast_503(engines):
+    router = _router(engines)
+    for name in ("big", "small"):
+        router.breaker(name)._cb.open()
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with pytest.raises(NoModelAvailable) as info:
+        await _run(router, 0)
+    assert loop.time() - started < 0.05
+    assert info.value.retry_after_s >= 0.4
+
+
+async def test_full_bulkhead_is_429_not_a_degrade(engines):
+    router = _router(engines, bulkhead=BulkheadConfig(max_num_requests=1))
+    first = router.generate(GenerateRequest("a", "big", "x", SamplingParams(max_tokens=50, ignore_eos=True)))
+    await anext(first)
+    with pytest.raises(AdmissionRejected):
+        await _run(router, 1)
+    await first.aclose()
+    assert router.bulkhead("big").num_requests == 0
+
+
+async def test_a_stream_that_stalls_after_its_first_token_is_not_retried(engines):
+    router = _router(engines)
+    stream = router.generate(GenerateRequest("s", "big", "x", SamplingParams(max_tokens=200, ignore_eos=True)))
+    first = await anext(stream)
+    assert first.served_model == "big"
+    engines["big"].faults.inject(Fault("stall"))
+    with pytest.raises(Exception) as info:
+        async for _ in stream:
+            pass
+    assert "between_tokens" in str(info.value)
+    assert router.num_engine_requests.get("small", 0) == 0
+    engines["big"].faults.clear()
