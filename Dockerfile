@@ -1,7 +1,7 @@
 # syntax=docker/dockerfile:1
 # pagedserve on NVIDIA GPUs, in the spirit of the vllm/vllm-openai image: one replica per container.
 #   docker build -t pagedserve .
-#   docker run --gpus all -p 8000:8000 -e MODEL=/app/models/pagedserve-coder-small pagedserve
+#   docker run --gpus all -p 8000:8000 pagedserve
 # The torch CUDA wheel ships its own CUDA libraries (cuBLAS, cuDNN, NCCL as pip packages), so the base
 # image only has to match the driver; CUDA_VERSION and TORCH_INDEX must name the same CUDA release.
 ARG CUDA_VERSION=12.8.1
@@ -35,8 +35,9 @@ COPY pyproject.toml README.md ./
 COPY engine/ engine/
 COPY resilience/ resilience/
 COPY service/ service/
+# editable: the packages stay in /app, beside models/, where the CLI looks for the shipped defaults
 RUN --mount=type=cache,target=/root/.cache/pip \
-    pip install . \
+    pip install -e . \
     && python -c "import torch; assert torch.__version__.startswith('${TORCH_VERSION}'), torch.__version__"
 
 # The shipped default models (a primary and its smaller fallback), read-only at run time.
@@ -45,8 +46,10 @@ COPY models/ models/
 RUN useradd --system --create-home --uid 10001 pagedserve
 USER pagedserve
 
-# The model directory to serve, and the fraction of GPU memory the replica may take (weights + KV cache).
-ENV MODEL=/app/models/pagedserve-coder-small \
+# MODEL: a model directory to serve alone; empty serves the shipped pagedserve-coder-small with
+# pagedserve-coder-tiny as its fallback. MAX_GPU_MEMORY_UTILIZATION: the fraction of GPU memory the
+# replica may take (weights + KV cache).
+ENV MODEL="" \
     MAX_GPU_MEMORY_UTILIZATION=0.9
 
 EXPOSE 8000
