@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-slow lint bench models clean
+.PHONY: run test test-slow lint bench models clean nginx loadtest loadtest-step baseline
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -35,6 +35,19 @@ bench: $(STAMP)
 
 models: $(STAMP)
 	$(PY) models/train.py
+
+HOST ?= http://127.0.0.1:8000
+P99_TTFT_MS ?= 2000
+P99_E2E_MS ?= 15000
+
+loadtest: $(STAMP)
+	$(PY) -m loadtests.run --host $(HOST) --users 64 --duration 60s --p99-ttft-ms $(P99_TTFT_MS) --p99-e2e-ms $(P99_E2E_MS) --max-error-rate 0
+
+loadtest-step: $(STAMP)
+	$(PY) -m loadtests.run --host $(HOST) --shape step --duration 120s --p99-ttft-ms $(P99_TTFT_MS) --p99-e2e-ms $(P99_E2E_MS) --max-error-rate 0
+
+baseline: $(STAMP)
+	$(PY) benchmarks/baseline_server.py --model models/pagedserve-coder-small --port 8100 --max-batch 32
 
 clean:
 	rm -rf $(VENV) build *.egg-info
