@@ -118,13 +118,13 @@ class BlockManager:
         while len(hashes) < num_full_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(hash((parent, tuple(seq.token_id_at(p) for p in range(i * bs, (i + 1) * bs)))))
+            hashes.append(hash((parent, seq.token_slice(i * bs, (i + 1) * bs))))
         return hashes[:num_full_blocks]
 
     def _lookup(self, seq: Sequence, block_hash: int, index: int) -> Block | None:
         block = self.cached.get(block_hash)
         bs = self.block_size
-        if block is None or block.token_ids != tuple(seq.token_ids[index * bs:(index + 1) * bs]):
+        if block is None or block.token_ids != seq.token_slice(index * bs, (index + 1) * bs):
             return None
         return block
 
@@ -165,7 +165,7 @@ class BlockManager:
             if block.block_hash is not None:
                 continue
             block.block_hash = block_hash
-            block.token_ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            block.token_ids = seq.token_slice(i * bs, (i + 1) * bs)
             self.cached.setdefault(block_hash, block)  # a duplicate stays private; tables are append-only
 
     # --- allocation ------------------------------------------------------------------------------

@@ -94,6 +94,13 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, start: int, end: int) -> tuple[int, ...]:
+        """Tokens [start, end) without building the whole token list."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return tuple(self.prompt_token_ids[start:end])
+        return tuple(self.prompt_token_ids[start:n]) + tuple(self.output_token_ids[max(start - n, 0):end - n])
+
     def token_id_at(self, position: int) -> int:
         n = len(self.prompt_token_ids)
         return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
