@@ -47,6 +47,7 @@ class AsyncEngine:
         self._running = False
         self.dead_error: BaseException | None = None
         self._stats = self.engine.stats()
+        self.last_progress_time = time.monotonic()  # end of the loop's last iteration (step or idle tick)
 
     # --- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -75,6 +76,11 @@ class AsyncEngine:
     @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    def seconds_since_progress(self) -> float:
+        """How long the loop has been inside one iteration. A healthy loop comes round at least
+        every IDLE_WAIT_S when idle and once per step when busy; far more means it is hung."""
+        return time.monotonic() - self.last_progress_time
 
     # --- requests (event-loop side) ---------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -138,14 +144,13 @@ class AsyncEngine:
             while self._running:
                 self._drain_commands()
                 self.faults.before_step(self.engine, self._fail_request)
-                if not self.engine.has_unfinished_requests:
-                    self._stats = self.engine.stats()
+                if self.engine.has_unfinished_requests:
+                    self._deliver(self.engine.step())
+                else:
                     self._wake.wait(IDLE_WAIT_S)
                     self._wake.clear()
-                    continue
-                outputs = self.engine.step()
                 self._stats = self.engine.stats()
-                self._deliver(outputs)
+                self.last_progress_time = time.monotonic()
         except BaseException as exc:  # noqa: BLE001 - any death of the loop must reach every waiter
             logger.exception("engine loop died")
             self.dead_error = exc
