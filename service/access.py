@@ -18,7 +18,7 @@ logger = logging.getLogger("service.access")
 
 _CLEAN_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 CLIENT_CLOSED = 499  # nginx's code for "client closed the request": only in logs and metrics
-QUIET_PATHS = ("/metrics", "/health")  # probes and scrapes log at DEBUG
+QUIET_PATHS = ("/metrics", "/health")  # probes and scrapes (every second or so) log at DEBUG
 
 
 @web.middleware
@@ -58,8 +58,7 @@ def route_of(request: web.Request) -> str:
 
 def _log(request: web.Request, request_id: str, status: int, record: RequestRecord) -> None:
     total = time.monotonic() - record.start
-    quiet = request.path.startswith(QUIET_PATHS) and status < 400
-    level = logging.DEBUG if quiet else logging.INFO
+    level = logging.DEBUG if request.path.startswith(QUIET_PATHS) else logging.INFO
     if not logger.isEnabledFor(level):
         return
     ttft = f"{record.ttft:.3f}" if record.ttft is not None else "-"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -58,7 +59,8 @@ def create_app(config: ServerConfig, *, engine_factory: EngineFactory | None = N
     app[STATE_KEY] = state
     app[METRICS_KEY] = Metrics(lambda: state.engines)
     app[ENGINE_FACTORY_KEY] = engine_factory or _real_engine
-    app[ROUTER_FACTORY_KEY] = router_factory or make_router
+    app[ROUTER_FACTORY_KEY] = router_factory or functools.partial(make_router,
+                                                                   idle_timeout_s=config.idle_timeout_s)
     app.cleanup_ctx.append(engines_ctx)
     app.on_shutdown.append(drain)
     add_routes(app)

@@ -83,6 +83,8 @@ def _add_server_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-warmup", dest="warmup", action="store_false", default=None,
                    help="skip the one-token warm-up generation before turning ready")
     p.add_argument("--shutdown-timeout", type=float, help="seconds in-flight requests may finish (default 10)")
+    p.add_argument("--idle-timeout", dest="idle_timeout_s", type=float,
+                   help="seconds without a first or next token before a request fails over (default 10)")
 
 
 def _add_engine_options(p: argparse.ArgumentParser) -> None:
@@ -136,7 +138,7 @@ def build_config(args: argparse.Namespace, env: Mapping[str, str]) -> ServerConf
         "api_keys": tuple(api_keys) if api_keys else None,
         "admin_key": args.admin_key or env.get("ADMIN_KEY") or None,
         "max_body_bytes": args.max_body_bytes, "auth_metrics": args.auth_metrics, "warmup": args.warmup,
-        "shutdown_timeout": args.shutdown_timeout,
+        "shutdown_timeout": args.shutdown_timeout, "idle_timeout_s": args.idle_timeout_s,
     }
     merged = {**base, **{k: v for k, v in overrides.items() if v is not None}, "models": models}
     try:

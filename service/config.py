@@ -19,7 +19,7 @@ DEFAULT_FALLBACK = MODELS_ROOT / "pagedserve-coder-tiny"
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name != "model")
 SERVER_OPTIONS = ("host", "port", "api_keys", "admin_key", "max_body_bytes", "auth_metrics", "warmup",
-                  "shutdown_timeout", "models")
+                  "shutdown_timeout", "idle_timeout_s", "models")
 MODEL_OPTIONS = ("path", "name", "fallback", *ENGINE_OPTIONS)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
@@ -53,6 +53,7 @@ class ServerConfig:
     auth_metrics: bool = False  # /metrics needs an API key too
     warmup: bool = True  # one tiny generation per model before /health/ready says 200
     shutdown_timeout: float = 10.0  # seconds in-flight requests may take to finish on shutdown
+    idle_timeout_s: float = 10.0  # no first token, or no next token, for this long: fail over (resilience)
     retry_after_overload: int = 1  # seconds, on 429
     retry_after_unavailable: int = 5  # seconds, on 503
 
@@ -70,6 +71,7 @@ class ServerConfig:
         _check(all(isinstance(k, str) and k for k in self.api_keys), "API keys must be non-empty strings")
         _check(self.admin_key is None or bool(self.admin_key), "the admin key must be a non-empty string")
         _check(self.shutdown_timeout >= 0, f"shutdown_timeout must be non-negative, got {self.shutdown_timeout}")
+        _check(self.idle_timeout_s > 0, f"idle_timeout_s must be positive, got {self.idle_timeout_s}")
 
     @property
     def model_names(self) -> list[str]:

@@ -14,7 +14,8 @@ import logging
 
 from aiohttp import web
 
-from engine.errors import EngineDeadError, EngineOverloadedError, RequestRejectedError
+from engine.errors import EngineDeadError, EngineOverloadedError, EngineStepError, RequestRejectedError
+from resilience.errors import AdmissionRejected, DeadlineExceeded, RetryLater
 from service.keys import CONFIG_KEY, REQUEST_ID_KEY
 
 logger = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ def to_response(request: web.Request, exc: Exception) -> web.Response:
         headers["Retry-After"] = str(retry_after)
     if status == 401:
         headers["WWW-Authenticate"] = "Bearer"
-    if status >= 500 and not isinstance(exc, EngineDeadError | UnavailableError | web.HTTPException):
+    if status == 500:
         request_id = request.get(REQUEST_ID_KEY, "-")
         logger.error("request_id=%s unexpected error: %r", request_id, exc, exc_info=exc)
         message = f"internal error; request id {request_id}"
@@ -123,6 +124,13 @@ def classify(exc: BaseException, retry_overload: int = 1,
         return 429, str(exc) or "the server is overloaded; retry later", None, "overloaded", retry_overload
     if isinstance(exc, EngineDeadError):
         return 503, str(exc) or "the engine is not running", None, "engine_dead", retry_unavailable
+    if isinstance(exc, EngineStepError):  # the model failed this request: another replica may not
+        return 503, str(exc) or "the model failed this request", None, "engine_error", retry_unavailable
+    if isinstance(exc, RetryLater):  # a full bulkhead is the client's to slow down; an open breaker is ours
+        status, code = (429, "overloaded") if isinstance(exc, AdmissionRejected) else (503, "unavailable")
+        return status, str(exc), None, code, int(exc.retry_after_header)
+    if isinstance(exc, DeadlineExceeded):  # no model of the ladder made progress in time
+        return 503, str(exc), None, "deadline_exceeded", retry_unavailable
     # errors from layers written later (resilience) may say their own status
     status = getattr(exc, "http_status", None)
     if isinstance(status, int) and 400 <= status < 600:

@@ -36,6 +36,7 @@ class Generation:
         self.model = self._resolve(model)
         self.record.model = self.model
         self.prompts: list[str | list[int]] = []
+        self.num_prompt_tokens: list[int] = []  # per prompt, as the asked model tokenizes it
         self._last_token: float | None = None
         self._queue_time: float | None = None
         self._seen: set[int] = set()  # prompt indices with an output already
@@ -57,16 +58,20 @@ class Generation:
     async def check_prompts(self, prompts: list[str | list[int]]) -> None:
         """Tokenize and check every prompt in a worker thread (a 4 MiB prompt must not stall the loop);
         a prompt too long for the context is a 400 that says the numbers."""
-        await asyncio.to_thread(self._check_all, prompts)
+        self.num_prompt_tokens = await asyncio.to_thread(self._check_all, prompts)
         self.prompts = prompts
 
     async def check_chat(self, messages: list[dict[str, str]]) -> None:
         prompt = await asyncio.to_thread(self.engine.apply_chat_template, messages)
         await self.check_prompts([prompt])
 
-    def _check_all(self, prompts: list[str | list[int]]) -> None:
+    def _check_all(self, prompts: list[str | list[int]]) -> list[int]:
+        counts = []
         for prompt in prompts:
-            self.engine.check_request(self.engine.encode(prompt), self.params)
+            token_ids = self.engine.encode(prompt)
+            self.engine.check_request(token_ids, self.params)
+            counts.append(len(token_ids))
+        return counts
 
     def token_text(self, served_model: str) -> Any:
         tokenizer = self.state.engines[served_model].tokenizer
@@ -84,8 +89,9 @@ class Generation:
         """(prompt index, output delta) until every engine request finished."""
         task = asyncio.current_task()
         self.state.generations.add(task)
-        requests = [GenerateRequest(f"{self.id}-{i}", self.model, prompt, self.params, self.priority)
-                    for i, prompt in enumerate(self.prompts)]
+        requests = [GenerateRequest(f"{self.id}-{i}", self.model, prompt, self.params, self.priority,
+                                    num_prompt_tokens=num_tokens)
+                    for i, (prompt, num_tokens) in enumerate(zip(self.prompts, self.num_prompt_tokens, strict=True))]
         try:
             async for index, routed in merge([self.state.router.generate(r) for r in requests]):
                 self._observe(index, routed)

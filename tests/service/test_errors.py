@@ -5,7 +5,8 @@ import threading
 
 import pytest
 
-from engine.errors import EngineDeadError, EngineOverloadedError, RequestRejectedError
+from engine.errors import EngineDeadError, EngineOverloadedError, EngineStepError, RequestRejectedError
+from resilience.errors import AdmissionRejected, BreakerOpenError, DeadlineExceeded, NoModelAvailable
 from service.errors import ERROR_TYPES, InvalidRequestError, classify
 from tests.service.conftest import until
 
@@ -75,8 +76,8 @@ async def test_dead_engines_are_503_with_retry_after(start):
     h = await start()
     h.engines["primary"].is_dead = h.engines["fallback"].is_dead = True
     response = await h.client.post(COMPLETIONS, json={"prompt": "hi"})
-    assert (await _error(response, 503))["message"].startswith("no engine can serve")
-    assert response.headers["Retry-After"] == "5"
+    assert (await _error(response, 503))["message"] == "no model of ['primary', 'fallback'] can serve now"
+    assert int(response.headers["Retry-After"]) >= 1
     assert (await h.client.get("/health/ready")).status == 503
 
 
@@ -138,4 +139,12 @@ def test_classify_families():
     assert classify(RequestRejectedError("too long"))[0] == 400
     assert classify(EngineOverloadedError("full"), 2, 7)[::4] == (429, 2)
     assert classify(EngineDeadError("dead"), 2, 7)[::4] == (503, 7)
+    assert classify(EngineStepError("nan in logits"), 2, 7)[::3] == (503, "engine_error")
     assert classify(TimeoutError())[:2] == (500, "internal error")
+
+
+def test_classify_resilience_errors():
+    assert classify(AdmissionRejected("m", "queue full", 1.2))[::4] == (429, 2)
+    assert classify(BreakerOpenError("m", "open", 0.1))[::4] == (503, 1)
+    assert classify(NoModelAvailable("every model refused", 3))[::4] == (503, 3)
+    assert classify(DeadlineExceeded("first_token", 10.0), 1, 5)[::3] == (503, "deadline_exceeded")

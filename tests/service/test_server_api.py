@@ -1,0 +1,246 @@
+"""A real server process with the shipped models (small primary, tiny fallback), driven by the official
+`openai` client (sync and async) and by raw HTTP for every error case."""
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import openai
+import pytest
+
+from tests.service.server import API_KEY, SMALL, TINY, launch, require_models
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+PROMPT = "def read_lines(path):\n"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    require_models(SMALL, TINY)
+    # two sequences per model, so a third request queues (disconnect-while-queued test)
+    srv = launch(["--model", str(SMALL), "--fallback", str(TINY), "--api-key", API_KEY, "--max-num-seqs", "2"],
+                 tmp_path_factory.mktemp("server-api") / "server.log")
+    yield srv
+    assert srv.stop() == 0, srv.log()[-3000:]  # SIGTERM: graceful shutdown, exit 0
+    assert "shutting down" in srv.log()
+
+
+@pytest.fixture(scope="module")
+def sdk(server):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+async def async_sdk(server):
+    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    yield client
+    await client.close()
+
+
+def test_loading_answers_503_with_retry_after(server):
+    assert server.startup["status"] == 503 and server.startup["retry_after"] == "5"
+    assert server.startup["body"]["error"]["code"] == "model_loading"
+
+
+def test_models_health_version(server, sdk):
+    assert [m.id for m in sdk.models.list().data] == [SMALL.name, TINY.name]  # configuration order
+    for path in ("/health", "/health/live", "/health/ready", "/version"):
+        assert server.get(path)[0] == 200, path
+
+
+def test_sync_completion(sdk):
+    done = sdk.completions.create(model=TINY.name, prompt=PROMPT, max_tokens=12, temperature=0)
+    assert done.object == "text_completion" and done.model == TINY.name and done.id.startswith("cmpl-")
+    assert done.choices[0].finish_reason in ("stop", "length") and done.choices[0].text
+    assert done.usage.completion_tokens <= 12 and done.usage.prompt_tokens > 0
+    default_model = sdk.completions.create(model=SMALL.name, prompt=PROMPT, max_tokens=4, temperature=0)
+    assert default_model.model == SMALL.name
+
+
+def test_streamed_text_equals_the_whole_text(sdk):
+    args = dict(model=TINY.name, prompt=PROMPT, max_tokens=16, temperature=0)
+    whole = sdk.completions.create(**args)
+    chunks = list(sdk.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+
+
+async def test_async_chat(async_sdk):
+    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "sort a list"}]
+    done = await async_sdk.chat.completions.create(model=TINY.name, messages=messages, max_tokens=12,
+                                                   temperature=0)
+    assert done.object == "chat.completion" and done.choices[0].message.role == "assistant"
+    stream = await async_sdk.chat.completions.create(model=TINY.name, messages=messages, max_tokens=12,
+                                                     temperature=0, stream=True)
+    chunks = [c async for c in stream]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == done.choices[0].message.content
+
+
+async def test_async_completions_concurrently(async_sdk):
+    results = await asyncio.gather(*[
+        async_sdk.completions.create(model=TINY.name, prompt=f"x = {i}\n", max_tokens=8, temperature=0)
+        for i in range(6)])
+    assert all(r.choices[0].finish_reason in ("stop", "length") for r in results)
+
+
+def test_n_and_several_prompts(sdk):
+    done = sdk.completions.create(model=TINY.name, prompt=PROMPT, max_tokens=8, n=2, seed=5)
+    assert [c.index for c in done.choices] == [0, 1]
+    done = sdk.completions.create(model=TINY.name, prompt=["import os\n", "class A:\n"], max_tokens=4, n=2)
+    assert [c.index for c in done.choices] == [0, 1, 2, 3]
+    chat = sdk.chat.completions.create(model=TINY.name, messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=6, n=2)
+    assert [c.index for c in chat.choices] == [0, 1]
+
+
+def test_stop_strings(sdk):
+    args = dict(model=TINY.name, prompt=PROMPT, max_tokens=24, temperature=0)
+    text = sdk.completions.create(**args).choices[0].text
+    stop = text.strip()[3:6] if len(text.strip()) >= 6 else text[:1]
+    assert stop, f"greedy text too short to cut: {text!r}"
+    cut = sdk.completions.create(**args, stop=[stop]).choices[0]
+    assert cut.text == text[:text.find(stop)] and cut.finish_reason == "stop"
+
+
+def test_seed_reproduces(sdk):
+    args = dict(model=TINY.name, prompt=PROMPT, max_tokens=24, temperature=1.0, top_p=0.95)
+    first = [sdk.completions.create(**args, seed=1234).choices[0].text for _ in range(2)]
+    assert first[0] == first[1]
+    texts = {sdk.completions.create(**args, seed=s).choices[0].text for s in (1, 2, 3)}
+    assert len(texts) > 1  # different seeds sample differently
+
+
+def test_logprobs(sdk):
+    done = sdk.completions.create(model=TINY.name, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3)
+    lp = done.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    assert all(v <= 0 for v in lp.token_logprobs) and all(1 <= len(t) <= 4 for t in lp.top_logprobs)
+    # greedy: the sampled token is the most likely one
+    assert all(lp.token_logprobs[i] >= max(lp.top_logprobs[i].values()) - 1e-4 for i in range(6))
+    chat = sdk.chat.completions.create(model=TINY.name, messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(bytes(c.bytes).decode("utf-8", "replace") == c.token for c in content)
+
+
+async def test_multibyte_stream_is_valid_utf8(server):
+    prompt = "# 你好，世界 🙂🎉 ünïcödé\ns = '日本語のテキスト🚀"
+    body = {"model": TINY.name, "prompt": prompt, "max_tokens": 40, "temperature": 0}
+    async with aiohttp.ClientSession(headers=AUTH) as session:
+        async with session.post(f"{server.url}/v1/completions", json=body) as response:
+            whole = (await response.json())["choices"][0]["text"]
+        async with session.post(f"{server.url}/v1/completions", json={**body, "stream": True}) as response:
+            raw = await response.read()
+    events = raw.decode("utf-8").strip().split("\n\n")  # strict decode: broken UTF-8 raises
+    assert events[-1] == "data: [DONE]"
+    deltas = [json.loads(e[len("data: "):])["choices"][0]["text"] for e in events[:-1]]
+    assert "".join(deltas) == whole
+    assert not any(d.endswith("\ufffd") for d in deltas[:-1]) or "\ufffd" in whole
+
+
+def test_served_model_headers_and_request_id(server):
+    status, headers, body = server.post("/v1/completions", {"model": TINY.name, "prompt": "x", "max_tokens": 2},
+                                  {"X-Request-Id": "it-req-7"})
+    assert status == 200 and headers["x-pagedserve-served-model"] == TINY.name
+    assert "x-pagedserve-degraded" not in headers and headers["X-Request-Id"] == "it-req-7"
+    time.sleep(0.1)
+    line = next(line for line in server.log().splitlines() if "request_id=it-req-7" in line)
+    assert "status=200" in line and f"model={TINY.name}" in line and "completion_tokens=2" in line
+    assert "ttft_s=" in line and "total_s=" in line and API_KEY not in server.log()
+
+
+@pytest.mark.parametrize(("body", "status", "fragment"), [
+    (b"{not json", 400, "not valid JSON"),
+    ({"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens must be an integer"),
+    ({"prompt": "x", "temperature": -0.5}, 400, "temperature must be non-negative"),
+    ({"prompt": "x", "top_p": 0}, 400, "top_p must be in (0, 1]"),
+    ({"prompt": "x", "n": 0}, 400, "n must be at least 1"),
+    ({"prompt": "x", "max_tokens": 100000}, 400, "maximum context length is"),
+    ({"prompt": "x", "model": "no-such-model"}, 404, "does not exist"),
+])
+def test_error_cases(server, body, status, fragment):
+    got, headers, raw = server.post("/v1/completions", body)
+    error = json.loads(raw)["error"]
+    assert got == status and fragment in error["message"], raw
+    assert set(error) == {"message", "type", "param", "code"}
+
+
+def test_context_error_says_the_numbers(server):
+    status, _, raw = server.post("/v1/completions", {"model": TINY.name, "prompt": "x", "max_tokens": 100000})
+    message = json.loads(raw)["error"]["message"]
+    assert status == 400 and "100001" in message and "100000 to generate" in message
+
+
+def test_auth_errors(server):
+    assert server.post("/v1/completions", {"prompt": "x"}, {"Authorization": ""})[0] == 401
+    status, headers, raw = server.post("/v1/completions", {"prompt": "x"}, {"Authorization": "Bearer nope"})
+    assert status == 401 and headers["WWW-Authenticate"] == "Bearer"
+    assert json.loads(raw)["error"]["type"] == "authentication_error"
+    assert server.get("/metrics")[0] == 200 and server.get("/health")[0] == 200  # open
+
+
+def test_body_over_4_mib_is_413(server):
+    status, _, raw = server.post("/v1/completions", b'{"prompt": "' + b"x" * (4 * 2**20) + b'"}')
+    assert status == 413 and "too large" in json.loads(raw)["error"]["message"]
+
+
+def test_metrics_after_traffic(server, sdk):
+    sdk.completions.create(model=TINY.name, prompt=PROMPT, max_tokens=3)
+    _, _, body = server.get("/metrics")
+    text = body.decode()
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries_total",
+                 "prefix_cache_hits_total", "num_preemptions_total", "prompt_tokens_total",
+                 "generation_tokens_total", "time_to_first_token_seconds_count",
+                 "inter_token_latency_seconds_count", "e2e_request_latency_seconds_count",
+                 "request_queue_time_seconds_count"):
+        assert f'pagedserve:{name}{{model_name="{TINY.name}"}}' in text, name
+    assert f'pagedserve:request_success_total{{finished_reason="length",model_name="{TINY.name}"}}' in text
+    assert 'pagedserve:http_requests_total{method="POST",route="/v1/completions",status="200"}' in text
+
+
+async def test_disconnect_mid_stream_frees_everything_within_a_second(server):
+    body = {"model": TINY.name, "prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    async with aiohttp.ClientSession(headers=AUTH) as session:
+        response = await session.post(f"{server.url}/v1/completions", json=body)
+        await response.content.readline()
+        await _until(lambda: server.metric("num_requests_running", TINY.name) == 1)
+        response.close()
+        closed = time.monotonic()
+    await _until(lambda: _idle(server, TINY.name), timeout=1.0)
+    assert time.monotonic() - closed < 1.0
+
+
+async def test_disconnect_while_queued_frees_everything(server):
+    long = {"model": TINY.name, "prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    async with aiohttp.ClientSession(headers=AUTH) as session:
+        running = [await session.post(f"{server.url}/v1/completions", json=long) for _ in range(2)]  # both slots
+        for response in running:
+            await response.content.readline()
+        queued = asyncio.create_task(session.post(f"{server.url}/v1/completions", json=long))
+        await _until(lambda: server.metric("num_requests_waiting", TINY.name) == 1)
+        queued.cancel()  # the client gives up while its request waits in the queue
+        await _until(lambda: server.metric("num_requests_waiting", TINY.name) == 0, timeout=1.0)
+        assert server.metric("num_requests_running", TINY.name) == 2
+        for response in running:
+            response.close()
+    await _until(lambda: _idle(server, TINY.name), timeout=1.0)
+
+
+def _idle(server, model: str) -> bool:
+    return all(server.metric(name, model) == 0 for name in
+               ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"))
+
+
+async def _until(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not await asyncio.to_thread(predicate):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not reached within {timeout} s")
+        await asyncio.sleep(0.05)
+
