@@ -33,6 +33,10 @@ class ServerState:
         dead = [name for name, engine in self.engines.items() if engine.is_dead]
         if dead:
             return f"engine dead: {dead}"
+        can_serve = getattr(self.router, "can_serve", None)
+        stuck = [name for name in model_names if can_serve is not None and not can_serve(name)]
+        if stuck:
+            return f"no model of the fallback ladder can serve: {stuck}"
         return None
 
 
