@@ -148,3 +148,11 @@ def test_classify_resilience_errors():
     assert classify(BreakerOpenError("m", "open", 0.1))[::4] == (503, 1)
     assert classify(NoModelAvailable("every model refused", 3))[::4] == (503, 3)
     assert classify(DeadlineExceeded("first_token", 10.0), 1, 5)[::3] == (503, "deadline_exceeded")
+
+
+async def test_ready_is_503_when_no_model_of_a_ladder_can_serve(start):
+    h = await start()
+    h.state.router.can_serve = lambda model: model != "primary"  # as with both breakers of its ladder open
+    response = await h.client.get("/health/ready")
+    assert response.status == 503
+    assert (await response.json())["reason"] == "no model of the fallback ladder can serve: ['primary']"
