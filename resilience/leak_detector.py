@@ -41,6 +41,7 @@ class LeakDetectorConfig:
     min_samples: int = 3  # idle samples in a run before it is judged
     min_slope_bytes_per_s: float = 64 * MIB / 3600  # 64 MiB/h
     min_growth_bytes: float = 64 * MIB  # must exceed the idle noise, peak to peak
+    max_samples: int = 64  # newest idle samples kept, whatever the window: bounds the work per check
 
     def __post_init__(self) -> None:
         for name in ("warmup_s", "min_slope_bytes_per_s", "min_growth_bytes"):
@@ -50,6 +51,8 @@ class LeakDetectorConfig:
             raise ValueError(f"window_s must be > 0, got {self.window_s}")
         if self.min_samples < 3:
             raise ValueError(f"min_samples must be >= 3 (a line and a step fit any 2), got {self.min_samples}")
+        if self.max_samples < self.min_samples:
+            raise ValueError(f"max_samples must be >= min_samples ({self.min_samples}), got {self.max_samples}")
 
 
 @dataclass(frozen=True)
@@ -79,7 +82,7 @@ class LeakDetector:
         self.config = config or LeakDetectorConfig()
         self._clock = clock
         self._started_at = clock()
-        self._points: deque[_Point] = deque()
+        self._points: deque[_Point] = deque(maxlen=self.config.max_samples)
         self._device = "unknown"
         self.num_busy_samples = 0
 
@@ -138,10 +141,13 @@ def _fit_line(times: list[float], values: list[float]) -> tuple[float, float]:
 
 
 def _best_step_sse(values: list[float]) -> float:
-    """Smallest sum of squared residuals of two flat levels split at one point."""
-    return min(_sse_about_mean(values[:k]) + _sse_about_mean(values[k:]) for k in range(1, len(values)))
-
-
-def _sse_about_mean(values: list[float]) -> float:
-    mean = sum(values) / len(values)
-    return sum((v - mean) ** 2 for v in values)
+    """Smallest sum of squared residuals of two flat levels split at one point; O(n) by prefix sums
+    (sse = sum(v^2) - sum(v)^2 / n), values taken relative to the first to keep the squares small."""
+    shifted = [v - values[0] for v in values]
+    total, total_sq = sum(shifted), sum(v * v for v in shifted)
+    best, head, head_sq = float("inf"), 0.0, 0.0
+    for k, v in enumerate(shifted[:-1], start=1):
+        head, head_sq = head + v, head_sq + v * v
+        tail, tail_sq, n_tail = total - head, total_sq - head_sq, len(shifted) - k
+        best = min(best, head_sq - head * head / k + tail_sq - tail * tail / n_tail)
+    return best

@@ -58,7 +58,8 @@ def feed(beats: list[Beat], config: LeakDetectorConfig | None = None) -> list[bo
 
 
 @pytest.mark.parametrize("kwargs", [{"warmup_s": -1.0}, {"window_s": 0.0}, {"min_samples": 2},
-                                    {"min_growth_bytes": -1.0}, {"min_slope_bytes_per_s": -1.0}])
+                                    {"min_growth_bytes": -1.0}, {"min_slope_bytes_per_s": -1.0},
+                                    {"min_samples": 5, "max_samples": 4}])
 def test_config_rejects_bad_values(kwargs):
     with pytest.raises(ValueError):
         LeakDetectorConfig(**kwargs)
@@ -137,3 +138,13 @@ def test_old_samples_leave_the_window():
         clock.now = i * BEAT_S
         detector.add(MemorySample("cpu", used_bytes=1024 * MIB), is_busy=False)
     assert detector.num_idle_samples == 3
+
+
+def test_keeps_at_most_max_samples_however_fast_they_come():
+    clock = FakeClock(0.0)
+    detector = LeakDetector(LeakDetectorConfig(warmup_s=0.0, max_samples=8), clock=clock)
+    for i in range(100):
+        clock.now = i * 0.001
+        detector.add(MemorySample("cpu", used_bytes=(1024 + 64 * i) * MIB), is_busy=False)
+    assert detector.num_idle_samples == 8
+    assert detector.check() is not None
