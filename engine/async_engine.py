@@ -108,6 +108,7 @@ class AsyncEngine:
         self._wake.set()
         finished = False
         try:
+            self._check_alive()  # the loop may have died after the first check, before it saw us
             while not finished:
                 item = await waiter.queue.get()
                 if isinstance(item, BaseException):
