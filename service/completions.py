@@ -99,12 +99,13 @@ async def stream(request: web.Request, gen: Generation, fmt: _Format, include_us
         # the client went away (handler_cancellation), or shutdown ran out of drain time: then the
         # client is still there and gets a proper end instead of a cut connection
         if events is not None and gen.state.is_draining:
-            await _send_error(request, events, UnavailableError("the server is shutting down", code="draining"))
+            await _send_error(request, events, UnavailableError("the server is shutting down", code="draining"),
+                              _error_chunks(gen, fmt, model))
         raise
     except Exception as exc:
         if events is None:
             raise  # nothing sent yet: the error middleware answers with the right status
-        await _send_error(request, events, exc)
+        await _send_error(request, events, exc, _error_chunks(gen, fmt, model))
     return events.response
 
 
@@ -114,16 +115,24 @@ async def _open(request: web.Request, gen: Generation, routed: RoutedOutput | No
     return events
 
 
-async def _send_error(request: web.Request, events: EventStream, exc: Exception) -> None:
-    """After bytes were streamed the status cannot change: an error event, then [DONE]."""
+def _error_chunks(gen: Generation, fmt: _Format, model: str) -> list[dict]:
+    """A last chunk for every choice not finished yet, with finish_reason "error"."""
+    num_choices = len(gen.prompts) * fmt.n
+    return [protocol.chunk(fmt.chunk_kind, gen.id, gen.created, model, [fmt.error_choice(i)])
+            for i in range(num_choices) if fmt.choices[i].finish_reason is None]
+
+
+async def _send_error(request: web.Request, events: EventStream, exc: Exception, chunks: list[dict]) -> None:
+    """After bytes were streamed the status cannot change: each unfinished choice ends with
+    finish_reason "error", then an error event (the openai client raises it), then [DONE]."""
     status, message, param, code, _ = classify(exc)
     request_id = request[REQUEST_ID_KEY]
     request[RECORD_KEY].note = f"error_{status}"
     if status >= 500:
-        logger.error("request_id=%s error mid-stream: %r", request_id, exc, exc_info=exc)
+        logger.error("request_id=%s error mid-stream: %r", request_id, exc, exc_info=exc if status == 500 else None)
         message = f"{message}; request id {request_id}" if status == 500 else message
     with contextlib.suppress(ConnectionResetError):
-        await events.send(error_body(status, message, param, code))
+        await events.send_many([*chunks, error_body(status, message, param, code)])
         await events.close()
 
 
@@ -169,6 +178,13 @@ class _Format:
     def _logprobs(self, out: CompletionOutput, choice: _Choice, token_text: Any) -> dict | None:
         raise NotImplementedError
 
+    def error_choice(self, index: int) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _finish(self, index: int, out: CompletionOutput) -> None:
+        if out.finish_reason:
+            self.choices[index].finish_reason = out.finish_reason
+
     @staticmethod
     def _merge(into: dict[str, list] | None, more: dict[str, list] | None) -> dict[str, list] | None:
         return into if more is None else protocol.merge_completion_logprobs(into, more)
@@ -180,6 +196,9 @@ class _Format:
 class CompletionFormat(_Format):
     chunk_kind = "text_completion"
 
+    def error_choice(self, index: int) -> dict[str, Any]:
+        return protocol.completion_choice(index, "", None, "error")
+
     def body(self, completion_id: str, created: int, model: str, usage: dict) -> dict[str, Any]:
         choices = [protocol.completion_choice(i, "".join(c.text), c.logprobs, c.finish_reason, c.stop_reason)
                    for i, c in self._sorted()]
@@ -190,6 +209,7 @@ class CompletionFormat(_Format):
         for out in output.outputs:
             index = prompt_index * self.n + out.index
             logprobs = self._logprobs(out, self.choices[index], token_text)
+            self._finish(index, out)
             if out.text or out.finish_reason or logprobs:
                 chunks.append([protocol.completion_choice(index, out.text, logprobs, out.finish_reason,
                                                           out.stop_reason)])
@@ -206,6 +226,9 @@ class CompletionFormat(_Format):
 class ChatFormat(_Format):
     chunk_kind = "chat.completion.chunk"
 
+    def error_choice(self, index: int) -> dict[str, Any]:
+        return protocol.chat_chunk_choice(index, {}, None, "error")
+
     def body(self, completion_id: str, created: int, model: str, usage: dict) -> dict[str, Any]:
         choices = [protocol.chat_choice(i, "".join(c.text), c.logprobs, c.finish_reason, c.stop_reason)
                    for i, c in self._sorted()]
@@ -220,6 +243,7 @@ class ChatFormat(_Format):
                 choice.is_started = True
                 chunks.append([protocol.chat_chunk_choice(index, {"role": "assistant", "content": ""}, None, None)])
             logprobs = self._logprobs(out, choice, token_text)
+            self._finish(index, out)
             if out.text or out.finish_reason or logprobs:
                 delta = {"content": out.text} if out.text or logprobs else {}
                 chunks.append([protocol.chat_chunk_choice(index, delta, logprobs, out.finish_reason,

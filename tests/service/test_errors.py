@@ -1,5 +1,6 @@
 """Every error is OpenAI-shaped JSON from the one middleware, with the right status and Retry-After."""
 
+import json
 import logging
 import threading
 
@@ -117,7 +118,11 @@ async def test_error_after_the_stream_began_is_an_error_event_then_done(start):
     response = await h.client.post(COMPLETIONS, json={"prompt": "hi", "stream": True})
     assert response.status == 200
     events = (await response.text()).strip().split("\n\n")
-    assert '"error"' in events[-2] and "the engine loop died" in events[-2] and events[-1] == "data: [DONE]"
+    last_chunk, error, done = events[-3:]
+    assert json.loads(last_chunk[len("data: "):])["choices"] == [
+        {"index": 0, "text": "", "logprobs": None, "finish_reason": "error", "stop_reason": None}]
+    assert json.loads(error[len("data: "):])["error"]["message"] == "the engine loop died"
+    assert done == "data: [DONE]"
 
 
 async def test_unknown_route_and_method_are_json(start):
