@@ -66,6 +66,11 @@ class Heartbeat:
             await self._task
         self._task = None
 
+    def reset_detector(self) -> None:
+        """Forget the samples (after a model load, unload or recycle) and any leak flagged."""
+        self._detector.reset()
+        self.last_report = None
+
     async def _run(self) -> None:
         while True:
             try:

@@ -22,8 +22,8 @@ from typing import Any
 from aiohttp import web
 
 from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
 from service.access import access_middleware
+from service.admin import add_admin_routes
 from service.auth import KeyRing, auth_middleware
 from service.config import ServerConfig
 from service.errors import error_middleware
@@ -40,10 +40,9 @@ from service.metrics import Metrics
 from service.router import make_router
 from service.routes import add_routes
 from service.state import ServerState
+from service.supervision import supervision_ctx, warm_up
 
 logger = logging.getLogger(__name__)
-
-WARMUP_PROMPT = "Hello"
 
 
 def create_app(config: ServerConfig, *, engine_factory: EngineFactory | None = None,
@@ -54,16 +53,18 @@ def create_app(config: ServerConfig, *, engine_factory: EngineFactory | None = N
                    auth_middleware(KeyRing(config.api_keys), KeyRing([config.admin_key] if config.admin_key else []),
                                    config.auth_metrics)]
     app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
-    state = ServerState()
+    state = ServerState(config.hang_timeout_s)
     app[CONFIG_KEY] = config
     app[STATE_KEY] = state
-    app[METRICS_KEY] = Metrics(lambda: state.engines)
+    app[METRICS_KEY] = Metrics(lambda: state.engines, state)
     app[ENGINE_FACTORY_KEY] = engine_factory or _real_engine
     app[ROUTER_FACTORY_KEY] = router_factory or functools.partial(make_router,
                                                                    idle_timeout_s=config.idle_timeout_s)
     app.cleanup_ctx.append(engines_ctx)
+    app.cleanup_ctx.append(supervision_ctx)
     app.on_shutdown.append(drain)
     add_routes(app)
+    add_admin_routes(app)
     return app
 
 
@@ -104,22 +105,14 @@ async def load_models(app: web.Application) -> None:
             state.fatal.set()
             return
     state.router = app[ROUTER_FACTORY_KEY](state.engines, {m.name: m.fallback for m in config.models})
-    state.is_ready = True
+    state.health.set_loading(False)
+    state.loaded.set()
     logger.info("ready: serving %s", ", ".join(config.model_names))
-
-
-async def warm_up(engine: Any, name: str) -> None:
-    """One greedy token end to end, so the first client does not pay for lazy initialization."""
-    prompt = engine.encode(WARMUP_PROMPT) or [0]
-    params = SamplingParams(max_tokens=1, temperature=0.0)
-    async with contextlib.aclosing(engine.generate(prompt, params, f"warmup-{name}")) as outputs:
-        async for _ in outputs:
-            pass
 
 
 async def drain(app: web.Application) -> None:
     config, state = app[CONFIG_KEY], app[STATE_KEY]
-    state.is_draining = True
+    state.health.start_draining()
     pending = {t for t in state.generations if not t.done()}
     if pending and config.shutdown_timeout > 0:
         logger.info("draining %d in-flight generations for up to %.1f s", len(pending), config.shutdown_timeout)

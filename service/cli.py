@@ -96,6 +96,16 @@ def _add_server_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-timeout", type=float, help="seconds in-flight requests may finish (default 10)")
     p.add_argument("--idle-timeout", dest="idle_timeout_s", type=float,
                    help="seconds without a first or next token before a request fails over (default 10)")
+    p.add_argument("--heartbeat-interval", dest="heartbeat_interval_s", type=float,
+                   help="seconds between memory probes and leak checks (default 30)")
+    p.add_argument("--leak-min-growth", dest="leak_min_growth_bytes", type=parse_size,
+                   help="idle memory growth that may count as a leak, e.g. 64MiB (default)")
+    p.add_argument("--leak-action", choices=["recycle", "exit"],
+                   help="on a confirmed leak: reload the engines in process (default) or exit with code 75")
+    p.add_argument("--hang-timeout", dest="hang_timeout_s", type=float,
+                   help="seconds an engine loop may spend in one iteration before liveness fails (default 60)")
+    p.add_argument("--enable-fault-injection", action="store_true", default=None,
+                   help="serve POST/DELETE /admin/faults (admin key required): for chaos tests only")
 
 
 def _add_engine_options(p: argparse.ArgumentParser) -> None:
@@ -150,6 +160,9 @@ def build_config(args: argparse.Namespace, env: Mapping[str, str]) -> ServerConf
         "admin_key": args.admin_key or env.get("ADMIN_KEY") or None,
         "max_body_bytes": args.max_body_bytes, "auth_metrics": args.auth_metrics, "warmup": args.warmup,
         "shutdown_timeout": args.shutdown_timeout, "idle_timeout_s": args.idle_timeout_s,
+        "heartbeat_interval_s": args.heartbeat_interval_s, "leak_min_growth_bytes": args.leak_min_growth_bytes,
+        "leak_action": args.leak_action, "hang_timeout_s": args.hang_timeout_s,
+        "enable_fault_injection": args.enable_fault_injection,
     }
     merged = {**base, **{k: v for k, v in overrides.items() if v is not None}, "models": models}
     try:
@@ -214,7 +227,7 @@ async def serve(config: ServerConfig) -> int:
     """Serve until SIGINT/SIGTERM (exit 0) or until a model fails to load (exit 1)."""
     from aiohttp import web
 
-    from service.app import create_app
+    from service.app import create_app, drain
     from service.keys import STATE_KEY
 
     app = create_app(config)
@@ -236,9 +249,12 @@ async def serve(config: ServerConfig) -> int:
         for waiter in waiters:
             waiter.cancel()
         logger.info("shutting down")
+        # drain while the port is still open: new work gets 503 (nginx passes it on), in-flight finishes
+        await drain(app)
     finally:
         await runner.cleanup()
-    return 1 if app[STATE_KEY].fatal.is_set() else 0
+    state = app[STATE_KEY]
+    return 1 if state.fatal.is_set() else state.exit_code
 
 
 def generate(args: argparse.Namespace) -> int:

@@ -19,7 +19,9 @@ DEFAULT_FALLBACK = MODELS_ROOT / "pagedserve-coder-tiny"
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name != "model")
 SERVER_OPTIONS = ("host", "port", "api_keys", "admin_key", "max_body_bytes", "auth_metrics", "warmup",
-                  "shutdown_timeout", "idle_timeout_s", "models")
+                  "shutdown_timeout", "idle_timeout_s", "heartbeat_interval_s", "leak_min_growth_bytes",
+                  "leak_action", "hang_timeout_s", "enable_fault_injection", "models")
+LEAK_ACTIONS = ("recycle", "exit")
 MODEL_OPTIONS = ("path", "name", "fallback", *ENGINE_OPTIONS)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
@@ -54,6 +56,12 @@ class ServerConfig:
     warmup: bool = True  # one tiny generation per model before /health/ready says 200
     shutdown_timeout: float = 10.0  # seconds in-flight requests may take to finish on shutdown
     idle_timeout_s: float = 10.0  # no first token, or no next token, for this long: fail over (resilience)
+    heartbeat_interval_s: float = 30.0  # memory probe and leak check period
+    leak_min_growth_bytes: int = 64 * 1024 * 1024  # idle growth below this is never a leak
+    leak_action: str = "recycle"  # on a confirmed leak: reload engines in process, or exit for the supervisor
+    hang_timeout_s: float = 60.0  # an engine loop stuck this long in one iteration fails liveness
+    enable_fault_injection: bool = False  # POST/DELETE /admin/faults (chaos tests only)
+    health_generate_skip_s: float = 5.0  # /health/generate skips its probe when a token came this recently
     retry_after_overload: int = 1  # seconds, on 429
     retry_after_unavailable: int = 5  # seconds, on 503
 
@@ -72,6 +80,10 @@ class ServerConfig:
         _check(self.admin_key is None or bool(self.admin_key), "the admin key must be a non-empty string")
         _check(self.shutdown_timeout >= 0, f"shutdown_timeout must be non-negative, got {self.shutdown_timeout}")
         _check(self.idle_timeout_s > 0, f"idle_timeout_s must be positive, got {self.idle_timeout_s}")
+        _check(self.heartbeat_interval_s > 0, f"heartbeat_interval must be positive, got {self.heartbeat_interval_s}")
+        _check(self.leak_min_growth_bytes > 0, f"leak_min_growth must be positive, got {self.leak_min_growth_bytes}")
+        _check(self.leak_action in LEAK_ACTIONS, f"leak_action must be one of {LEAK_ACTIONS}, got {self.leak_action!r}")
+        _check(self.hang_timeout_s > 0, f"hang_timeout must be positive, got {self.hang_timeout_s}")
 
     @property
     def model_names(self) -> list[str]:

@@ -112,7 +112,7 @@ class Generation:
         elif num_tokens and self._last_token is not None:
             self.metrics.observe_tokens(routed.served_model, now - self._last_token, num_tokens)
         if num_tokens:
-            self._last_token = now
+            self._last_token = self.state.last_token_time = now
         record.completion_tokens += num_tokens
         record.finish_reasons.extend(o.finish_reason for o in output.outputs if o.finish_reason)
         if index not in self._seen:

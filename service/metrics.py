@@ -24,10 +24,13 @@ PREFIX = "pagedserve:"
 
 
 class Metrics:
-    def __init__(self, engines: Callable[[], Mapping[str, Any]]) -> None:
-        """`engines`: returns the loaded engines by served name, read at every scrape."""
+    def __init__(self, engines: Callable[[], Mapping[str, Any]], state: Any | None = None) -> None:
+        """`engines`: returns the loaded engines by served name, read at every scrape; `state`:
+        the ServerState whose router and heartbeat feed the resilience figures."""
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(engines))
+        if state is not None:
+            self.registry.register(ResilienceCollector(state))
         model = ["model_name"]
         self.http_requests = Counter(f"{PREFIX}http_requests", "HTTP requests by route and status",
                                      ["method", "route", "status"], registry=self.registry)
@@ -113,3 +116,36 @@ def _figures(stats: Any) -> dict[str, float]:
         "num_preemptions": stats.num_preemptions, "prompt_tokens": stats.num_prompt_tokens,
         "generation_tokens": stats.num_generation_tokens,
     }
+
+
+BREAKER_STATES = {"closed": 0, "half_open": 1, "open": 2}
+
+
+class ResilienceCollector(Collector):
+    """Breakers, failovers, the leak detector and the memory heartbeat, read at scrape time."""
+
+    def __init__(self, state: Any) -> None:
+        self.state = state
+
+    def collect(self) -> Iterator[Metric]:
+        router, state = self.state.router, self.state
+        breaker = GaugeMetricFamily(f"{PREFIX}breaker_state", "Circuit breaker: 0 closed, 1 half-open, 2 open",
+                                    labels=["model_name"])
+        engine_requests = CounterMetricFamily(f"{PREFIX}engine_requests", "Submissions to an engine, retries "
+                                              "and failovers included", labels=["model_name"])
+        for name, model_breaker in getattr(router, "breakers", {}).items():
+            breaker.add_metric([name], BREAKER_STATES[model_breaker.state])
+        for name, count in getattr(router, "num_engine_requests", {}).items():
+            engine_requests.add_metric([name], count)
+        yield breaker
+        yield engine_requests
+        yield CounterMetricFamily(f"{PREFIX}failovers", "Requests resubmitted to a fallback before their first "
+                                  "token", value=getattr(router, "num_failovers", 0))
+        yield GaugeMetricFamily(f"{PREFIX}leak_suspected", "1 while a memory leak is flagged",
+                                value=int(state.health.leak is not None))
+        yield CounterMetricFamily(f"{PREFIX}leaks_detected", "Leaks confirmed by the heartbeat",
+                                  value=state.num_leaks)
+        sample = state.heartbeat.last_sample if state.heartbeat else None
+        if sample is not None:
+            yield GaugeMetricFamily(f"{PREFIX}memory_used_bytes", "Memory the heartbeat last measured "
+                                    "(device memory on CUDA, process RSS on CPU)", value=sample.used_bytes)

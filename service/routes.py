@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
+import time
 
 from aiohttp import web
 
 from service.completions import create_chat_completion, create_completion
 from service.keys import CONFIG_KEY, METRICS_KEY, STATE_KEY
 from service.metrics import CONTENT_TYPE
+from service.supervision import warm_up
 
 
 def add_routes(app: web.Application) -> None:
@@ -19,6 +22,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/health/live", live)
     app.router.add_get("/health/ready", ready)
     app.router.add_get("/health", ready)
+    app.router.add_get("/health/generate", health_generate)
     app.router.add_get("/version", version)
 
 
@@ -37,20 +41,59 @@ async def list_models(request: web.Request) -> web.Response:
 
 
 async def live(request: web.Request) -> web.Response:
-    """The event loop answers: the process is alive. Kubernetes restarts it when this fails."""
+    """The event loop answers and no engine loop is dead or hung (busy or idle, stuck in one
+    iteration for hang_timeout): Kubernetes restarts the process when this fails."""
+    config, state = request.app[CONFIG_KEY], request.app[STATE_KEY]
+    reason = state.not_live_reason()
+    if reason is not None:
+        return web.json_response({"status": "dead", "reason": reason}, status=503,
+                                 headers={"Retry-After": str(config.retry_after_unavailable)})
     return web.json_response({"status": "live"})
 
 
 async def ready(request: web.Request) -> web.Response:
-    """200 once every model is loaded and warmed, 503 with the reason while loading, draining or dead."""
+    """200 once every model is loaded and warmed, not draining, no leak flagged and some model of
+    each fallback ladder can serve; 503 otherwise. The body says why, with breaker states,
+    degradation and the last heartbeat."""
     config, state = request.app[CONFIG_KEY], request.app[STATE_KEY]
     reason = state.not_ready_reason(config.model_names)
+    body = _health_body(request)
+    if reason is not None:
+        return web.json_response({**body, "status": "not_ready", "reason": reason}, status=503,
+                                 headers={"Retry-After": str(config.retry_after_unavailable)})
+    return web.json_response({**body, "status": "degraded" if body["degraded"] else "ready"})
+
+
+def _health_body(request: web.Request) -> dict:
+    config, state = request.app[CONFIG_KEY], request.app[STATE_KEY]
+    router = state.router
+    breakers = {name: b.state for name, b in router.breakers.items()} if hasattr(router, "breakers") else {}
     models = {name: ("dead" if engine.is_dead else "ready") for name, engine in state.engines.items()}
     models.update({name: "loading" for name in config.model_names if name not in models})
-    if reason is not None:
-        return web.json_response({"status": "not_ready", "reason": reason, "models": models}, status=503,
+    heartbeat = state.heartbeat
+    sample = heartbeat.last_sample if heartbeat else None
+    return {"models": models, "breakers": breakers, "draining": state.is_draining,
+            "degraded": any(s != "closed" for s in breakers.values()), "leak": state.health.leak,
+            "num_leaks": state.num_leaks, "last_recycle": state.last_recycle,
+            "memory": sample.to_dict() if sample else None}
+
+
+async def health_generate(request: web.Request) -> web.Response:
+    """A real one-token generation on every model, skipped when a token was produced in the
+    last few seconds: cheap under load, honest when idle."""
+    config, state = request.app[CONFIG_KEY], request.app[STATE_KEY]
+    if state.not_ready_reason(config.model_names) is None and \
+            time.monotonic() - state.last_token_time < config.health_generate_skip_s:
+        return web.json_response({"status": "ok", "skipped": "a token was produced recently"})
+    try:
+        async with asyncio.timeout(config.idle_timeout_s):
+            for name, engine in list(state.engines.items()):
+                await warm_up(engine, name)
+    except Exception as exc:  # noqa: BLE001 - any failure of the probe generation is the answer
+        return web.json_response({"status": "failed", "reason": repr(exc)}, status=503,
                                  headers={"Retry-After": str(config.retry_after_unavailable)})
-    return web.json_response({"status": "ready", "models": models})
+    state.last_token_time = time.monotonic()
+    return web.json_response({"status": "ok", "models": list(state.engines)})
 
 
 async def metrics(request: web.Request) -> web.Response:

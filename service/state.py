@@ -8,31 +8,60 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from resilience.health import HealthState
+
 
 class ServerState:
-    """Mutable run-time state of one app; the config stays frozen beside it."""
+    """Mutable run-time state of one app; the config stays frozen beside it. Liveness and readiness
+    verdicts come from one `HealthState` (resilience), fed here, read by the health routes."""
 
-    def __init__(self) -> None:
+    def __init__(self, hang_timeout_s: float = 60.0) -> None:
         self.engines: dict[str, Any] = {}  # served name -> AsyncEngine, configuration order, loaded ones only
         self.router: Any | None = None  # built once every engine is loaded
-        self.is_ready = False  # every model loaded and warmed
-        self.is_draining = False  # shutting down: no new generations
+        self.health = HealthState(clock=time.monotonic, hang_timeout_s=hang_timeout_s)
         self.load_error: str | None = None
         self.fatal = asyncio.Event()  # set when the server cannot serve at all (a model failed to load)
+        self.loaded = asyncio.Event()  # set once every model is loaded and warmed
         self.generations: set[asyncio.Task] = set()  # handler tasks with an engine request in flight
         self.started = time.time()
+        self.heartbeat: Any | None = None  # resilience.heartbeat.Heartbeat, while the app runs
+        self.recycling: asyncio.Task | None = None  # engines being reloaded after a leak
+        self.num_leaks = 0
+        self.memory_baseline_bytes: int | None = None  # the heartbeat's first sample, models loaded
+        self.last_recycle: dict[str, int | None] | None = None  # memory baseline/before/after the last recycle
+        self.exit_code = 0  # what the process exits with once it stops
+        self.last_token_time = 0.0  # time.monotonic() of the last token any request produced
+
+    @property
+    def is_ready(self) -> bool:
+        """Every model loaded and warmed (whether it is in rotation is `not_ready_reason`'s say)."""
+        return not self.health.is_loading
+
+    @property
+    def is_draining(self) -> bool:
+        return self.health.is_draining
+
+    def observe_engines(self) -> None:
+        """Feed the engines' progress stamps to the health state (a loop stuck in one iteration,
+        busy or idle, is a hang)."""
+        for name, engine in self.engines.items():
+            self.health.observe_engine(name, is_busy=True, last_step_time=engine.last_progress_time)
+            if engine.is_dead:
+                self.health.mark_dead(f"engine {name!r} is dead: {engine.dead_error}")
+
+    def not_live_reason(self) -> str | None:
+        self.observe_engines()
+        return None if self.health.is_live() else "; ".join(self.health.report()["reasons"])
 
     def not_ready_reason(self, model_names: list[str]) -> str | None:
-        if self.is_draining:
-            return "the server is shutting down"
         if self.load_error is not None:
             return f"a model failed to load: {self.load_error}"
-        if not self.is_ready:
+        if self.health.is_loading:
             loading = [n for n in model_names if n not in self.engines]
             return f"models are loading: {loading}" if loading else "models are warming up"
-        dead = [name for name, engine in self.engines.items() if engine.is_dead]
-        if dead:
-            return f"engine dead: {dead}"
+        self.observe_engines()
+        if not self.health.is_ready():
+            return "; ".join(self.health.report()["reasons"])
         can_serve = getattr(self.router, "can_serve", None)
         stuck = [name for name in model_names if can_serve is not None and not can_serve(name)]
         if stuck:

@@ -4,6 +4,7 @@ tests of the HTTP layer that must not wait for torch. One character = one token 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 from engine.config import EngineConfig
@@ -28,6 +29,7 @@ class FakeEngine:
         self.max_model_len = max_model_len
         self.delay = delay  # seconds between deltas
         self.is_dead = False
+        self.dead_error: BaseException | None = None
         self.is_overloaded = False
         self.error: Exception | None = None  # raised after the first delta when set
         self.running: set[str] = set()
@@ -39,6 +41,10 @@ class FakeEngine:
         self.requests: list[tuple[str, str | list[int], SamplingParams, int]] = []
         self.is_started = False
         self.is_stopped = False
+
+    @property
+    def last_progress_time(self) -> float:
+        return time.monotonic()  # the fake's loop never hangs
 
     def start(self) -> None:
         self.is_started = True

@@ -135,7 +135,7 @@ async def test_unknown_route_and_method_are_json(start):
 
 async def test_draining_is_503(start):
     h = await start()
-    h.state.is_draining = True
+    h.state.health.start_draining()
     assert (await _error(await h.client.post(COMPLETIONS, json={"prompt": "hi"}), 503))["code"] == "draining"
 
 

@@ -1,0 +1,150 @@
+"""The replica watching itself: the memory heartbeat and what a confirmed leak does.
+
+Every `heartbeat_interval` seconds the probe (NVML on CUDA, /proc on CPU) runs off the event loop
+and feeds the leak detector. A confirmed leak takes the replica out of rotation at once (ready
+turns 503, nginx and Kubernetes route away), lets in-flight requests finish, then either recycles
+every engine in process (stop, drop, gc, reload, warm up; memory checked against the baseline) or
+exits with LEAK_EXIT_CODE for the supervisor to replace the process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import logging
+import os
+import signal
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiohttp import web
+
+from engine.sampling_params import SamplingParams
+from resilience.heartbeat import Heartbeat
+from resilience.leak_detector import LeakDetector, LeakDetectorConfig, LeakReport
+from resilience.probes import make_probe
+from service.keys import CONFIG_KEY, ENGINE_FACTORY_KEY, STATE_KEY
+
+logger = logging.getLogger(__name__)
+
+WARMUP_PROMPT = "Hello"
+LEAK_EXIT_CODE = 75  # EX_TEMPFAIL: "replace me", distinct from a crash (1) and a clean stop (0)
+WARMUP_BEATS = 3  # the detector ignores the first beats after start or a recycle (allocator warm-up)
+
+
+async def supervision_ctx(app: web.Application) -> AsyncIterator[None]:
+    config, state = app[CONFIG_KEY], app[STATE_KEY]
+    device = _probe_device(app)
+    detector = LeakDetector(LeakDetectorConfig(
+        warmup_s=WARMUP_BEATS * config.heartbeat_interval_s, min_growth_bytes=config.leak_min_growth_bytes,
+        window_s=max(300.0, 10 * config.heartbeat_interval_s)), clock=time.monotonic)
+    heartbeat = Heartbeat(
+        make_probe(device), detector, clock=time.monotonic, interval_s=config.heartbeat_interval_s,
+        is_busy=lambda: any(e.stats().is_busy for e in state.engines.values()),
+        on_leak=lambda report: _on_leak(app, report), on_probe_error=lambda exc: _on_probe_error(app, exc))
+    state.heartbeat = heartbeat
+    # memory is only worth watching once the models are in: loading is growth, not a leak
+    starter = asyncio.create_task(_start_when_loaded(state, heartbeat), name="heartbeat-start")
+    try:
+        yield
+    finally:
+        starter.cancel()
+        await heartbeat.stop()
+
+
+async def _start_when_loaded(state, heartbeat: Heartbeat) -> None:
+    await state.loaded.wait()
+    baseline = await heartbeat.beat()
+    state.memory_baseline_bytes = baseline.used_bytes if baseline else None
+    heartbeat.start()
+
+
+def _probe_device(app: web.Application) -> str:
+    devices = {spec.engine.device for spec in app[CONFIG_KEY].models}
+    if "cuda" in devices:
+        return "cuda:0"
+    return "cpu" if devices == {"cpu"} or os.environ.get("CUDA_VISIBLE_DEVICES") == "-1" else "cuda:0"
+
+
+def _on_probe_error(app: web.Application, exc: BaseException) -> None:
+    health = app[STATE_KEY].health
+    if getattr(exc, "is_fatal", False):
+        health.mark_dead(f"memory probe: {exc}")
+    else:
+        health.set_probe_error(str(exc))
+
+
+def _on_leak(app: web.Application, report: LeakReport) -> None:
+    state = app[STATE_KEY]
+    logger.error("memory leak confirmed, leaving rotation: %s", report.describe())
+    state.health.set_leak(report.describe())
+    state.num_leaks += 1
+    if state.recycling is None or state.recycling.done():
+        state.recycling = asyncio.create_task(_handle_leak(app), name="leak-recycle")
+
+
+async def _handle_leak(app: web.Application) -> None:
+    config, state = app[CONFIG_KEY], app[STATE_KEY]
+    await _wait_in_flight(state, config.shutdown_timeout)
+    if config.leak_action == "exit":
+        logger.error("exiting with code %d so the supervisor replaces this replica", LEAK_EXIT_CODE)
+        state.exit_code = LEAK_EXIT_CODE
+        os.kill(os.getpid(), signal.SIGTERM)  # the normal graceful stop, with a distinct exit code
+        return
+    await recycle_engines(app)
+
+
+async def _wait_in_flight(state, timeout_s: float) -> None:
+    pending = {t for t in state.generations if not t.done()}
+    if pending:
+        logger.info("waiting for %d in-flight requests before recycling", len(pending))
+        await asyncio.wait(pending, timeout=timeout_s)
+
+
+async def recycle_engines(app: web.Application) -> None:
+    """Reload every model in process, one at a time; the router sees each new engine at once."""
+    config, state = app[CONFIG_KEY], app[STATE_KEY]
+    heartbeat = state.heartbeat
+    before = heartbeat.last_sample
+    await heartbeat.stop()  # reloading is growth, not a leak: no samples until it is done
+    for spec in config.models:
+        old = state.engines.get(spec.name)
+        if old is None:
+            continue
+        await asyncio.to_thread(old.stop)
+        del state.engines[spec.name]
+        del old
+        await asyncio.to_thread(_release_memory)
+        engine = await asyncio.to_thread(app[ENGINE_FACTORY_KEY], spec.engine)
+        engine.start()
+        await warm_up(engine, spec.name)
+        state.engines[spec.name] = engine
+        logger.info("model %s recycled", spec.name)
+    heartbeat.reset_detector()
+    after = await heartbeat.beat()
+    heartbeat.start()
+    state.last_recycle = {"baseline_bytes": state.memory_baseline_bytes,
+                          "before_bytes": before.used_bytes if before else None,
+                          "after_bytes": after.used_bytes if after else None}
+    state.health.set_leak(None)
+    logger.info("engines recycled; memory %s", state.last_recycle)
+
+
+async def warm_up(engine: Any, name: str) -> None:
+    """One greedy token end to end, so the first client does not pay for lazy initialization."""
+    prompt = engine.encode(WARMUP_PROMPT) or [0]
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    async with contextlib.aclosing(engine.generate(prompt, params, f"warmup-{name}")) as outputs:
+        async for _ in outputs:
+            pass
+
+
+def _release_memory() -> None:
+    gc.collect()
+    with contextlib.suppress(Exception):
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
