@@ -58,8 +58,8 @@ def create_app(config: ServerConfig, *, engine_factory: EngineFactory | None = N
     app[STATE_KEY] = state
     app[METRICS_KEY] = Metrics(lambda: state.engines, state)
     app[ENGINE_FACTORY_KEY] = engine_factory or _real_engine
-    app[ROUTER_FACTORY_KEY] = router_factory or functools.partial(make_router,
-                                                                   idle_timeout_s=config.idle_timeout_s)
+    app[ROUTER_FACTORY_KEY] = router_factory or functools.partial(
+        make_router, idle_timeout_s=config.idle_timeout_s, breaker_open_s=config.breaker_open_s)
     app.cleanup_ctx.append(engines_ctx)
     app.cleanup_ctx.append(supervision_ctx)
     app.on_shutdown.append(drain)

@@ -104,6 +104,8 @@ def _add_server_options(p: argparse.ArgumentParser) -> None:
                    help="on a confirmed leak: reload the engines in process (default) or exit with code 75")
     p.add_argument("--hang-timeout", dest="hang_timeout_s", type=float,
                    help="seconds an engine loop may spend in one iteration before liveness fails (default 60)")
+    p.add_argument("--breaker-open-seconds", dest="breaker_open_s", type=float,
+                   help="seconds a tripped breaker stays open before one probe is let through (default 30)")
     p.add_argument("--enable-fault-injection", action="store_true", default=None,
                    help="serve POST/DELETE /admin/faults (admin key required): for chaos tests only")
 
@@ -162,6 +164,7 @@ def build_config(args: argparse.Namespace, env: Mapping[str, str]) -> ServerConf
         "shutdown_timeout": args.shutdown_timeout, "idle_timeout_s": args.idle_timeout_s,
         "heartbeat_interval_s": args.heartbeat_interval_s, "leak_min_growth_bytes": args.leak_min_growth_bytes,
         "leak_action": args.leak_action, "hang_timeout_s": args.hang_timeout_s,
+        "breaker_open_s": args.breaker_open_s,
         "enable_fault_injection": args.enable_fault_injection,
     }
     merged = {**base, **{k: v for k, v in overrides.items() if v is not None}, "models": models}

@@ -20,7 +20,7 @@ DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name != "model")
 SERVER_OPTIONS = ("host", "port", "api_keys", "admin_key", "max_body_bytes", "auth_metrics", "warmup",
                   "shutdown_timeout", "idle_timeout_s", "heartbeat_interval_s", "leak_min_growth_bytes",
-                  "leak_action", "hang_timeout_s", "enable_fault_injection", "models")
+                  "leak_action", "hang_timeout_s", "breaker_open_s", "enable_fault_injection", "models")
 LEAK_ACTIONS = ("recycle", "exit")
 MODEL_OPTIONS = ("path", "name", "fallback", *ENGINE_OPTIONS)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -60,6 +60,7 @@ class ServerConfig:
     leak_min_growth_bytes: int = 64 * 1024 * 1024  # idle growth below this is never a leak
     leak_action: str = "recycle"  # on a confirmed leak: reload engines in process, or exit for the supervisor
     hang_timeout_s: float = 60.0  # an engine loop stuck this long in one iteration fails liveness
+    breaker_open_s: float = 30.0  # a tripped breaker's first open period (later ones back off from it)
     enable_fault_injection: bool = False  # POST/DELETE /admin/faults (chaos tests only)
     health_generate_skip_s: float = 5.0  # /health/generate skips its probe when a token came this recently
     retry_after_overload: int = 1  # seconds, on 429
@@ -84,6 +85,7 @@ class ServerConfig:
         _check(self.leak_min_growth_bytes > 0, f"leak_min_growth must be positive, got {self.leak_min_growth_bytes}")
         _check(self.leak_action in LEAK_ACTIONS, f"leak_action must be one of {LEAK_ACTIONS}, got {self.leak_action!r}")
         _check(self.hang_timeout_s > 0, f"hang_timeout must be positive, got {self.hang_timeout_s}")
+        _check(self.breaker_open_s > 0, f"breaker_open_seconds must be positive, got {self.breaker_open_s}")
 
     @property
     def model_names(self) -> list[str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import gc
 import logging
 import os
@@ -122,6 +123,7 @@ async def recycle_engines(app: web.Application) -> None:
         await warm_up(engine, spec.name)
         state.engines[spec.name] = engine
         logger.info("model %s recycled", spec.name)
+    await asyncio.to_thread(_release_memory)  # what loading freed, so `after` compares with the baseline
     heartbeat.reset_detector()
     after = await heartbeat.beat()
     heartbeat.start()
@@ -143,8 +145,17 @@ async def warm_up(engine: Any, name: str) -> None:
 
 def _release_memory() -> None:
     gc.collect()
+    _trim_heap()
     with contextlib.suppress(Exception):
         import torch
 
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def _trim_heap() -> None:
+    """Hand freed heap pages back to the OS (glibc's malloc_trim: the host-memory analogue of
+    empty_cache). Without it a recycle leaves ~40 MiB of freed-but-held heap in RSS on CPU (8% of a
+    500 MiB replica), memory nobody uses that reads as growth against the baseline. No-op off glibc."""
+    with contextlib.suppress(OSError, AttributeError, TypeError):
+        ctypes.CDLL(None).malloc_trim(0)  # the process's own symbols: libc is among them

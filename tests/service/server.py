@@ -43,6 +43,19 @@ class Server:
     def get(self, path: str) -> tuple[int, dict[str, str], bytes]:
         return _request(f"{self.url}{path}")
 
+    def request(self, method: str, path: str, body: dict | None = None,
+                headers: dict | None = None) -> tuple[int, dict[str, str], bytes]:
+        """Any method, e.g. `DELETE /admin/faults` with the admin key in `headers`."""
+        return _request(f"{self.url}{path}", body, headers, method=method)
+
+    def wait_ready(self) -> None:
+        """Block until /health/ready is 200 (a `start`ed server); stops the process if it never is."""
+        try:
+            _wait_ready(self)
+        except BaseException:
+            self.stop()
+            raise
+
     def post(self, path: str, body: dict | bytes, headers: dict | None = None) -> tuple[int, dict[str, str], bytes]:
         return _request(f"{self.url}{path}", body, {"Authorization": f"Bearer {API_KEY}", **(headers or {})})
 
@@ -80,6 +93,13 @@ def free_port() -> int:
 def launch(args: list[str], log_path: Path) -> Server:
     """Start the server and wait until /health/ready is 200; on the way, send one completion while
     the models load and keep its answer (503 with Retry-After expected)."""
+    server = start(args, log_path)
+    server.wait_ready()
+    return server
+
+
+def start(args: list[str], log_path: Path) -> Server:
+    """Start the server without waiting (several can load side by side); `wait_ready()` later."""
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     for name in ("MODEL", "PORT", "API_KEY", "ADMIN_KEY", "HOST", "MAX_GPU_MEMORY_UTILIZATION"):
@@ -87,13 +107,7 @@ def launch(args: list[str], log_path: Path) -> Server:
     log = log_path.open("wb")
     process = subprocess.Popen([sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(port), *args],
                                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    server = Server(process, port, log_path)
-    try:
-        _wait_ready(server)
-    except BaseException:
-        server.stop()
-        raise
-    return server
+    return Server(process, port, log_path)
 
 
 def _wait_ready(server: Server) -> None:
@@ -116,9 +130,11 @@ def _wait_ready(server: Server) -> None:
     raise AssertionError(f"server not ready in {START_TIMEOUT_S} s:\n{server.log()[-3000:]}")
 
 
-def _request(url: str, body: dict | bytes | None = None, headers: dict | None = None) -> tuple[int, dict, bytes]:
+def _request(url: str, body: dict | bytes | None = None, headers: dict | None = None,
+             method: str | None = None) -> tuple[int, dict, bytes]:
     data = body if body is None or isinstance(body, bytes) else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})},
+                                     method=method)
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
             return response.status, dict(response.headers), response.read()
