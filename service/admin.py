@@ -1,26 +1,97 @@
-"""Admin routes (the admin key guards /admin/*). Fault injection for chaos tests, served only when
-the server was started with --enable-fault-injection: it drives the real engine loop of a model
-into a stall, errors, slowness or a memory leak."""
+"""Admin routes (the admin key guards /admin/*). Models at run time: load, unload, list (through the
+registry). Fault injection for chaos tests, served only when the server was started with
+--enable-fault-injection: it drives the real engine loop of a model into a stall, errors, slowness
+or a memory leak."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from aiohttp import web
 
 from engine.faults import Fault
 from service.completions import read_json
+from service.config import ENGINE_OPTIONS, ConfigError, engine_config, parse_size
 from service.errors import InvalidRequestError, ModelNotFoundError
 from service.keys import CONFIG_KEY, STATE_KEY
+from service.registry import resolve_model_path
 
 FAULT_FIELDS = {"model", "kind", "seconds", "bytes_per_step", "delay_ms"}
+LOAD_FIELDS = {"name", "path", "fallback", "quota_bytes", *ENGINE_OPTIONS}
 
 
 def add_admin_routes(app: web.Application) -> None:
+    app.router.add_post("/admin/models/load", load_model)
+    app.router.add_post("/admin/models/unload", unload_model)
+    app.router.add_get("/admin/models", list_models)
     if app[CONFIG_KEY].enable_fault_injection:
         app.router.add_post("/admin/faults", inject_fault)
         app.router.add_delete("/admin/faults", clear_faults)
         app.router.add_get("/admin/faults", list_faults)
+
+
+async def load_model(request: web.Request) -> web.Response:
+    """`{"name", "path", "fallback"?, "quota_bytes"?, engine options?}` -> the model's entry once
+    ready. The path is confined to the models root; a quota without kv_cache_memory sizes the KV
+    pool as quota - weights."""
+    body = await _object(request, LOAD_FIELDS)
+    name = body.get("name")
+    if not isinstance(name, str) or not name or name.strip() != name:
+        raise InvalidRequestError("'name' must be a non-empty string without surrounding spaces", param="name")
+    files = await asyncio.to_thread(resolve_model_path, body.get("path"), request.app[CONFIG_KEY].models_root_path)
+    weight_bytes = sum(f.stat().st_size for f in files.weight_files)  # the estimate until it is loaded
+    options = {k: v for k, v in body.items() if k in ENGINE_OPTIONS}
+    quota = _size(body, "quota_bytes")
+    if quota is not None and options.get("kv_cache_memory") is None:
+        if quota <= weight_bytes:
+            raise InvalidRequestError(f"quota_bytes {quota} does not cover the weights ({weight_bytes} bytes)",
+                                      param="quota_bytes")
+        options["kv_cache_memory"] = quota - weight_bytes
+    try:
+        config = engine_config(files.path, options)
+    except ConfigError as exc:
+        raise InvalidRequestError(str(exc)) from exc
+    registry = request.app[STATE_KEY].registry
+    kv_bytes = config.kv_cache_memory or 0
+    entry = await registry.load(name, config, fallback=body.get("fallback"), quota_bytes=quota,
+                                estimate_bytes=weight_bytes + kv_bytes)
+    return web.json_response(entry.to_dict(registry.clock()))
+
+
+async def unload_model(request: web.Request) -> web.Response:
+    """`{"name"}`: drain (new requests 503, in-flight ones finish), stop, free."""
+    body = await _object(request, {"name"})
+    name = body.get("name")
+    if not isinstance(name, str):
+        raise InvalidRequestError("'name' must name a loaded model", param="name")
+    return web.json_response(await request.app[STATE_KEY].registry.unload(name))
+
+
+async def list_models(request: web.Request) -> web.Response:
+    return web.json_response(request.app[STATE_KEY].registry.describe())
+
+
+async def _object(request: web.Request, fields: set[str]) -> dict[str, Any]:
+    body = await read_json(request)
+    if not isinstance(body, dict):
+        raise InvalidRequestError("the body must be a JSON object")
+    unknown = sorted(set(body) - fields)
+    if unknown:
+        raise InvalidRequestError(f"unknown fields: {unknown}; known: {sorted(fields)}", param=unknown[0])
+    return body
+
+
+def _size(body: dict[str, Any], key: str) -> int | None:
+    if body.get(key) is None:
+        return None
+    try:
+        value = parse_size(body[key])
+    except ConfigError as exc:
+        raise InvalidRequestError(str(exc), param=key) from exc
+    if value <= 0:
+        raise InvalidRequestError(f"{key} must be positive, got {value}", param=key)
+    return value
 
 
 async def inject_fault(request: web.Request) -> web.Response:

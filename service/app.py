@@ -17,6 +17,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -25,7 +26,7 @@ from engine.config import EngineConfig
 from service.access import access_middleware
 from service.admin import add_admin_routes
 from service.auth import KeyRing, auth_middleware
-from service.config import ServerConfig
+from service.config import ENGINE_OPTIONS, ServerConfig
 from service.errors import error_middleware
 from service.keys import (
     CONFIG_KEY,
@@ -37,10 +38,11 @@ from service.keys import (
     RouterFactory,
 )
 from service.metrics import Metrics
+from service.registry import ModelRegistry, on_demand_middleware
 from service.router import make_router
 from service.routes import add_routes
 from service.state import ServerState
-from service.supervision import supervision_ctx, warm_up
+from service.supervision import supervision_ctx
 
 logger = logging.getLogger(__name__)
 
@@ -52,12 +54,18 @@ def create_app(config: ServerConfig, *, engine_factory: EngineFactory | None = N
     middlewares = [access_middleware, error_middleware,
                    auth_middleware(KeyRing(config.api_keys), KeyRing([config.admin_key] if config.admin_key else []),
                                    config.auth_metrics)]
+    if config.models_dir:  # innermost: after auth, before the handler reads the same body
+        options = {k: getattr(config.models[0].engine, k) for k in ENGINE_OPTIONS}
+        middlewares.append(on_demand_middleware(Path(config.models_dir).expanduser().resolve(), options))
     app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
     state = ServerState(config.hang_timeout_s)
     app[CONFIG_KEY] = config
     app[STATE_KEY] = state
     app[METRICS_KEY] = Metrics(lambda: state.engines, state)
     app[ENGINE_FACTORY_KEY] = engine_factory or _real_engine
+    state.registry = ModelRegistry(state, app[ENGINE_FACTORY_KEY], memory_budget_bytes=config.memory_budget_bytes,
+                                   max_loaded_models=config.max_loaded_models, warmup=config.warmup,
+                                   drain_timeout_s=config.shutdown_timeout, metrics=app[METRICS_KEY])
     app[ROUTER_FACTORY_KEY] = router_factory or functools.partial(
         make_router, idle_timeout_s=config.idle_timeout_s, breaker_open_s=config.breaker_open_s)
     app.cleanup_ctx.append(engines_ctx)
@@ -89,22 +97,19 @@ async def engines_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def load_models(app: web.Application) -> None:
+    """The start-up models, through the registry (pinned: never evicted to make room)."""
     config, state = app[CONFIG_KEY], app[STATE_KEY]
+    registry = state.registry
     for spec in config.models:
         try:
-            logger.info("loading model %s from %s", spec.name, spec.engine.model)
-            engine = await asyncio.to_thread(app[ENGINE_FACTORY_KEY], spec.engine)
-            engine.start()
-            state.engines[spec.name] = engine
-            if config.warmup:
-                await warm_up(engine, spec.name)
-            logger.info("model %s ready (max_model_len %d)", spec.name, engine.max_model_len)
+            await registry.load(spec.name, spec.engine, fallback=spec.fallback, is_pinned=True)
         except Exception as exc:  # noqa: BLE001 - any load failure makes this replica unservable
-            state.load_error = f"{spec.name}: {exc}"
-            logger.error("model %s failed to load: %s", spec.name, exc, exc_info=exc)
+            entry = registry.entries.get(spec.name)
+            state.load_error = f"{spec.name}: {entry.error if entry and entry.error else exc}"
+            logger.error("model %s failed to load: %s", spec.name, state.load_error)
             state.fatal.set()
             return
-    state.router = app[ROUTER_FACTORY_KEY](state.engines, {m.name: m.fallback for m in config.models})
+    state.router = app[ROUTER_FACTORY_KEY](state.engines, registry.fallbacks)
     state.health.set_loading(False)
     state.loaded.set()
     logger.info("ready: serving %s", ", ".join(config.model_names))

@@ -106,6 +106,14 @@ def _add_server_options(p: argparse.ArgumentParser) -> None:
                    help="seconds an engine loop may spend in one iteration before liveness fails (default 60)")
     p.add_argument("--breaker-open-seconds", dest="breaker_open_s", type=float,
                    help="seconds a tripped breaker stays open before one probe is let through (default 30)")
+    p.add_argument("--models-root", help="POST /admin/models/load reads only directories under it (default: the "
+                   "shipped models/ dir)")
+    p.add_argument("--memory-budget", dest="memory_budget_bytes", type=parse_size,
+                   help="bytes all loaded models may hold (weights + KV pools), e.g. 8GiB; a load beyond it "
+                        "unloads idle models, least recently used first (default: unlimited)")
+    p.add_argument("--models-dir", help="on-demand loading: a request for <dir>/<model> loads it first")
+    p.add_argument("--max-loaded-models", type=int,
+                   help="at most this many models loaded at once; LRU idle ones are unloaded (default: unlimited)")
     p.add_argument("--enable-fault-injection", action="store_true", default=None,
                    help="serve POST/DELETE /admin/faults (admin key required): for chaos tests only")
 
@@ -164,7 +172,9 @@ def build_config(args: argparse.Namespace, env: Mapping[str, str]) -> ServerConf
         "shutdown_timeout": args.shutdown_timeout, "idle_timeout_s": args.idle_timeout_s,
         "heartbeat_interval_s": args.heartbeat_interval_s, "leak_min_growth_bytes": args.leak_min_growth_bytes,
         "leak_action": args.leak_action, "hang_timeout_s": args.hang_timeout_s,
-        "breaker_open_s": args.breaker_open_s,
+        "breaker_open_s": args.breaker_open_s, "models_root": args.models_root,
+        "memory_budget_bytes": args.memory_budget_bytes, "models_dir": args.models_dir,
+        "max_loaded_models": args.max_loaded_models,
         "enable_fault_injection": args.enable_fault_injection,
     }
     merged = {**base, **{k: v for k, v in overrides.items() if v is not None}, "models": models}

@@ -20,7 +20,8 @@ DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name != "model")
 SERVER_OPTIONS = ("host", "port", "api_keys", "admin_key", "max_body_bytes", "auth_metrics", "warmup",
                   "shutdown_timeout", "idle_timeout_s", "heartbeat_interval_s", "leak_min_growth_bytes",
-                  "leak_action", "hang_timeout_s", "breaker_open_s", "enable_fault_injection", "models")
+                  "leak_action", "hang_timeout_s", "breaker_open_s", "enable_fault_injection", "models",
+                  "models_root", "memory_budget_bytes", "models_dir", "max_loaded_models")
 LEAK_ACTIONS = ("recycle", "exit")
 MODEL_OPTIONS = ("path", "name", "fallback", *ENGINE_OPTIONS)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -62,6 +63,10 @@ class ServerConfig:
     hang_timeout_s: float = 60.0  # an engine loop stuck this long in one iteration fails liveness
     breaker_open_s: float = 30.0  # a tripped breaker's first open period (later ones back off from it)
     enable_fault_injection: bool = False  # POST/DELETE /admin/faults (chaos tests only)
+    models_root: str | None = None  # POST /admin/models/load only reads directories under it (None: MODELS_ROOT)
+    memory_budget_bytes: int | None = None  # weights + KV pools of all loaded models; None: unlimited
+    models_dir: str | None = None  # on-demand: a request for <models_dir>/<name> loads it first (None: off)
+    max_loaded_models: int | None = None  # more loaded models than this evicts the least recently used idle one
     health_generate_skip_s: float = 5.0  # /health/generate skips its probe when a token came this recently
     retry_after_overload: int = 1  # seconds, on 429
     retry_after_unavailable: int = 5  # seconds, on 503
@@ -86,6 +91,14 @@ class ServerConfig:
         _check(self.leak_action in LEAK_ACTIONS, f"leak_action must be one of {LEAK_ACTIONS}, got {self.leak_action!r}")
         _check(self.hang_timeout_s > 0, f"hang_timeout must be positive, got {self.hang_timeout_s}")
         _check(self.breaker_open_s > 0, f"breaker_open_seconds must be positive, got {self.breaker_open_s}")
+        _check(self.memory_budget_bytes is None or self.memory_budget_bytes > 0,
+               f"memory_budget must be positive bytes, got {self.memory_budget_bytes}")
+        _check(self.max_loaded_models is None or self.max_loaded_models >= len(self.models),
+               f"max_loaded_models must be at least the {len(self.models)} start-up models, got {self.max_loaded_models}")
+
+    @property
+    def models_root_path(self) -> Path:
+        return Path(self.models_root).expanduser().resolve() if self.models_root else MODELS_ROOT
 
     @property
     def model_names(self) -> list[str]:
@@ -139,8 +152,9 @@ def load_toml(path: str | Path) -> dict[str, Any]:
     out = {k: v for k, v in data.items() if k != "models"}
     if "api_keys" in out:
         out["api_keys"] = tuple(out["api_keys"])
-    if "max_body_bytes" in out:
-        out["max_body_bytes"] = parse_size(out["max_body_bytes"])
+    for key in ("max_body_bytes", "memory_budget_bytes"):
+        if key in out:
+            out[key] = parse_size(out[key])
     tables = data.get("models", [])
     _check(isinstance(tables, list) and all(isinstance(t, dict) for t in tables),
            f"{path}: models must be an array of tables ([[models]])")

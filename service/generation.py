@@ -43,16 +43,17 @@ class Generation:
 
     @property
     def engine(self) -> Any:
-        return self.state.engines[self.model]
+        return self.state.find_engine(self.model) or self.state.engines[self.model]
 
     def _resolve(self, model: str | None) -> str:
         name = model or self.config.models[0].name
-        if self.config.model(name) is None:
+        if self.config.model(name) is None and not self.state.has_model(name):
             raise ModelNotFoundError(name)
         if self.state.is_draining:
             raise UnavailableError("the server is shutting down", code="draining")
         if name not in self.state.engines or self.state.router is None:
-            raise UnavailableError(f"model {name!r} is loading", code="model_loading")
+            message, code = self.state.why_unavailable(name)
+            raise UnavailableError(message, code=code)
         return name
 
     async def check_prompts(self, prompts: list[str | list[int]]) -> None:
@@ -74,7 +75,7 @@ class Generation:
         return counts
 
     def token_text(self, served_model: str) -> Any:
-        tokenizer = self.state.engines[served_model].tokenizer
+        tokenizer = self.state.find_engine(served_model).tokenizer  # a draining model still streams
         return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
 
     def headers(self, routed: RoutedOutput | None) -> dict[str, str]:

@@ -20,6 +20,7 @@ ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
                7.5, 10.0, 20.0)
 REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                    50.0, 60.0, 120.0, 240.0, 480.0)
+LOAD_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 PREFIX = "pagedserve:"
 
 
@@ -31,6 +32,7 @@ class Metrics:
         self.registry.register(EngineCollector(engines))
         if state is not None:
             self.registry.register(ResilienceCollector(state))
+            self.registry.register(ModelRegistryCollector(state))
         model = ["model_name"]
         self.http_requests = Counter(f"{PREFIX}http_requests", "HTTP requests by route and status",
                                      ["method", "route", "status"], registry=self.registry)
@@ -48,9 +50,19 @@ class Metrics:
         self.request_queue_time = Histogram(f"{PREFIX}request_queue_time_seconds",
                                             "Time a request waited in the engine before its first step",
                                             model, buckets=REQUEST_BUCKETS, registry=self.registry)
+        self.model_changes = Counter(f"{PREFIX}model_changes", "Model loads and unloads by outcome",
+                                     ["action", "outcome"], registry=self.registry)
+        self.model_change_seconds = Histogram(f"{PREFIX}model_change_seconds", "Time to load (warm-up included) "
+                                              "or unload a model", ["action"], buckets=LOAD_BUCKETS,
+                                              registry=self.registry)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def observe_model_change(self, action: str, model: str, seconds: float, ok: bool) -> None:
+        """`action`: load | unload. Counted without the model name: names come and go at run time."""
+        self.model_changes.labels(action, "ok" if ok else "failed").inc()
+        self.model_change_seconds.labels(action).observe(seconds)
 
     def observe_http(self, method: str, route: str, status: int) -> None:
         self.http_requests.labels(method, route, str(status)).inc()
@@ -149,3 +161,37 @@ class ResilienceCollector(Collector):
         if sample is not None:
             yield GaugeMetricFamily(f"{PREFIX}memory_used_bytes", "Memory the heartbeat last measured "
                                     "(device memory on CUDA, process RSS on CPU)", value=sample.used_bytes)
+
+
+class ModelRegistryCollector(Collector):
+    """Loaded models and what each holds, read from the model registry at scrape time."""
+
+    def __init__(self, state: Any) -> None:
+        self.state = state
+
+    def collect(self) -> Iterator[Metric]:
+        registry = self.state.registry
+        if registry is None:
+            return
+        loaded = GaugeMetricFamily(f"{PREFIX}models_loaded", "Models by registry state", labels=["state"])
+        memory = GaugeMetricFamily(f"{PREFIX}model_memory_bytes", "Bytes a model counts against the budget "
+                                   "(its quota, else weights + KV pool)", labels=["model_name"])
+        in_flight = GaugeMetricFamily(f"{PREFIX}model_requests_in_flight", "Engine requests running per model",
+                                      labels=["model_name"])
+        counts: dict[str, int] = {}
+        for name, entry in list(registry.entries.items()):
+            counts[str(entry.state)] = counts.get(str(entry.state), 0) + 1
+            memory.add_metric([name], entry.memory_bytes)
+            in_flight.add_metric([name], entry.num_in_flight)
+        for model_state in ("loading", "ready", "draining", "unloading", "failed"):
+            loaded.add_metric([model_state], counts.get(model_state, 0))
+        yield loaded
+        yield memory
+        yield in_flight
+        yield GaugeMetricFamily(f"{PREFIX}model_memory_used_bytes", "Bytes held by all models",
+                                value=registry.used_bytes)
+        if registry.memory_budget_bytes is not None:
+            yield GaugeMetricFamily(f"{PREFIX}model_memory_budget_bytes", "The replica's model memory budget",
+                                    value=registry.memory_budget_bytes)
+        yield CounterMetricFamily(f"{PREFIX}model_evictions", "Idle models unloaded to make room",
+                                  value=registry.num_evictions)

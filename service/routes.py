@@ -27,16 +27,16 @@ def add_routes(app: web.Application) -> None:
 
 
 async def list_models(request: web.Request) -> web.Response:
-    """The loaded models in configuration order, the primary first."""
-    config, state = request.app[CONFIG_KEY], request.app[STATE_KEY]
+    """The ready models: the start-up ones in configuration order (the primary first), then those
+    loaded at run time in load order."""
+    state = request.app[STATE_KEY]
+    entries = state.registry.entries
     data = []
-    for spec in config.models:
-        engine = state.engines.get(spec.name)
-        if engine is None:
-            continue
-        data.append({"id": spec.name, "object": "model", "created": int(state.started), "owned_by": "pagedserve",
-                     "root": spec.engine.model, "parent": None, "max_model_len": engine.max_model_len,
-                     "fallback": spec.fallback})
+    for name in sorted(state.engines, key=list(entries).index):
+        engine, entry = state.engines[name], entries[name]
+        data.append({"id": name, "object": "model", "created": int(state.started), "owned_by": "pagedserve",
+                     "root": entry.path, "parent": None, "max_model_len": engine.max_model_len,
+                     "fallback": entry.fallback})
     return web.json_response({"object": "list", "data": data})
 
 
@@ -68,8 +68,9 @@ def _health_body(request: web.Request) -> dict:
     config, state = request.app[CONFIG_KEY], request.app[STATE_KEY]
     router = state.router
     breakers = {name: b.state for name, b in router.breakers.items()} if hasattr(router, "breakers") else {}
-    models = {name: ("dead" if engine.is_dead else "ready") for name, engine in state.engines.items()}
-    models.update({name: "loading" for name in config.model_names if name not in models})
+    models = {name: str(entry.state) for name, entry in state.registry.entries.items()}
+    models.update({name: ("dead" if engine.is_dead else "ready") for name, engine in state.engines.items()})
+    models.update({name: "loading" for name in config.model_names if name not in models and not state.loaded.is_set()})
     heartbeat = state.heartbeat
     sample = heartbeat.last_sample if heartbeat else None
     return {"models": models, "breakers": breakers, "draining": state.is_draining,

@@ -18,6 +18,7 @@ class ServerState:
     def __init__(self, hang_timeout_s: float = 60.0) -> None:
         self.engines: dict[str, Any] = {}  # served name -> AsyncEngine, configuration order, loaded ones only
         self.router: Any | None = None  # built once every engine is loaded
+        self.registry: Any | None = None  # service.registry.ModelRegistry: loads and unloads models
         self.health = HealthState(clock=time.monotonic, hang_timeout_s=hang_timeout_s)
         self.load_error: str | None = None
         self.fatal = asyncio.Event()  # set when the server cannot serve at all (a model failed to load)
@@ -49,11 +50,34 @@ class ServerState:
             if engine.is_dead:
                 self.health.mark_dead(f"engine {name!r} is dead: {engine.dead_error}")
 
+    def find_engine(self, name: str) -> Any | None:
+        """A loaded engine, or one being unloaded that still finishes its streams."""
+        engine = self.engines.get(name)
+        if engine is None and self.registry is not None:
+            engine = self.registry.find_engine(name)
+        return engine
+
+    def has_model(self, name: str) -> bool:
+        """Known to the registry in any state (loaded at run time, loading, draining, failed)."""
+        return self.registry is not None and name in self.registry.entries
+
+    def why_unavailable(self, name: str) -> tuple[str, str]:
+        """(message, code) for a 503 to a model that is known but not serving."""
+        entry = self.registry.entries.get(name) if self.registry is not None else None
+        state = str(entry.state) if entry is not None else "loading"
+        if state in ("draining", "unloading"):
+            return f"model {name!r} is being unloaded", "model_unloading"
+        if state == "failed":
+            return f"model {name!r} failed to load: {entry.error}", "model_failed"
+        return f"model {name!r} is loading", "model_loading"
+
     def not_live_reason(self) -> str | None:
         self.observe_engines()
         return None if self.health.is_live() else "; ".join(self.health.report()["reasons"])
 
     def not_ready_reason(self, model_names: list[str]) -> str | None:
+        if self.registry is not None and self.loaded.is_set():  # a start-up model unloaded on purpose
+            model_names = [n for n in model_names if n in self.registry.entries]
         if self.load_error is not None:
             return f"a model failed to load: {self.load_error}"
         if self.health.is_loading:
