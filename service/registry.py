@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import enum
 import json
 import logging
@@ -36,7 +35,7 @@ from engine.errors import ModelValidationError
 from engine.loader import ModelFiles, validate_model_dir
 from service.errors import InvalidRequestError, ServiceError
 from service.keys import STATE_KEY
-from service.supervision import _release_memory, warm_up
+from service.supervision import release_memory, warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +76,7 @@ class ModelEntry:
     num_in_flight: int = 0  # engine requests running on this model (fallback use included)
     error: str | None = None
     load_seconds: float | None = None
+    engine_config: EngineConfig | None = None  # to rebuild it (recycle after a leak)
 
     def to_dict(self, now: float) -> dict[str, Any]:
         return {"name": self.name, "path": self.path, "state": str(self.state), "fallback": self.fallback,
@@ -163,7 +163,7 @@ class ModelRegistry:
             if fallback is not None and not is_pinned and fallback not in self.entries:  # config checked pinned ones
                 raise InvalidRequestError(f"fallback {fallback!r} is not a loaded model", param="fallback")
             entry = ModelEntry(name, config.model, fallback, quota_bytes, is_pinned, last_used=self.clock(),
-                               memory_bytes=quota_bytes or estimate_bytes)
+                               memory_bytes=quota_bytes or estimate_bytes, engine_config=config)
             await self._make_room(entry)
             self.entries.pop(name, None)
             self.entries[name] = entry
@@ -253,6 +253,18 @@ class ModelRegistry:
                 f"{sum(e.memory_bytes for e in others)} bytes held by models that cannot be evicted now "
                 f"(pinned, busy or loading): {busy}")
 
+    async def recycle(self, name: str) -> None:
+        """Replace a ready model's engine by a fresh one (after a leak): stop, release, rebuild, warm."""
+        async with self._lock:
+            entry = self.entries[name]
+            old = _inner(entry.engine)
+            self.state.engines.pop(name, None)
+            entry.engine, entry.state = None, ModelState.LOADING
+            await asyncio.to_thread(old.stop)
+            del old
+            await asyncio.to_thread(release_memory)
+            self._publish(entry, await self._build(entry, entry.engine_config))
+
     # --- unloading ---------------------------------------------------------------------------------
     async def unload(self, name: str) -> dict[str, Any]:
         """Drain (no new requests, in-flight ones finish for up to drain_timeout_s), then stop."""
@@ -292,7 +304,7 @@ class ModelRegistry:
             await asyncio.to_thread(engine.stop)
         engines.clear()
         self.entries.pop(entry.name, None)
-        await asyncio.to_thread(_release)  # gc, empty_cache, malloc_trim: RSS / device memory drop now
+        await asyncio.to_thread(release_memory)  # gc, malloc_trim, empty_cache: RSS / device memory drop now
         self.num_unloads += 1
         seconds = self.clock() - start
         self._observe("unload", entry.name, seconds, ok=True)
@@ -388,14 +400,6 @@ def resolve_model_path(raw: Any, models_root: Path) -> ModelFiles:
         return validate_model_dir(real)
     except ModelValidationError as exc:
         raise InvalidRequestError(f"model path {raw!r}: {exc}", param="path", code="invalid_model") from exc
-
-
-def _release() -> None:
-    _release_memory()
-    # freed heap stays in RSS until glibc hands it back (+290 MiB after ten loads of a 22 MB model
-    # without this); a no-op off glibc
-    with contextlib.suppress(OSError, AttributeError, TypeError):
-        ctypes.CDLL(None).malloc_trim(0)
 
 
 def _inner(engine: Any | None) -> Any | None:

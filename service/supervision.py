@@ -26,7 +26,7 @@ from engine.sampling_params import SamplingParams
 from resilience.heartbeat import Heartbeat
 from resilience.leak_detector import LeakDetector, LeakDetectorConfig, LeakReport
 from resilience.probes import make_probe
-from service.keys import CONFIG_KEY, ENGINE_FACTORY_KEY, STATE_KEY
+from service.keys import CONFIG_KEY, STATE_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -106,24 +106,14 @@ async def _wait_in_flight(state, timeout_s: float) -> None:
 
 async def recycle_engines(app: web.Application) -> None:
     """Reload every model in process, one at a time; the router sees each new engine at once."""
-    config, state = app[CONFIG_KEY], app[STATE_KEY]
+    state = app[STATE_KEY]
     heartbeat = state.heartbeat
     before = heartbeat.last_sample
     await heartbeat.stop()  # reloading is growth, not a leak: no samples until it is done
-    for spec in config.models:
-        old = state.engines.get(spec.name)
-        if old is None:
-            continue
-        await asyncio.to_thread(old.stop)
-        del state.engines[spec.name]
-        del old
-        await asyncio.to_thread(_release_memory)
-        engine = await asyncio.to_thread(app[ENGINE_FACTORY_KEY], spec.engine)
-        engine.start()
-        await warm_up(engine, spec.name)
-        state.engines[spec.name] = engine
-        logger.info("model %s recycled", spec.name)
-    await asyncio.to_thread(_release_memory)  # what loading freed, so `after` compares with the baseline
+    for name in list(state.registry.entries):
+        await state.registry.recycle(name)
+        logger.info("model %s recycled", name)
+    await asyncio.to_thread(release_memory)  # what loading freed, so `after` compares with the baseline
     heartbeat.reset_detector()
     after = await heartbeat.beat()
     heartbeat.start()
@@ -143,7 +133,8 @@ async def warm_up(engine: Any, name: str) -> None:
             pass
 
 
-def _release_memory() -> None:
+def release_memory() -> None:
+    """Give freed memory back: gc, the heap (malloc_trim), the CUDA caching allocator."""
     gc.collect()
     _trim_heap()
     with contextlib.suppress(Exception):
