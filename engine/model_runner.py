@@ -93,8 +93,8 @@ class ModelRunner:
         dtype_bytes = torch.tensor([], dtype=self.dtype).element_size()
         per_block = 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * head_dim * dtype_bytes
         num_blocks = self._kv_budget() // per_block
-        if not self.config.kv_cache_memory:  # a derived budget: no more than the batch can ever hold, twice
-            num_blocks = min(num_blocks, 2 * self.config.max_num_seqs * math.ceil(max_model_len / block_size))
+        if not self.config.kv_cache_memory:  # a derived budget: no more than a full batch of full sequences
+            num_blocks = min(num_blocks, self.config.max_num_seqs * math.ceil(max_model_len / block_size))
         if num_blocks < math.ceil(max_model_len / block_size):
             raise ValueError(f"KV budget holds {num_blocks} blocks of {block_size} tokens ({per_block} bytes each), "
                              f"too few for one sequence of max_model_len {max_model_len}; raise kv_cache_memory "
@@ -112,7 +112,7 @@ class ModelRunner:
             activations = 2 * GiB  # headroom for the forward's activations and logits
             return max(int(total * self.config.gpu_memory_utilization) - (total - free) - activations, 0)
         available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-        return min(4 * GiB, available // 4)
+        return min(GiB, available // 8)  # host memory is shared with every other process on the box
 
     def _allocate(self, num_blocks: int, host: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
         lay = self.layout
