@@ -11,9 +11,9 @@ import pytest
 
 from tests.service.server import TINY, launch, require_models
 
-POOL_TOKENS = 192  # KV pool: 24 blocks of 8; 8 sequences of ~30 tokens need 32, so the scheduler must preempt
-MAX_NUM_SEQS = 8
-MAX_NUM_WAITING = 16
+POOL_TOKENS = 48  # KV pool: 6 blocks of 8; 4 sequences of ~16 tokens need 8, so the scheduler must preempt
+MAX_NUM_SEQS = 4
+MAX_NUM_WAITING = 8
 # queued requests may wait longer than resilience's default 10 s to a first token on 2 busy cores; a
 # deadline there would turn them into 503s (and count on the breaker), which is not what this tests
 IDLE_TIMEOUT_S = 60
@@ -34,14 +34,14 @@ def server(tmp_path_factory):
     require_models(TINY)
     srv = launch(["--model", str(TINY), "--dtype", "float32", "--block-size", "8",
                   "--kv-cache-memory", str(_kv_bytes(POOL_TOKENS)), "--max-num-seqs", str(MAX_NUM_SEQS),
-                  "--max-num-waiting", str(MAX_NUM_WAITING), "--max-model-len", "128",
+                  "--max-num-waiting", str(MAX_NUM_WAITING), "--max-model-len", "32",
                   "--idle-timeout", str(IDLE_TIMEOUT_S)], tmp_path_factory.mktemp("server-load") / "server.log")
     yield srv
     assert srv.stop() == 0, srv.log()[-3000:]
 
 
 async def _one(session: aiohttp.ClientSession, url: str, i: int) -> str:
-    body = {"model": TINY.name, "prompt": f"def f{i}(x):\n", "max_tokens": 24, "stream": True,
+    body = {"model": TINY.name, "prompt": f"def f{i}(x):\n", "max_tokens": 8, "stream": True,
             "stream_options": {"include_usage": True}}
     async with session.post(f"{url}/v1/completions", json=body) as response:
         if response.status == 429:
