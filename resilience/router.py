@@ -152,7 +152,8 @@ class ModelRouter:
             async with self.breaker(name).calling_async():
                 self.num_engine_requests[name] = self.num_engine_requests.get(name, 0) + 1
                 stream = progress_deadline(engine.generate(req.prompt, req.params, req.request_id, req.priority),
-                                           self.config.idle_timeout_s, req.deadline, clock=self.clock)
+                                           self.config.idle_timeout_s, req.deadline, clock=self.clock,
+                                           alive_at=lambda: engine.last_progress_time)
                 async with contextlib.aclosing(stream):
                     async for output in stream:
                         yield RoutedOutput(output, name, name != req.model)

@@ -1,4 +1,5 @@
 import asyncio
+import time
 
 import pytest
 
@@ -144,3 +145,15 @@ def test_deadline_exceeded_checks_its_stage():
     with pytest.raises(ValueError):
         DeadlineExceeded("prefill", 1.0)
     assert isinstance(DeadlineExceeded("total", 1.0), TimeoutError)
+
+
+async def test_a_late_item_from_a_busy_producer_is_queued_not_stalled():
+    async def late():
+        await asyncio.sleep(0.3)
+        yield 1
+
+    busy = [i async for i in progress_deadline(late(), 0.1, alive_at=time.monotonic)]  # steps keep coming
+    assert busy == [1]
+    with pytest.raises(DeadlineExceeded) as info:  # its last step was a second ago: stalled
+        _ = [i async for i in progress_deadline(late(), 0.1, alive_at=lambda: time.monotonic() - 1.0)]
+    assert info.value.stage == "first_token"
