@@ -67,7 +67,8 @@ def create_app(config: ServerConfig, *, engine_factory: EngineFactory | None = N
                                    max_loaded_models=config.max_loaded_models, warmup=config.warmup,
                                    drain_timeout_s=config.shutdown_timeout, metrics=app[METRICS_KEY])
     app[ROUTER_FACTORY_KEY] = router_factory or functools.partial(
-        make_router, idle_timeout_s=config.idle_timeout_s, breaker_open_s=config.breaker_open_s)
+        make_router, idle_timeout_s=config.idle_timeout_s, breaker_open_s=config.breaker_open_s,
+        on_breaker_change=state.health.on_breaker_change)
     app.cleanup_ctx.append(engines_ctx)
     app.cleanup_ctx.append(supervision_ctx)
     app.on_shutdown.append(drain)
