@@ -28,7 +28,7 @@ from tests.deploy.replicas import (
 USERS = 64
 DURATION_S = 30
 # Loose: 64 closed-loop users on one CPU replica, sharing two (often busy) cores with Locust itself.
-# Measured at load average ~10: p99 TTFT 17 s, p99 end-to-end 70 s (the first wave of 64 requests
+# Measured at load average ~10: p99 TTFT 22 s, p99 end-to-end 72 s (the first wave of 64 requests
 # is still finishing when the 30 s are up). They catch a stalled or serialized server, not a slow one.
 P99_TTFT_MS = 45_000
 P99_E2E_MS = 150_000
