@@ -51,6 +51,8 @@ class Generation:
             raise ModelNotFoundError(name)
         if self.state.is_draining:
             raise UnavailableError("the server is shutting down", code="draining")
+        if self.state.health.leak is not None:  # out of rotation until the engines are recycled
+            raise UnavailableError("the replica is recycling after a memory leak", code="recycling")
         if name not in self.state.engines or self.state.router is None:
             message, code = self.state.why_unavailable(name)
             raise UnavailableError(message, code=code)
