@@ -23,6 +23,8 @@ from pathlib import Path
 
 import aiohttp
 
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the server sets it: the offline side runs alike
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "serving.json"
 ENGINE_FLAGS = {"max_num_seqs": 64, "max_num_batched_tokens": 2048, "dtype": "float32"}
