@@ -46,7 +46,7 @@ def root(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def server(root, tmp_path_factory):
     srv = launch(["--model", str(root / "start"), "--served-model-name", "start", "--models-root", str(root),
-                  "--memory-budget", str(BUDGET), "--kv-cache-memory", "4MiB", "--device", "cpu",
+                  "--memory-budget", str(BUDGET), "--kv-cache-memory", "4MiB", "--dtype", "bfloat16", "--device", "cpu",
                   "--api-key", API_KEY, "--admin-key", ADMIN_KEY, "--shutdown-timeout", "30"],
                  tmp_path_factory.mktemp("registry") / "server.log")
     yield srv
@@ -251,7 +251,7 @@ async def _until(predicate, timeout: float = 10.0) -> None:
 
 def test_on_demand_loading_with_a_model_cap(root, tmp_path_factory):
     srv = launch(["--model", str(root / "start"), "--served-model-name", "start", "--models-root", str(root),
-                  "--models-dir", str(root), "--max-loaded-models", "2", "--kv-cache-memory", "4MiB",
+                  "--models-dir", str(root), "--max-loaded-models", "2", "--kv-cache-memory", "4MiB", "--dtype", "bfloat16",
                   "--device", "cpu", "--api-key", API_KEY, "--admin-key", ADMIN_KEY],
                  tmp_path_factory.mktemp("on-demand") / "server.log")
     try:
