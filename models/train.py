@@ -5,10 +5,10 @@
 The corpus is the .py sources of the running interpreter's standard library (no network, nothing
 committed); every 20th file, in sorted order, is held out for validation. Each model is trained on
 random 256-token windows with AdamW and a cosine schedule, bounded by steps and by wall seconds.
-On an idle 2-core machine the step limits bind (about 17 minutes in all: ~0.9 s per small step,
-~0.25 s per tiny step) and the run is bit-reproducible; on a busy one the time boxes bind (under 29
+On an idle 2-core machine the step limits bind (about 16 minutes in all: ~0.9 s per small step,
+~0.25 s per tiny step) and the run is bit-reproducible; on a busy one the time boxes bind (under 28
 minutes in all), the schedule is annealed by elapsed time instead, and the models see fewer tokens
-(and come out worse). Raise --small-seconds/--tiny-seconds there to get the idle-machine result.
+(and come out worse).
 """
 
 import argparse
@@ -44,7 +44,9 @@ CHAT_TEMPLATE = (
 )
 # test suites and the GUI/2to3 trees are large and repetitive; they would dominate a corpus this small
 EXCLUDED_DIRS = {"site-packages", "test", "tests", "idlelib", "lib2to3", "turtledemo", "__pycache__"}
-SAMPLE_PROMPT = "def read_lines(path):\n"
+# no trailing newline: byte-level BPE merges "\n" with the indentation after it, so a prompt ending in a
+# bare "\n" token is a boundary the model has rarely seen (it then continues at column 0)
+SAMPLE_PROMPT = "def read_lines(path):"
 
 # name -> LlamaConfig shape; saved as models/pagedserve-coder-{name}. Param counts include the tied embedding.
 ARCHS = {
@@ -68,12 +70,16 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--small-steps", type=int, default=700)
     p.add_argument("--small-seconds", type=float, default=1020.0, help="wall-clock cap on training")
     p.add_argument("--small-lr", type=float, default=3e-3)
-    p.add_argument("--tiny-steps", type=int, default=1200)
-    p.add_argument("--tiny-seconds", type=float, default=540.0, help="wall-clock cap on training")
+    p.add_argument("--tiny-steps", type=int, default=1000)
+    p.add_argument("--tiny-seconds", type=float, default=450.0, help="wall-clock cap on training")
     p.add_argument("--tiny-lr", type=float, default=3e-3)
     p.add_argument("--val-windows", type=int, default=128, help="256-token windows scored for val_loss")
     p.add_argument("--threads", type=int, default=2)
-    return p.parse_args()
+    p.add_argument("--models", default=",".join(ARCHS), help="comma-separated subset of: " + ", ".join(ARCHS))
+    args = p.parse_args()
+    if unknown := set(args.models.split(",")) - ARCHS.keys():
+        p.error(f"unknown models {sorted(unknown)}; choose from {list(ARCHS)}")
+    return args
 
 
 def load_corpus(val_every: int = 20) -> tuple[list[str], list[str]]:
@@ -247,7 +253,9 @@ def main() -> None:
                    "corpus_train_tokens": len(train_ids), "corpus_val_tokens": len(val_ids)}
     print(f"tokenizer: {len(tokenizer)} tokens; corpus {len(train_ids)} train / {len(val_ids)} val tokens "
           f"({time.monotonic() - t0:.0f} s)", flush=True)
-    reports = {name: run_one(name, tokenizer, train_ids, val_ids, args, corpus_info) for name in ARCHS}
+    # the tokenizer is deterministic, so a model retrained alone still shares it with the other
+    names = [n for n in ARCHS if n in args.models.split(",")]
+    reports = {name: run_one(name, tokenizer, train_ids, val_ids, args, corpus_info) for name in names}
     summary = ", ".join(f"{n} val_loss {r['val_loss']}" for n, r in reports.items())
     print(f"done in {time.monotonic() - t0:.0f} s: {summary}")
 

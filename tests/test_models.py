@@ -55,10 +55,7 @@ def test_shipped_training_report_beats_baseline(shipped):
     report = json.loads((path / "training.json").read_text())
     assert report["vocab_size"] == len(tokenizer)
     assert report["uniform_baseline"] == pytest.approx(math.log(len(tokenizer)), abs=1e-3)
-    # the primary meets the 60%-of-uniform target; the 2.4M fallback, trained for minutes on a shared
-    # 2-core box, is well under the baseline but short of it (see models/README.md)
-    target = 0.6 if path.name.endswith("small") else 0.8
-    assert report["val_loss"] <= target * math.log(len(tokenizer))
+    assert report["val_loss"] <= 0.6 * math.log(len(tokenizer))
     assert report["params"] == sum(p.numel() for p in model.parameters())
     assert report["train_tokens"] > 0 and report["train_seconds"] > 0
     assert report["sample"]["prompt"] and report["sample"]["continuation"]
