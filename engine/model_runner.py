@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM
 
+from engine import cpu_kernel
 from engine.attention import ATTN_IMPLEMENTATION, AttentionMetadata, PrefillSegment
 from engine.block_manager import BlockCopies
 from engine.config import EngineConfig, KVCacheLayout
@@ -75,6 +76,9 @@ class ModelRunner:
         self.kv_caches = self._allocate(self.layout.num_blocks)
         self.swap_caches = self._allocate(self.layout.num_swap_blocks, host=True)
         self.sampler = Sampler()
+        # decode attention straight from the block pool in C where it runs, else gather + SDPA in torch
+        on_cpu_fp32 = self.device.type == "cpu" and self.dtype == torch.float32
+        self.decode_kernel = cpu_kernel.load(torch.get_num_threads()) if on_cpu_fp32 else None
         logger.info("loaded %s (%s, %s): %.1f MiB weights, %d KV blocks of %d tokens (%.1f MiB), max_model_len %d",
                     files.path.name, self.device, self.dtype, self.weight_bytes / 2**20, self.layout.num_blocks,
                     self.layout.block_size, self.layout.total_bytes / 2**20, self.layout.max_model_len)
@@ -116,7 +120,7 @@ class ModelRunner:
 
     def _allocate(self, num_blocks: int, host: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
         lay = self.layout
-        shape = (num_blocks * lay.block_size, lay.num_kv_heads, lay.head_dim)
+        shape = (lay.num_kv_heads, num_blocks * lay.block_size, lay.head_dim)  # head-major: see engine.attention
         device = torch.device("cpu") if host else self.device
         pin = host and self.device.type == "cuda"
         return [tuple(torch.zeros(shape, dtype=self.dtype, device=device, pin_memory=pin) for _ in range(2))
@@ -132,8 +136,8 @@ class ModelRunner:
             src_slots = self._block_slots([s for s, _ in pairs], src_pool[0][0].device)
             dst_slots = self._block_slots([d for _, d in pairs], dst_pool[0][0].device)
             for (src_k, src_v), (dst_k, dst_v) in zip(src_pool, dst_pool, strict=True):
-                dst_k.index_copy_(0, dst_slots, src_k[src_slots.to(src_k.device)].to(dst_k.device))
-                dst_v.index_copy_(0, dst_slots, src_v[src_slots.to(src_v.device)].to(dst_v.device))
+                for src, dst in ((src_k, dst_k), (src_v, dst_v)):
+                    dst.index_copy_(1, dst_slots, src.index_select(1, src_slots.to(src.device)).to(dst.device))
 
     def _block_slots(self, block_ids: list[int], device: torch.device) -> torch.Tensor:
         bs = self.layout.block_size
@@ -173,8 +177,8 @@ class ModelRunner:
                 sample_at.append(len(ids) - 1)
                 rows.append(SampleRow(seq, item.num_samples))
         dev = self.device
-        meta = AttentionMetadata(self.kv_caches, torch.tensor(slots, dtype=torch.long, device=dev), len(decodes),
-                                 *self._decode_context(decodes),
+        meta = AttentionMetadata(self.kv_caches, bs, torch.tensor(slots, dtype=torch.long, device=dev), len(decodes),
+                                 *self._decode_context(decodes), self.decode_kernel,
                                  [self._segment(r0, r1, item) for r0, r1, item in segments])
         return _Batch(torch.tensor(ids, dtype=torch.long, device=dev),
                       torch.tensor(positions, dtype=torch.long, device=dev), meta,
@@ -183,18 +187,20 @@ class ModelRunner:
     def _context_slots(self, block_table: list[int], length: int) -> torch.Tensor:
         return self._block_slots(block_table[:math.ceil(length / self.layout.block_size)], self.device)[:length]
 
-    def _decode_context(self, decodes: list[ScheduledSeq]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _decode_context(self, decodes: list[ScheduledSeq]) -> tuple:
+        """(block tables padded with block 0, context lengths, the torch path's additive mask) of the decodes."""
         if not decodes:
-            return None, None
+            return None, None, None
         bs, dev = self.layout.block_size, self.device
-        lengths = torch.tensor([d.start + 1 for d in decodes], device=dev)
         max_blocks = max(len(d.seq.block_table) for d in decodes)
         tables = torch.tensor([d.seq.block_table + [0] * (max_blocks - len(d.seq.block_table)) for d in decodes],
                               dtype=torch.long, device=dev)
-        max_len = int(lengths.max())
-        slots = (tables[:, :, None] * bs + torch.arange(bs, device=dev)).flatten(1)[:, :max_len]
-        mask = torch.arange(max_len, device=dev)[None, :] < lengths[:, None]
-        return slots, mask[:, None, None, :]
+        lengths = torch.tensor([d.start + 1 for d in decodes], dtype=torch.long, device=dev)
+        if self.decode_kernel is not None:
+            return tables, lengths, None
+        padding = torch.arange(max_blocks * bs, device=dev)[None, :] >= lengths[:, None]
+        mask = torch.zeros(padding.shape, dtype=self.dtype, device=dev).masked_fill_(padding, float("-inf"))
+        return tables, lengths, mask[None, :, None, :]
 
     def _segment(self, row_start: int, row_end: int, item: ScheduledSeq) -> PrefillSegment:
         if item.start == 0:

@@ -1,0 +1,111 @@
+/* Paged decode attention for float32 on CPU: one query token per sequence, K/V read in place from
+ * the head-major block pool ([num_kv_heads, num_slots, head_dim] per layer, engine/attention.py).
+ *
+ * The pure-torch path first gathers every sequence's blocks into a padded copy and then runs SDPA
+ * over it; on a memory-bound CPU that copy costs more than the attention. Here each (sequence, KV
+ * head) work item walks its block table once for the scores and once for the values, reading each
+ * block's block_size x head_dim values contiguously, with an exact two-pass softmax.
+ *
+ * Built by engine/cpu_kernel.py with the system C compiler; no torch headers, called through ctypes
+ * (which releases the GIL, so callers split [work_begin, work_end) across threads). */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+/* 8 partial sums: the compiler turns the inner loop into one vector multiply-add per 8 values */
+static inline float dot(const float *restrict a, const float *restrict b, int64_t n)
+{
+    float part[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; ++j) part[j] += a[i + j] * b[i + j];
+    float tail = 0.0f;
+    for (; i < n; ++i) tail += a[i] * b[i];
+    return ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7])) + tail;
+}
+
+/* ask for the next block while this one is read: blocks are scattered, so the hardware prefetcher,
+ * which follows streams within a page, would otherwise start each one cold */
+static inline void prefetch_row(const float *row, int64_t n)
+{
+    for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(row + i, 0, 3);
+}
+
+static inline void add_scaled(float *restrict acc, float p, const float *restrict v, int64_t n)
+{
+    for (int64_t i = 0; i < n; ++i) acc[i] += p * v[i];
+}
+
+int paged_decode_f32(const float *q,             /* [num_seqs, num_heads, head_dim] */
+                     const float *k_cache,       /* [num_kv_heads, num_slots, head_dim] */
+                     const float *v_cache,       /* same */
+                     const int64_t *block_tables, /* [num_seqs, max_blocks] */
+                     const int64_t *context_lens, /* [num_seqs], each >= 1 */
+                     float *out,                 /* [num_seqs, num_heads, head_dim] */
+                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t num_slots,
+                     int64_t block_size, int64_t max_blocks, float scale,
+                     int64_t work_begin, int64_t work_end) /* work item = seq * num_kv_heads + kv_head */
+{
+    const int64_t groups = num_heads / num_kv_heads; /* query heads per KV head */
+    int64_t max_len = 0;
+    for (int64_t w = work_begin; w < work_end; ++w) {
+        const int64_t len = context_lens[w / num_kv_heads];
+        if (len > max_len) max_len = len;
+    }
+    /* scratch: scores [groups, max_len], running max and 1/sum [groups], accumulators [groups, head_dim] */
+    float *scratch = malloc(sizeof(float) * (size_t)(groups * (max_len + 2 + head_dim)));
+    if (scratch == NULL) return -1;
+    float *scores = scratch, *mx = scores + groups * max_len, *inv = mx + groups, *acc = inv + groups;
+
+    for (int64_t w = work_begin; w < work_end; ++w) {
+        const int64_t seq = w / num_kv_heads, kv_head = w % num_kv_heads, len = context_lens[seq];
+        const int64_t *table = block_tables + seq * max_blocks;
+        const float *qh = q + (seq * num_heads + kv_head * groups) * head_dim;
+        const float *kh = k_cache + kv_head * num_slots * head_dim;
+        const float *vh = v_cache + kv_head * num_slots * head_dim;
+
+        for (int64_t g = 0; g < groups; ++g) mx[g] = -INFINITY;
+        for (int64_t pos = 0; pos < len; pos += block_size) {
+            const int64_t blk = pos / block_size;
+            const float *kb = kh + table[blk] * block_size * head_dim;
+            const float *next = pos + block_size < len ? kh + table[blk + 1] * block_size * head_dim : NULL;
+            const int64_t n = len - pos < block_size ? len - pos : block_size;
+            for (int64_t i = 0; i < n; ++i) {
+                const float *kp = kb + i * head_dim;
+                if (next) prefetch_row(next + i * head_dim, head_dim);
+                for (int64_t g = 0; g < groups; ++g) {
+                    const float s = dot(qh + g * head_dim, kp, head_dim) * scale;
+                    scores[g * len + pos + i] = s;
+                    if (s > mx[g]) mx[g] = s;
+                }
+            }
+        }
+        for (int64_t g = 0; g < groups; ++g) {
+            float *sg = scores + g * len, sum = 0.0f;
+            for (int64_t j = 0; j < len; ++j) {
+                sg[j] = expf(sg[j] - mx[g]);
+                sum += sg[j];
+            }
+            inv[g] = 1.0f / sum;
+        }
+        for (int64_t j = 0; j < groups * head_dim; ++j) acc[j] = 0.0f;
+        for (int64_t pos = 0; pos < len; pos += block_size) {
+            const int64_t blk = pos / block_size;
+            const float *vb = vh + table[blk] * block_size * head_dim;
+            const float *next = pos + block_size < len ? vh + table[blk + 1] * block_size * head_dim : NULL;
+            const int64_t n = len - pos < block_size ? len - pos : block_size;
+            for (int64_t i = 0; i < n; ++i) {
+                const float *vp = vb + i * head_dim;
+                if (next) prefetch_row(next + i * head_dim, head_dim);
+                for (int64_t g = 0; g < groups; ++g)
+                    add_scaled(acc + g * head_dim, scores[g * len + pos + i], vp, head_dim);
+            }
+        }
+        for (int64_t g = 0; g < groups; ++g) {
+            float *o = out + (seq * num_heads + kv_head * groups + g) * head_dim;
+            for (int64_t d = 0; d < head_dim; ++d) o[d] = acc[g * head_dim + d] * inv[g];
+        }
+    }
+    free(scratch);
+    return 0;
+}

@@ -1,0 +1,60 @@
+"""The C decode-attention kernel against a float64 reference, and the engine's pure-torch path (used
+without a compiler) against transformers."""
+
+import math
+import shutil
+
+import pytest
+import torch
+
+from engine import LLM, cpu_kernel
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                reason="no C compiler: the engine runs its pure-torch path")
+
+
+def _reference(q, k_cache, v_cache, tables, lens, block_size, scale):
+    """Per sequence: gather its slots in order, softmax(q k^T) v in float64, GQA heads h -> h // groups."""
+    num_seqs, num_heads, _ = q.shape
+    groups = num_heads // k_cache.shape[0]
+    out = torch.empty_like(q, dtype=torch.float64)
+    for s in range(num_seqs):
+        n = int(lens[s])
+        slots = torch.tensor([int(tables[s, p // block_size]) * block_size + p % block_size for p in range(n)])
+        for h in range(num_heads):
+            k = k_cache[h // groups, slots].double()
+            v = v_cache[h // groups, slots].double()
+            p = torch.softmax(k @ q[s, h].double() * scale, dim=0)
+            out[s, h] = p @ v
+    return out
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"),
+                         [(9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 16, 1), (6, 2, 64, 32)])
+@pytest.mark.parametrize("num_threads", [1, 3])
+def test_kernel_matches_reference(num_heads, num_kv_heads, head_dim, block_size, num_threads):
+    kernel = cpu_kernel.load(num_threads)
+    assert kernel is not None
+    gen = torch.Generator().manual_seed(0)
+    num_blocks, lens = 256, torch.tensor([1, 5, block_size, block_size + 1, 3 * block_size - 1, 70])
+    max_blocks = math.ceil(int(lens.max()) / block_size)
+    k_cache = torch.randn(num_kv_heads, num_blocks * block_size, head_dim, generator=gen)
+    v_cache = torch.randn(num_kv_heads, num_blocks * block_size, head_dim, generator=gen)
+    # distinct blocks per sequence, shuffled; tables padded with block 0 as the model runner does
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.zeros(len(lens), max_blocks, dtype=torch.long)
+    for s, n in enumerate(lens.tolist()):
+        need = math.ceil(n / block_size)
+        tables[s, :need] = torch.tensor([perm.pop() for _ in range(need)])
+    q = torch.randn(len(lens), num_heads, head_dim, generator=gen)
+    scale = head_dim**-0.5
+    got = kernel(q, k_cache, v_cache, tables, lens, block_size, scale)
+    torch.testing.assert_close(got.double(), _reference(q, k_cache, v_cache, tables, lens, block_size, scale),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_engine_uses_kernel_on_cpu_fp32(random_model):
+    llm = LLM(random_model("tiny-llama"), dtype="float32", max_model_len=128)
+    assert llm.engine.model_runner.decode_kernel is not None
+    llm = LLM(random_model("tiny-llama"), dtype="bfloat16", max_model_len=128)
+    assert llm.engine.model_runner.decode_kernel is None
