@@ -256,6 +256,8 @@ def plot(systems: dict, path: Path) -> None:
     ax2.set_ylabel("KV slots wasted at peak (%)")
     ax2.set_title("KV cache waste at peak")
     ax2.legend()
+    for ax in (ax1, ax2):
+        ax.margins(y=0.12)
     fig.suptitle("Offline batch, SmolLM-135M shape, fp32, 2 CPU threads")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -66,7 +66,11 @@ class DecodeKernel:
                  context_lens: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
         """q [num_seqs, num_heads, head_dim] float32; caches [num_kv_heads, num_slots, head_dim] contiguous;
         block_tables [num_seqs, max_blocks] and context_lens [num_seqs] int64. Returns like q."""
-        q = q.contiguous()
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.is_contiguous()
+                and k_cache.dtype == v_cache.dtype == q.dtype == torch.float32
+                and block_tables.dtype == context_lens.dtype == torch.int64):
+            raise ValueError("paged_decode_f32 reads raw memory: contiguous float32 caches and int64 tables only")
+        q, context_lens = q.contiguous(), context_lens.contiguous()
         out = torch.empty_like(q)
         num_seqs, num_heads, head_dim = q.shape
         num_kv_heads, num_slots, _ = k_cache.shape
