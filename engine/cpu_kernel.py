@@ -60,7 +60,15 @@ class DecodeKernel:
         self._fn.argtypes = [_ptr] * 6 + [_i64] * 6 + [ctypes.c_float, _i64, _i64]
         self._fn.restype = ctypes.c_int
         self.num_threads = max(1, num_threads)
-        self._pool = ThreadPoolExecutor(self.num_threads - 1, "pagedserve-attn") if self.num_threads > 1 else None
+        self._pool = self._new_pool()
+        # a forked child has none of the parent's threads: the old pool would take work and never run it
+        os.register_at_fork(after_in_child=self._renew_pool)
+
+    def _new_pool(self) -> ThreadPoolExecutor | None:
+        return ThreadPoolExecutor(self.num_threads - 1, "pagedserve-attn") if self.num_threads > 1 else None
+
+    def _renew_pool(self) -> None:
+        self._pool = self._new_pool()
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:

@@ -2,6 +2,7 @@
 without a compiler) against transformers."""
 
 import math
+import multiprocessing
 import shutil
 
 import pytest
@@ -58,3 +59,24 @@ def test_engine_uses_kernel_on_cpu_fp32(random_model):
     assert llm.engine.model_runner.decode_kernel is not None
     llm = LLM(random_model("tiny-llama"), dtype="bfloat16", max_model_len=128)
     assert llm.engine.model_runner.decode_kernel is None
+
+
+def _run_in_child(args, queue):
+    queue.put(cpu_kernel.load(2)(*args).tolist())
+
+
+def test_kernel_works_in_a_forked_child():
+    """A child forked after the kernel's thread pool started gets a pool of its own (no hang)."""
+    kernel = cpu_kernel.load(2)
+    k_cache, v_cache = torch.randn(2, 64, 16), torch.randn(2, 64, 16)
+    args = (torch.randn(3, 4, 16), k_cache, v_cache, torch.tensor([[0, 1], [2, 3], [3, 0]]),
+            torch.tensor([20, 32, 5]), 16, 0.25)
+    expected = kernel(*args)  # the pool has run work before the fork
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_run_in_child, args=(args, queue))
+    child.start()
+    got = queue.get(timeout=60)
+    child.join(timeout=60)
+    assert child.exitcode == 0
+    torch.testing.assert_close(torch.tensor(got), expected)
