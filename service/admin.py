@@ -95,12 +95,7 @@ def _size(body: dict[str, Any], key: str) -> int | None:
 
 
 async def inject_fault(request: web.Request) -> web.Response:
-    body = await read_json(request)
-    if not isinstance(body, dict):
-        raise InvalidRequestError("the body must be a JSON object")
-    unknown = sorted(set(body) - FAULT_FIELDS)
-    if unknown:
-        raise InvalidRequestError(f"unknown fields: {unknown}", param=unknown[0])
+    body = await _object(request, FAULT_FIELDS)
     engine = _engine(request, body.get("model"))
     try:
         fault = Fault(kind=body.get("kind"), seconds=body.get("seconds"),

@@ -31,6 +31,17 @@ static inline void prefetch_row(const float *row, int64_t n)
     for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(row + i, 0, 3);
 }
 
+/* the rows of the block holding position pos (n of them: fewer in the last block); *next is the
+ * following block, NULL in the last one */
+static inline const float *block_rows(const float *head, const int64_t *table, int64_t pos, int64_t len,
+                                      int64_t block_size, int64_t head_dim, const float **next, int64_t *n)
+{
+    const int64_t blk = pos / block_size, stride = block_size * head_dim;
+    *next = pos + block_size < len ? head + table[blk + 1] * stride : NULL;
+    *n = len - pos < block_size ? len - pos : block_size;
+    return head + table[blk] * stride;
+}
+
 static inline void add_scaled(float *restrict acc, float p, const float *restrict v, int64_t n)
 {
     for (int64_t i = 0; i < n; ++i) acc[i] += p * v[i];
@@ -66,10 +77,9 @@ int paged_decode_f32(const float *q,             /* [num_seqs, num_heads, head_d
 
         for (int64_t g = 0; g < groups; ++g) mx[g] = -INFINITY;
         for (int64_t pos = 0; pos < len; pos += block_size) {
-            const int64_t blk = pos / block_size;
-            const float *kb = kh + table[blk] * block_size * head_dim;
-            const float *next = pos + block_size < len ? kh + table[blk + 1] * block_size * head_dim : NULL;
-            const int64_t n = len - pos < block_size ? len - pos : block_size;
+            const float *next;
+            int64_t n;
+            const float *kb = block_rows(kh, table, pos, len, block_size, head_dim, &next, &n);
             for (int64_t i = 0; i < n; ++i) {
                 const float *kp = kb + i * head_dim;
                 if (next) prefetch_row(next + i * head_dim, head_dim);
@@ -90,10 +100,9 @@ int paged_decode_f32(const float *q,             /* [num_seqs, num_heads, head_d
         }
         for (int64_t j = 0; j < groups * head_dim; ++j) acc[j] = 0.0f;
         for (int64_t pos = 0; pos < len; pos += block_size) {
-            const int64_t blk = pos / block_size;
-            const float *vb = vh + table[blk] * block_size * head_dim;
-            const float *next = pos + block_size < len ? vh + table[blk + 1] * block_size * head_dim : NULL;
-            const int64_t n = len - pos < block_size ? len - pos : block_size;
+            const float *next;
+            int64_t n;
+            const float *vb = block_rows(vh, table, pos, len, block_size, head_dim, &next, &n);
             for (int64_t i = 0; i < n; ++i) {
                 const float *vp = vb + i * head_dim;
                 if (next) prefetch_row(next + i * head_dim, head_dim);
