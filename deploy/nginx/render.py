@@ -22,6 +22,7 @@ _PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
 _HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
 _TIME = re.compile(r"^\d+(ms|s|m|h|d)?$")  # nginx time syntax: 300s, 500ms, 5m
 _SIZE = re.compile(r"^\d+[kKmMgG]?$")  # nginx size syntax: 8m, 512k
+_RATE = re.compile(r"^[1-9]\d*r/[sm]$")  # nginx rate syntax: 50r/s, 600r/m
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,11 @@ class NginxOptions:
     worker_connections: int = 4096
     max_body_size: str = "8m"
     metrics_allow: tuple[str, ...] = DEFAULT_METRICS_ALLOW
+    # per client address on /v1/: far above what one client of a 64-96 user load test sends (a few
+    # requests per second in all), low enough that one runaway script cannot take the whole pool
+    rate_limit: str = "50r/s"  # nginx rate, or "off"
+    rate_burst: int = 100  # requests above the rate served at once before nginx answers 429
+    max_conns_per_client: int = 128  # requests in flight at once (an SSE stream is one throughout); 0: off
 
     def __post_init__(self) -> None:
         for name in ("fail_timeout", "next_upstream_timeout", "connect_timeout", "read_timeout"):
@@ -55,6 +61,11 @@ class NginxOptions:
         wp = self.worker_processes
         _check(wp == "auto" or (isinstance(wp, int) and wp >= 1),
                f"worker_processes must be 'auto' or a positive int, got {wp!r}")
+        _check(self.rate_limit == "off" or bool(_RATE.match(self.rate_limit)),
+               f"rate_limit must be an nginx rate such as 50r/s, or 'off', got {self.rate_limit!r}")
+        _check(self.rate_burst >= 0, f"rate_burst must be non-negative, got {self.rate_burst}")
+        _check(self.max_conns_per_client >= 0,
+               f"max_conns_per_client must be non-negative (0 is off), got {self.max_conns_per_client}")
         for net in self.metrics_allow:
             _check(net == "all" or _is_network(net),
                    f"metrics_allow entries must be addresses, CIDRs or 'all', got {net!r}")
@@ -82,6 +93,9 @@ def render(primaries: list[str], backups: list[str], listen: str, prefix_dir: st
         "worker_connections": str(o.worker_connections),
         "max_body_size": o.max_body_size,
         "metrics_allow": "\n".join(f"            allow {net};" for net in o.metrics_allow),
+        # the zone needs a valid rate even when limit_req is off
+        "rate_limit": "1r/s" if o.rate_limit == "off" else o.rate_limit,
+        "client_limits": _client_limits(o),
     }
     return _PLACEHOLDER.sub(lambda m: values[m.group(1)], TEMPLATE.read_text())
 
@@ -93,6 +107,16 @@ def _server_lines(primaries: list[str], backups: list[str], max_fails: int, fail
     lines = [f"        server {a} {health};" for a in primaries]
     lines += [f"        server {a} {health} backup;" for a in backups]
     return "\n".join(lines)
+
+
+def _client_limits(o: NginxOptions) -> str:
+    # nodelay: a burst is served at once, not paced out (pacing would add latency to every burst)
+    lines = []
+    if o.rate_limit != "off":
+        lines.append(f"            limit_req zone=pagedserve_rate burst={o.rate_burst} nodelay;")
+    if o.max_conns_per_client:
+        lines.append(f"            limit_conn pagedserve_conns {o.max_conns_per_client};")
+    return "\n".join(lines) or "            # no per-client limits (rate_limit off, max_conns_per_client 0)"
 
 
 def _is_network(text: str) -> bool:
@@ -138,6 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker-processes", default="auto")
     p.add_argument("--max-body-size", default="8m")
     p.add_argument("--metrics-allow", action="append", help="address or CIDR allowed to GET /metrics (repeat)")
+    p.add_argument("--rate-limit", default="50r/s", help="requests per client address on /v1/, or off")
+    p.add_argument("--rate-burst", type=int, default=100, help="requests above --rate-limit served at once")
+    p.add_argument("--max-conns-per-client", type=int, default=128,
+                   help="requests in flight per client address on /v1/ (0: no limit)")
     args = p.parse_args(argv)
     workers = args.worker_processes if args.worker_processes == "auto" else int(args.worker_processes)
     try:
@@ -146,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
             next_upstream_tries=args.next_upstream_tries, next_upstream_timeout=args.next_upstream_timeout,
             connect_timeout=args.connect_timeout, read_timeout=args.read_timeout, keepalive=args.keepalive,
             worker_processes=workers, max_body_size=args.max_body_size,
-            metrics_allow=tuple(args.metrics_allow or DEFAULT_METRICS_ALLOW))
+            metrics_allow=tuple(args.metrics_allow or DEFAULT_METRICS_ALLOW), rate_limit=args.rate_limit,
+            rate_burst=args.rate_burst, max_conns_per_client=args.max_conns_per_client)
         text = render(args.primary, args.backup, args.listen, str(Path(args.prefix).absolute()), options)
     except ValueError as e:
         p.error(str(e))

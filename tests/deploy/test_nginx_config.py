@@ -1,5 +1,8 @@
-"""The rendered nginx config: `nginx -t` accepts it, and a real nginx in front of two tiny aiohttp
-replicas (one draining, one healthy) replays POSTs away from the draining one and streams SSE unbuffered."""
+"""The rendered nginx config: `nginx -t` accepts it, and a real nginx in front of tiny aiohttp stand-in
+replicas follows the status contract of deploy/README.md: a 503 (refused before any work) is replayed on
+the next replica and counts towards max_fails; a 500 (work started, or a poison request) is neither
+replayed nor counted; a 429 (overload) is passed to the client and never marks a replica down. SSE
+streams through unbuffered; nginx's own per-client limits answer 429 in the OpenAI shape."""
 
 import asyncio
 import json
@@ -12,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import aiohttp
@@ -53,8 +57,12 @@ def test_render_has_the_failover_and_streaming_directives():
         ("127.0.0.1:8002", "max_fails=3 fail_timeout=10s"),
         ("127.0.0.1:8003", "max_fails=3 fail_timeout=10s backup"),
     ]
+    # replayed: refused connections and 503s only; never 429/500/502/504 or a timeout (see the contract)
+    [generation_policy] = re.findall(r"^ {8}proxy_next_upstream (.*);$", text, re.M)
+    assert generation_policy == "error http_503 non_idempotent"
+    probe_policies = re.findall(r"^ {12}proxy_next_upstream (.*);$", text, re.M)
+    assert probe_policies == ["error timeout http_503"] * 3  # /health, /health/ready, /metrics: GETs only
     for directive in (
-        "proxy_next_upstream error timeout http_502 http_503 http_504 http_429 non_idempotent;",
         "proxy_next_upstream_tries 3;",
         "proxy_next_upstream_timeout 15s;",
         "keepalive 32;",
@@ -72,6 +80,12 @@ def test_render_has_the_failover_and_streaming_directives():
         "location = /health/ready {",
         "location = /health/live {",
         "location = /metrics {",
+        "limit_req_zone $binary_remote_addr zone=pagedserve_rate:10m rate=50r/s;",
+        "limit_req zone=pagedserve_rate burst=100 nodelay;",
+        "limit_conn pagedserve_conns 128;",
+        "limit_req_status 429;",
+        "limit_conn_status 429;",
+        "proxy_set_header X-Request-ID $pagedserve_request_id;",
     ):
         assert directive in text, directive
     temp_paths = re.findall(r"^\s*(\w+_temp_path) (\S+);$", text, re.M)
@@ -92,6 +106,15 @@ def test_options_reach_the_text():
     assert "backup" not in text.split("upstream pagedserve {")[1].split("}")[0]
 
 
+def test_client_limits_are_options():
+    text = render(["a:1"], [], "9000", "/p", NginxOptions(rate_limit="5r/s", rate_burst=7, max_conns_per_client=3))
+    assert "zone=pagedserve_rate:10m rate=5r/s;" in text
+    assert "limit_req zone=pagedserve_rate burst=7 nodelay;" in text
+    assert "limit_conn pagedserve_conns 3;" in text
+    off = render(["a:1"], [], "9000", "/p", NginxOptions(rate_limit="off", max_conns_per_client=0))
+    assert not re.search(r"^\s*limit_(req|conn) ", off, re.M)
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (([], [], "8080", "/p"), "at least one primary"),
     ((["localhost"], [], "8080", "/p"), "host:port"),
@@ -106,7 +129,8 @@ def test_render_rejects_bad_arguments(args, message):
 
 @pytest.mark.parametrize(("field", "value"), [
     ("fail_timeout", "ten"), ("next_upstream_tries", 0), ("max_fails", 0), ("worker_processes", 0),
-    ("max_body_size", "8 MB"), ("metrics_allow", ("not-an-ip",)),
+    ("max_body_size", "8 MB"), ("metrics_allow", ("not-an-ip",)), ("rate_limit", "50/s"),
+    ("rate_limit", "0r/s"), ("rate_burst", -1), ("max_conns_per_client", -1),
 ])
 def test_options_validate_themselves(field, value):
     with pytest.raises(ValueError, match=field):
@@ -115,10 +139,13 @@ def test_options_validate_themselves(field, value):
 
 def test_cli_prints_what_render_returns():
     argv = ["--primary", "127.0.0.1:8001", "--primary", "127.0.0.1:8002", "--backup", "127.0.0.1:8003",
-            "--listen", "127.0.0.1:8080", "--prefix", "/srv/ngx"]
+            "--listen", "127.0.0.1:8080", "--prefix", "/srv/ngx", "--rate-limit", "9r/s", "--rate-burst", "4",
+            "--max-conns-per-client", "0"]
     out = subprocess.run([sys.executable, "-m", "deploy.nginx.render", *argv], cwd=ROOT, capture_output=True,
                          text=True, timeout=30, check=True).stdout
-    assert out == render(["127.0.0.1:8001", "127.0.0.1:8002"], ["127.0.0.1:8003"], "127.0.0.1:8080", "/srv/ngx")
+    options = NginxOptions(rate_limit="9r/s", rate_burst=4, max_conns_per_client=0)
+    assert out == render(["127.0.0.1:8001", "127.0.0.1:8002"], ["127.0.0.1:8003"], "127.0.0.1:8080", "/srv/ngx",
+                         options)
 
 
 def test_compose_config_is_the_rendered_one():
@@ -143,6 +170,22 @@ def test_nginx_accepts_the_config(prefix, primaries, backups):
     assert "test is successful" in result.stderr
 
 
+@needs_nginx
+def test_nginx_accepts_the_config_without_client_limits(prefix):
+    options = NginxOptions(rate_limit="off", max_conns_per_client=0)
+    result = _nginx_t(prefix, render(["127.0.0.1:8001"], ["127.0.0.1:8002"], "127.0.0.1:18080", str(prefix), options))
+    assert result.returncode == 0, result.stderr
+
+
+@needs_nginx
+def test_nginx_accepts_the_compose_config(prefix):
+    # the committed compose.conf, with its replica names swapped for addresses that resolve here
+    text = (ROOT / "deploy/nginx/compose.conf").read_text().replace("/tmp/pagedserve-nginx", str(prefix))
+    text = text.replace("replica-1:8000", "127.0.0.1:8001").replace("replica-2:8000", "127.0.0.1:8002")
+    result = _nginx_t(prefix, text.replace("listen 8080;", "listen 127.0.0.1:18080;"))
+    assert result.returncode == 0, result.stderr
+
+
 # --- a real nginx in front of a draining and a healthy replica -------------------------------------
 
 
@@ -152,12 +195,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class Replica:
-    """A stand-in for a pagedserve replica: healthy, or draining (503 + Retry-After on everything)."""
+# what a stand-in replica answers to everything but a healthy one's 200: the replica's own error bodies
+REFUSALS = {
+    503: ("draining", "unavailable", "draining"),  # refused before any work: nginx replays it
+    429: ("waiting queue full", "rate_limit_exceeded", "overloaded"),  # overload: passed on, never counted
+    500: ("the request made the engine fail", "server_error", "request_failed"),  # work started: passed on
+}
 
-    def __init__(self, name: str, is_draining: bool) -> None:
+
+class Replica:
+    """A stand-in for a pagedserve replica: healthy (`status` None), or answering `status` (503, 429, 500)
+    with the replica's error shape on everything."""
+
+    def __init__(self, name: str, is_draining: bool = False, status: int | None = None) -> None:
         self.name = name
-        self.is_draining = is_draining
+        self.status = 503 if is_draining else status
         self.hits: list[str] = []
         self.release_stream = asyncio.Event()  # the healthy SSE stream stops half-way until this is set
         self.runner: web.AppRunner | None = None
@@ -174,9 +226,11 @@ class Replica:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         self.hits.append(f"{request.method} {request.path}")
-        if self.is_draining:
-            return web.json_response({"error": {"message": "draining", "type": "unavailable", "code": 503}},
-                                     status=503, headers={"Retry-After": "1", "X-Replica": self.name})
+        if self.status is not None:
+            message, kind, code = REFUSALS[self.status]
+            headers = {"X-Replica": self.name, **({"Retry-After": "1"} if self.status != 500 else {})}
+            return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": code}},
+                                     status=self.status, headers=headers)
         if request.path == "/v1/chat/completions":
             return await self.stream(request)
         return web.json_response({"replica": self.name, "path": request.path}, headers={"X-Replica": self.name})
@@ -203,10 +257,11 @@ async def replicas():
     await healthy.runner.cleanup()
 
 
-def _start_nginx(prefix: Path, primaries: list[str], backups: list[str]) -> tuple[subprocess.Popen, int]:
+def _start_nginx(prefix: Path, primaries: list[str], backups: list[str],
+                 options: NginxOptions = TEST_OPTIONS) -> tuple[subprocess.Popen, int]:
     port = _free_port()
     conf = prefix / "nginx.conf"
-    conf.write_text(render(primaries, backups, f"127.0.0.1:{port}", str(prefix), TEST_OPTIONS))
+    conf.write_text(render(primaries, backups, f"127.0.0.1:{port}", str(prefix), options))
     proc = subprocess.Popen([NGINX, "-p", str(prefix), "-e", str(prefix / "error.log"), "-c", str(conf),
                              "-g", "daemon off;"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             start_new_session=True)
@@ -238,8 +293,8 @@ def _stop_nginx(proc: subprocess.Popen) -> None:
 def nginx_factory(prefix):
     started: list[subprocess.Popen] = []
 
-    def start(primaries: list[str], backups: list[str]) -> str:
-        proc, port = _start_nginx(prefix, primaries, backups)
+    def start(primaries: list[str], backups: list[str], options: NginxOptions = TEST_OPTIONS) -> str:
+        proc, port = _start_nginx(prefix, primaries, backups, options)
         started.append(proc)
         return f"http://127.0.0.1:{port}"
 
@@ -331,3 +386,91 @@ async def test_when_every_replica_drains_the_client_sees_503_then_502(replicas, 
         assert len(other.hits) >= 1
     finally:
         await other.runner.cleanup()
+
+
+@pytest.fixture
+async def stand_ins():
+    """Start stand-in replicas by status; all cleaned up at the end."""
+    started: list[Replica] = []
+
+    async def start(name: str, status: int | None) -> Replica:
+        replica = Replica(name, status=status)
+        await replica.start()
+        started.append(replica)
+        return replica
+
+    yield start
+    for replica in started:
+        replica.release_stream.set()
+        await replica.runner.cleanup()
+
+
+@needs_nginx
+@pytest.mark.timeout(15)
+async def test_a_500_is_passed_on_never_replayed_and_never_marks_the_replica_down(stand_ins, nginx_factory,
+                                                                                  client, prefix):
+    # a poison request answered 500 by one replica must not be carried to the next one
+    failing, healthy = await stand_ins("failing", 500), await stand_ins("healthy", None)
+    base = nginx_factory([f"127.0.0.1:{failing.port}", f"127.0.0.1:{healthy.port}"], [],
+                         NginxOptions(worker_processes=1, worker_connections=64, fail_timeout="30s", max_fails=1))
+    statuses = Counter()
+    for i in range(10):
+        async with client.post(f"{base}/v1/completions", json={"prompt": str(i)}) as r:
+            statuses[r.status] += 1
+            if r.status == 500:
+                assert (await r.json())["error"]["code"] == "request_failed"  # the replica's body, untouched
+    # least_conn alternates between the two: with max_fails=1, a counted 500 would take `failing` out
+    assert statuses == {500: 5, 200: 5}
+    assert len(failing.hits) == 5 and len(healthy.hits) == 5
+    assert "temporarily disabled" not in (prefix / "error.log").read_text()
+
+
+@needs_nginx
+@pytest.mark.timeout(15)
+async def test_429s_are_passed_on_and_never_turn_into_502(stand_ins, nginx_factory, client, prefix):
+    # both primaries saturated: every answer is the replicas' own 429, never nginx's 502
+    first, second = await stand_ins("busy-1", 429), await stand_ins("busy-2", 429)
+    base = nginx_factory([f"127.0.0.1:{first.port}", f"127.0.0.1:{second.port}"], [],
+                         NginxOptions(worker_processes=1, worker_connections=64, fail_timeout="30s", max_fails=1))
+    statuses = Counter()
+    for i in range(12):
+        async with client.post(f"{base}/v1/completions", json={"prompt": str(i)}) as r:
+            statuses[r.status] += 1
+            assert r.headers["Retry-After"] == "1"
+            assert (await r.json())["error"]["code"] == "overloaded"
+    assert statuses == {429: 12}
+    assert len(first.hits) + len(second.hits) == 12  # one try each: a 429 is not replayed
+    assert "temporarily disabled" not in (prefix / "error.log").read_text()
+
+
+@needs_nginx
+@pytest.mark.timeout(15)
+async def test_a_429_primary_is_not_skipped_for_the_backup(stand_ins, nginx_factory, client):
+    # overload is not an outage: the backup takes traffic only when primaries are down, and 429 never
+    # marks one down (with max_fails=1 a single counted 429 would send the next request to the backup)
+    busy, backup = await stand_ins("busy", 429), await stand_ins("backup", None)
+    base = nginx_factory([f"127.0.0.1:{busy.port}"], [f"127.0.0.1:{backup.port}"],
+                         NginxOptions(worker_processes=1, worker_connections=64, fail_timeout="30s", max_fails=1))
+    for i in range(6):
+        async with client.post(f"{base}/v1/completions", json={"prompt": str(i)}) as r:
+            assert r.status == 429
+    assert (len(busy.hits), len(backup.hits)) == (6, 0)
+
+
+@needs_nginx
+@pytest.mark.timeout(15)
+async def test_nginx_rate_limit_answers_429_in_the_openai_shape(stand_ins, nginx_factory, client):
+    healthy = await stand_ins("healthy", None)
+    options = NginxOptions(worker_processes=1, worker_connections=64, rate_limit="1r/m", rate_burst=2)
+    base = nginx_factory([f"127.0.0.1:{healthy.port}"], [], options)
+    statuses, bodies = [], []
+    for i in range(5):
+        async with client.post(f"{base}/v1/completions", json={"prompt": str(i)}) as r:
+            statuses.append(r.status)
+            bodies.append((await r.json(content_type=None), r.headers.get("Retry-After")))
+    assert statuses == [200, 200, 200, 429, 429]  # the rate's first request + a burst of 2, then refused
+    assert bodies[-1] == ({"error": {"message": "too many requests from this client",
+                                     "type": "rate_limit_exceeded", "code": 429}}, "1")
+    assert len(healthy.hits) == 3
+    async with client.get(f"{base}/health") as r:  # probes are not rate limited
+        assert r.status == 200
