@@ -17,11 +17,11 @@ from aiohttp import web
 
 from engine.outputs import CompletionOutput
 from service import protocol
-from service.errors import InvalidRequestError, UnavailableError, classify, error_body
+from service.errors import UnavailableError, UnsupportedMediaTypeError, classify, error_body
 from service.generation import Generation
 from service.keys import RECORD_KEY, REQUEST_ID_KEY
 from service.router import RoutedOutput
-from service.schemas import parse_chat, parse_completion
+from service.schemas import parse_chat, parse_completion, parse_json
 from service.sse import EventStream
 
 logger = logging.getLogger(__name__)
@@ -48,17 +48,21 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
 
 
 async def read_json(request: web.Request) -> Any:
+    """The JSON body of a POST. Only a JSON Content-Type is read: a browser sends text/plain, form or
+    multipart bodies cross-site without a preflight, so refusing them keeps a keyless server out of
+    reach of any web page its user opens."""
+    check_json_content_type(request)
     raw = await request.read()  # over client_max_size: HTTPRequestEntityTooLarge -> 413
-    if not raw:
-        raise InvalidRequestError("the request body is empty; send a JSON object")
-    try:
-        return json.loads(raw, parse_constant=_reject_constant)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from exc
+    return parse_json(raw)
 
 
-def _reject_constant(name: str) -> None:
-    raise ValueError(f"{name} is not a JSON number")
+def check_json_content_type(request: web.Request) -> None:
+    mime = request.content_type  # lower case, parameters stripped; application/octet-stream when absent
+    charset = (request.charset or "utf-8").lower()
+    is_json = mime == "application/json" or (mime.startswith("application/") and mime.endswith("+json"))
+    if not is_json or charset not in ("utf-8", "utf8"):
+        given = request.headers.get("Content-Type", "none")
+        raise UnsupportedMediaTypeError(f"Content-Type must be application/json (UTF-8), got {given[:100]!r}")
 
 
 async def collect(gen: Generation, fmt: _Format) -> web.Response:

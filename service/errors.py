@@ -61,6 +61,10 @@ class ModelNotFoundError(ServiceError):
         super().__init__(f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
 
+class UnsupportedMediaTypeError(ServiceError):
+    status = 415
+
+
 class OverloadedError(ServiceError):
     status = 429
 
@@ -80,6 +84,11 @@ def error_response(status: int, message: str, *, param: str | None = None, code:
                              dumps=_dumps)
 
 
+# what the middleware answers when rendering an error failed too: fixed bytes, nothing left to fail
+FALLBACK_BODY = (b'{"error": {"message": "internal error", "type": "internal_server_error", '
+                 b'"param": null, "code": null}}')
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     try:
@@ -87,7 +96,12 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     except asyncio.CancelledError:
         raise  # the client went away: the handler's finally blocks aborted its engine requests
     except Exception as exc:  # noqa: BLE001 - this is the one place every error is mapped
-        return to_response(request, exc)
+        try:
+            return to_response(request, exc)
+        except Exception as render_exc:  # noqa: BLE001 - the error path must never fail itself
+            logger.error("request_id=%s rendering the error %r failed: %r", request.get(REQUEST_ID_KEY, "-"),
+                         exc, render_exc, exc_info=render_exc)
+            return web.Response(status=500, body=FALLBACK_BODY, content_type="application/json")
 
 
 def to_response(request: web.Request, exc: Exception) -> web.Response:
@@ -151,4 +165,11 @@ def _http_message(exc: web.HTTPException) -> str:
 
 
 def _dumps(obj: object) -> str:
-    return json.dumps(obj, ensure_ascii=False)
+    """UTF-8 JSON, or ASCII-escaped JSON when some string cannot be encoded (a lone surrogate echoed
+    from a request): both are the same JSON value, only the second always encodes."""
+    text = json.dumps(obj, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(obj)
+    return text

@@ -6,6 +6,9 @@ support (refused rather than silently ignored). `SamplingParams` validates the r
 
 from __future__ import annotations
 
+import json
+import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +17,19 @@ from service.errors import InvalidRequestError
 
 MAX_N = 128
 MAX_LOGPROBS = 20
+INT64_MAX = 2**63 - 1  # what the engine's tensors and the scheduler's heap can hold
+INT32_MAX = 2**31 - 1
+MAX_PRIORITY = 2**31  # |priority|: an ordering key, never arithmetic on a bignum
+# one engine request per prompt, and the bulkhead admits 64 at a time: more could never run (429 forever)
+MAX_NUM_PROMPTS = 64
+MAX_NUM_CHOICES = 256  # prompts * n: sequences one HTTP request may start
+MAX_NUM_STOP = 16
+MAX_STOP_CHARS = 256  # each stop string is searched in the text tail at every step
+MAX_NUM_STOP_TOKEN_IDS = 256
+MAX_NUM_MESSAGES = 1024
+MAX_MODEL_CHARS = 256
+MAX_JSON_DEPTH = 32  # the deepest body we take is messages[i].content[j].text (depth 4)
+_SURROGATE = re.compile("[\ud800-\udfff]")
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # field -> value that means "not asked for"; anything else is refused with a clear 400
 UNSUPPORTED = {"suffix": None, "echo": False, "logit_bias": None, "tools": None, "functions": None,
@@ -41,6 +57,61 @@ class ChatRequest:
     priority: int = 0
 
 
+def parse_json(raw: bytes) -> Any:
+    """The JSON value of a request body: strict UTF-8, no NaN/Infinity, at most MAX_JSON_DEPTH deep, no
+    lone surrogate in any string (they cannot be encoded back to UTF-8: tokenizer, logs, the error body)."""
+    if not raw:
+        raise InvalidRequestError("the request body is empty; send a JSON object")
+    try:
+        body = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+    except UnicodeDecodeError as exc:
+        raise InvalidRequestError(f"the request body is not valid UTF-8 (byte {exc.start})") from exc
+    except RecursionError as exc:  # the C scanner recurses per level: ~1000 levels stop it
+        raise InvalidRequestError(f"the JSON body is nested more than {MAX_JSON_DEPTH} levels deep") from exc
+    except ValueError as exc:
+        raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from exc
+    check_json_tree(body)
+    return body
+
+
+def check_json_tree(body: Any) -> None:
+    """Walk the parsed body without recursion: depth bound, lone surrogates refused naming the field."""
+    stack: list[tuple[Any, str, int]] = [(body, "", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, str):
+            _check_text(value, path)
+            continue
+        if not isinstance(value, dict | list):
+            continue
+        if depth >= MAX_JSON_DEPTH:
+            raise InvalidRequestError(f"the JSON body is nested more than {MAX_JSON_DEPTH} levels deep",
+                                      param=path or None)
+        if isinstance(value, dict):
+            for key, item in value.items():
+                child = f"{path}.{key}" if path else key
+                _check_text(key, path or None, what="a key")
+                stack.append((item, child, depth + 1))
+        else:
+            stack.extend((item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value))
+
+
+def _check_text(text: str, param: str | None, what: str = "a string") -> None:
+    if _SURROGATE.search(text):
+        where = f" in {param}" if param else ""
+        raise InvalidRequestError(f"{what}{where} holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is "
+                                  "not valid Unicode text", param=_safe(param))
+
+
+def _safe(param: str | None) -> str | None:
+    """A param path fit for the error body (a key may be the surrogate itself)."""
+    return None if param is None else _SURROGATE.sub("?", param)
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
+
+
 def parse_completion(body: Any) -> CompletionRequest:
     reader = _Reader(body)
     if reader.raw("prompt") is _MISSING:
@@ -48,7 +119,8 @@ def parse_completion(body: Any) -> CompletionRequest:
     prompts = parse_prompts(reader.raw("prompt"))
     logprobs = reader.int_("logprobs", None, 0, MAX_LOGPROBS)
     params = _sampling_params(reader, default_max_tokens=16, logprobs=logprobs)
-    return CompletionRequest(reader.model(), prompts, params, *reader.stream(), reader.int_("priority", 0))
+    _check_choices(len(prompts), params.n)
+    return CompletionRequest(reader.model(), prompts, params, *reader.stream(), reader.priority())
 
 
 def parse_chat(body: Any) -> ChatRequest:
@@ -60,7 +132,7 @@ def parse_chat(body: Any) -> ChatRequest:
         raise InvalidRequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
     logprobs = (top_logprobs or 0) if wants_logprobs else None
     params = _sampling_params(reader, default_max_tokens=None, logprobs=logprobs)
-    return ChatRequest(reader.model(), messages, params, *reader.stream(), reader.int_("priority", 0))
+    return ChatRequest(reader.model(), messages, params, *reader.stream(), reader.priority())
 
 
 def parse_prompts(prompt: Any) -> list[str | list[int]]:
@@ -70,6 +142,9 @@ def parse_prompts(prompt: Any) -> list[str | list[int]]:
     if not isinstance(prompt, list) or not prompt:
         raise InvalidRequestError("prompt must be a string, a list of strings, a list of token ids or a "
                                   "list of token-id lists, and not empty", param="prompt")
+    if len(prompt) > MAX_NUM_PROMPTS:
+        raise InvalidRequestError(f"at most {MAX_NUM_PROMPTS} prompts per request, got {len(prompt)}; "
+                                  "send several requests", param="prompt")
     if all(isinstance(p, str) for p in prompt):
         return list(prompt)
     if all(_is_int(t) for t in prompt):
@@ -82,6 +157,8 @@ def parse_prompts(prompt: Any) -> list[str | list[int]]:
 def parse_messages(messages: Any) -> list[dict[str, str]]:
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages must be a non-empty list of {role, content} objects", param="messages")
+    if len(messages) > MAX_NUM_MESSAGES:
+        raise InvalidRequestError(f"at most {MAX_NUM_MESSAGES} messages, got {len(messages)}", param="messages")
     return [_message(m, i) for i, m in enumerate(messages)]
 
 
@@ -90,8 +167,9 @@ def _message(message: Any, index: int) -> dict[str, str]:
     if not isinstance(message, dict):
         raise InvalidRequestError(f"{param} must be an object with role and content", param=param)
     role = message.get("role")
-    if role not in CHAT_ROLES:
-        raise InvalidRequestError(f"{param}.role must be one of {list(CHAT_ROLES)}, got {role!r}",
+    if not isinstance(role, str) or role not in CHAT_ROLES:
+        shown = repr(role) if isinstance(role, str | None) and len(repr(role)) < 40 else _json_type(role)
+        raise InvalidRequestError(f"{param}.role must be one of {list(CHAT_ROLES)}, got {shown}",
                                   param=f"{param}.role")
     content = message.get("content")
     if content is None and role in ("assistant", "tool"):
@@ -107,7 +185,8 @@ def _message(message: Any, index: int) -> dict[str, str]:
 def _text_part(part: Any, param: str) -> str:
     if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
         return part["text"]
-    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+    kind = part.get("type") if isinstance(part, dict) else _json_type(part)
+    kind = kind if isinstance(kind, str) and len(kind) < 40 else _json_type(kind)
     raise InvalidRequestError(f"{param}: only text content parts are supported, got {kind!r}", param=param)
 
 
@@ -117,20 +196,21 @@ def _sampling_params(reader: _Reader, default_max_tokens: int | None, logprobs: 
     if max_tokens is _MISSING:
         max_tokens = reader.int_("max_tokens", default_max_tokens, 1)
     n = reader.int_("n", 1, 1, MAX_N)
-    best_of = reader.int_("best_of", None, 1)
+    best_of = reader.int_("best_of", None, 1, MAX_N)
     if best_of is not None and best_of != n:
         raise InvalidRequestError("best_of other than n is not supported", param="best_of")
     fields = dict(
         n=n, max_tokens=max_tokens, logprobs=logprobs,
         temperature=reader.float_("temperature", 1.0), top_p=reader.float_("top_p", 1.0),
-        top_k=reader.int_("top_k", None), min_p=reader.float_("min_p", 0.0),
+        top_k=reader.int_("top_k", None, -1, INT32_MAX), min_p=reader.float_("min_p", 0.0),
         repetition_penalty=reader.float_("repetition_penalty", 1.0),
         presence_penalty=reader.float_("presence_penalty", 0.0),
         frequency_penalty=reader.float_("frequency_penalty", 0.0),
         seed=reader.int_("seed", None, -(2**63), 2**64 - 1), stop=reader.stop(),
         stop_token_ids=reader.int_list("stop_token_ids"), ignore_eos=reader.bool_("ignore_eos", False),
-        min_tokens=reader.int_("min_tokens", 0), skip_special_tokens=reader.bool_("skip_special_tokens", True),
+        min_tokens=reader.int_("min_tokens", 0, 0), skip_special_tokens=reader.bool_("skip_special_tokens", True),
     )
+    reader.string("user")
     try:
         return SamplingParams(**fields)
     except ValueError as exc:
@@ -159,22 +239,39 @@ class _Reader:
         model = self.body.get("model")
         if model is not None and not isinstance(model, str):
             raise InvalidRequestError("model must be a string", param="model")
+        if model is not None and len(model) > MAX_MODEL_CHARS:
+            raise InvalidRequestError(f"model must be at most {MAX_MODEL_CHARS} characters", param="model")
         return model or None
 
-    def int_(self, name: str, default: Any, lo: int | None = None, hi: int | None = None) -> Any:
+    def priority(self) -> int:
+        return self.int_("priority", 0, -MAX_PRIORITY, MAX_PRIORITY)
+
+    def string(self, name: str) -> str | None:
+        value = self._get(name, None)
+        if value is not None and not isinstance(value, str):
+            raise InvalidRequestError(f"{name} must be a string, got {_json_type(value)}", param=name)
+        return value
+
+    def int_(self, name: str, default: Any, lo: int | None = None, hi: int | None = INT64_MAX) -> Any:
         value = self._get(name, default)
         if value is default:
             return value
         if not _is_int(value):
             raise InvalidRequestError(f"{name} must be an integer, got {_json_type(value)}", param=name)
-        _range(name, value, lo, hi)
+        _range(name, value, -INT64_MAX - 1 if lo is None else lo, hi)
         return value
 
     def float_(self, name: str, default: float) -> float:
         value = self._get(name, default)
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise InvalidRequestError(f"{name} must be a number, got {_json_type(value)}", param=name)
-        return float(value)
+        try:
+            number = float(value)  # an integer past 1e308 overflows
+        except OverflowError:
+            number = math.inf
+        if not math.isfinite(number):
+            raise InvalidRequestError(f"{name} must be a finite number", param=name)
+        return number
 
     def bool_(self, name: str, default: bool) -> bool:
         value = self._get(name, default)
@@ -184,8 +281,11 @@ class _Reader:
 
     def int_list(self, name: str) -> list[int]:
         value = self._get(name, [])
-        if not isinstance(value, list) or not all(_is_int(v) and v >= 0 for v in value):
-            raise InvalidRequestError(f"{name} must be a list of non-negative integers", param=name)
+        if not isinstance(value, list) or not all(_is_int(v) and 0 <= v <= INT64_MAX for v in value):
+            raise InvalidRequestError(f"{name} must be a list of non-negative 64-bit integers", param=name)
+        if len(value) > MAX_NUM_STOP_TOKEN_IDS:
+            raise InvalidRequestError(f"{name} may hold at most {MAX_NUM_STOP_TOKEN_IDS} ids, got {len(value)}",
+                                      param=name)
         return value
 
     def stop(self) -> list[str]:
@@ -194,6 +294,10 @@ class _Reader:
             value = [value]
         if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
             raise InvalidRequestError("stop must be a non-empty string or a list of them", param="stop")
+        if len(value) > MAX_NUM_STOP:
+            raise InvalidRequestError(f"stop may hold at most {MAX_NUM_STOP} strings, got {len(value)}", param="stop")
+        if any(len(s) > MAX_STOP_CHARS for s in value):
+            raise InvalidRequestError(f"each stop string may be at most {MAX_STOP_CHARS} characters", param="stop")
         return value
 
     def stream(self) -> tuple[bool, bool]:
@@ -225,18 +329,25 @@ class _Reader:
                                       param="response_format")
 
 
+def _check_choices(num_prompts: int, n: int) -> None:
+    if num_prompts * n > MAX_NUM_CHOICES:
+        raise InvalidRequestError(f"{num_prompts} prompts times n={n} makes more than {MAX_NUM_CHOICES} "
+                                  "completions in one request", param="n")
+
+
 def _token_ids(ids: Any) -> list[int]:
-    if not isinstance(ids, list) or not ids or not all(_is_int(t) and t >= 0 for t in ids):
+    if not isinstance(ids, list) or not ids or not all(_is_int(t) and 0 <= t <= INT64_MAX for t in ids):
         raise InvalidRequestError("token-id prompts must be non-empty lists of non-negative integers",
                                   param="prompt")
     return ids
 
 
 def _range(name: str, value: int, lo: int | None, hi: int | None) -> None:
+    shown = str(value) if abs(value) < 10**30 else f"a {len(str(abs(value)))}-digit number"
     if lo is not None and value < lo:
-        raise InvalidRequestError(f"{name} must be at least {lo}, got {value}", param=name)
+        raise InvalidRequestError(f"{name} must be at least {lo}, got {shown}", param=name)
     if hi is not None and value > hi:
-        raise InvalidRequestError(f"{name} must be at most {hi}, got {value}", param=name)
+        raise InvalidRequestError(f"{name} must be at most {hi}, got {shown}", param=name)
 
 
 def _is_int(value: Any) -> bool:

@@ -21,7 +21,12 @@ DONE = b"data: [DONE]\n\n"
 
 
 def encode_event(data: Any) -> bytes:
-    return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n\n"
+    text = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    try:
+        encoded = text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate (an echoed error message): escape it as \uXXXX
+        encoded = json.dumps(data, separators=(",", ":")).encode("ascii")
+    return b"data: " + encoded + b"\n\n"
 
 
 class EventStream:
