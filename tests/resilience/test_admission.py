@@ -1,4 +1,5 @@
 import asyncio
+import re
 
 import pytest
 
@@ -11,10 +12,14 @@ def make(clock, **kwargs) -> Bulkhead:
     return Bulkhead("small", BulkheadConfig(**kwargs), clock=clock)
 
 
-@pytest.mark.parametrize("kwargs", [{"max_num_requests": 0}, {"max_num_tokens": 0},
-                                    {"min_retry_after_s": 0.0}, {"min_retry_after_s": 5.0, "max_retry_after_s": 2.0}])
-def test_config_rejects_bad_values(kwargs):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"max_num_requests": 0}, "max_num_requests must be >= 1, got 0"),
+    ({"max_num_tokens": 0}, "max_num_tokens must be >= 1, got 0"),
+    ({"min_retry_after_s": 0.0}, "need 0 < min_retry_after_s <= max_retry_after_s, got 0.0, 30.0"),
+    ({"min_retry_after_s": 5.0, "max_retry_after_s": 2.0}, "need 0 < min_retry_after_s <= max_retry_after_s, got 5.0, 2.0"),
+])
+def test_config_rejects_bad_values(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
         BulkheadConfig(**kwargs)
 
 
@@ -42,9 +47,9 @@ def test_token_cap_counts_prompt_and_max_tokens(clock):
 
 def test_request_larger_than_the_bulkhead_is_a_request_error(clock):
     bulkhead = make(clock, max_num_tokens=100)
-    with pytest.raises(RequestRejectedError):
+    with pytest.raises(RequestRejectedError, match="request needs 101 tokens, model 'small' admits"):
         bulkhead.try_acquire(101)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="num_tokens must be >= 0, got -1"):
         bulkhead.try_acquire(-1)
     assert bulkhead.num_rejected == 0
 
@@ -62,7 +67,7 @@ def test_release_is_idempotent(clock):
 
 async def test_async_with_releases_on_error(clock):
     bulkhead = make(clock, max_num_requests=1)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="engine died"):
         async with bulkhead.try_acquire(5):
             assert bulkhead.num_requests == 1
             raise RuntimeError("engine died")

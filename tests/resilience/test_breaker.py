@@ -1,6 +1,7 @@
 import asyncio
 import logging
 import random
+import re
 
 import pytest
 
@@ -25,8 +26,10 @@ async def run(breaker: ModelBreaker, exc: BaseException | None = None) -> None:
 
 
 async def fail(breaker: ModelBreaker, exc: BaseException | None = None) -> None:
-    with pytest.raises(type(exc or EngineDeadError())):
-        await run(breaker, exc or EngineDeadError("boom"))
+    exc = exc or EngineDeadError("boom")
+    with pytest.raises(type(exc), match=re.escape(str(exc))) as info:
+        await run(breaker, exc)
+    assert info.value is exc  # the engine's own error, never wrapped or replaced by the breaker
 
 
 async def trip(breaker: ModelBreaker) -> None:
@@ -35,13 +38,19 @@ async def trip(breaker: ModelBreaker) -> None:
     assert breaker.state == OPEN
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"failure_rate_threshold": 0.0}, {"failure_rate_threshold": 1.5}, {"min_calls": 0},
-    {"window_s": 0.0}, {"open_s": -1.0}, {"max_open_s": 5.0, "open_s": 10.0},
-    {"backoff_factor": 0.5}, {"jitter": 1.0}, {"success_threshold": 0},
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"failure_rate_threshold": 0.0}, "failure_rate_threshold must be in (0, 1], got 0.0"),
+    ({"failure_rate_threshold": 1.5}, "failure_rate_threshold must be in (0, 1], got 1.5"),
+    ({"min_calls": 0}, "min_calls must be >= 1, got 0"),
+    ({"window_s": 0.0}, "window_s must be > 0, got 0.0"),
+    ({"open_s": -1.0}, "open_s must be > 0, got -1.0"),
+    ({"max_open_s": 5.0, "open_s": 10.0}, "max_open_s must be >= open_s (10.0), got 5.0"),
+    ({"backoff_factor": 0.5}, "backoff_factor must be >= 1, got 0.5"),
+    ({"jitter": 1.0}, "jitter must be in [0, 1), got 1.0"),
+    ({"success_threshold": 0}, "success_threshold must be >= 1, got 0"),
 ])
-def test_config_rejects_bad_values(kwargs):
-    with pytest.raises(ValueError):
+def test_config_rejects_bad_values(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
         BreakerConfig(**kwargs)
 
 
@@ -85,7 +94,7 @@ async def test_tripping_call_raises_its_own_error_not_circuit_breaker_error(cloc
     breaker = make(clock)
     for _ in range(3):
         await fail(breaker)
-    with pytest.raises(EngineDeadError):
+    with pytest.raises(EngineDeadError, match="fourth"):
         await run(breaker, EngineDeadError("fourth"))
     assert breaker.state == OPEN
 
@@ -278,7 +287,7 @@ async def test_call_admitted_before_the_trip_counts_for_nothing_after_it(clock):
     clock.advance(5.0)
     assert breaker.state == HALF_OPEN
     release.set()
-    with pytest.raises(EngineDeadError):
+    with pytest.raises(EngineDeadError, match="late"):
         await task
     assert breaker.state == HALF_OPEN  # the late failure is no failed probe
     assert changes == [(CLOSED, OPEN), (OPEN, HALF_OPEN)]

@@ -95,7 +95,7 @@ async def test_source_timeout_error_is_not_a_deadline():
         yield 1
         raise TimeoutError("engine's own")
 
-    with pytest.raises(TimeoutError) as info:
+    with pytest.raises(TimeoutError, match="engine's own") as info:
         await collect(failing(), 1.0)
     assert not isinstance(info.value, DeadlineExceeded)
 
@@ -137,12 +137,12 @@ async def test_plain_async_iterator_without_aclose():
 
 @pytest.mark.parametrize("idle_timeout_s", [0.0, -1.0])
 async def test_rejects_non_positive_idle_timeout(idle_timeout_s):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=f"idle_timeout_s must be > 0, got {idle_timeout_s}"):
         await collect(Source([1]).stream(), idle_timeout_s)
 
 
 def test_deadline_exceeded_checks_its_stage():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="stage must be one of .*, got 'prefill'"):
         DeadlineExceeded("prefill", 1.0)
     assert isinstance(DeadlineExceeded("total", 1.0), TimeoutError)
 

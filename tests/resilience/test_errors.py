@@ -22,7 +22,7 @@ def test_refusals_share_one_family():
     errors = [BreakerOpenError("m", "open", 3.0), AdmissionRejected("m", "full", 1.0), NoModelAvailable("x", 2.0)]
     assert all(isinstance(e, RetryLater) for e in errors)
     assert str(errors[0]) == "breaker of model 'm' is open"
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="retry_after_s must be >= 0, got -1.0"):
         RetryLater("negative", -1.0)
 
 
@@ -39,7 +39,7 @@ async def test_stalled_streams_trip_the_breaker_and_are_aborted(clock):
             raise
 
     for request_id in ("a", "b"):
-        with pytest.raises(DeadlineExceeded):
+        with pytest.raises(DeadlineExceeded, match="deadline exceeded at first_token after 0.005 s"):
             async with breaker.calling_async():
                 async for _ in progress_deadline(stalled_engine(request_id), 0.005):
                     pass

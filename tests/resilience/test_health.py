@@ -18,7 +18,7 @@ def serving(clock, *models: str) -> HealthState:
 
 
 def test_rejects_bad_hang_timeout(clock):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="hang_timeout_s must be > 0, got 0.0"):
         HealthState(clock=clock, hang_timeout_s=0.0)
 
 
@@ -111,7 +111,7 @@ async def test_follows_a_real_breaker_through_its_listener(clock):
     health = serving(clock, "primary")
     breaker = ModelBreaker("primary", BreakerConfig(min_calls=1, jitter=0.0), clock=clock,
                            listeners=[health.on_breaker_change])
-    with pytest.raises(EngineDeadError):
+    with pytest.raises(EngineDeadError, match="boom"):
         async with breaker.calling_async():
             await asyncio.sleep(0)
             raise EngineDeadError("boom")

@@ -30,9 +30,10 @@ def make(clock, probe, **kwargs) -> Heartbeat:
     return Heartbeat(probe, LeakDetector(NO_WARMUP, clock=clock), clock=clock, **kwargs)
 
 
-@pytest.mark.parametrize("kwargs", [{"interval_s": 0.0}, {"probe_timeout_s": -1.0}])
-def test_rejects_bad_intervals(clock, kwargs):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize(("kwargs", "message"), [({"interval_s": 0.0}, "interval_s must be > 0, got 0.0"),
+                                                 ({"probe_timeout_s": -1.0}, "probe_timeout_s must be > 0, got -1.0")])
+def test_rejects_bad_intervals(clock, kwargs, message):
+    with pytest.raises(ValueError, match=message):
         make(clock, GrowingProbe(clock), **kwargs)
 
 
@@ -112,11 +113,11 @@ async def test_start_runs_beats_until_stop_despite_a_failing_callback(clock):
 
     heartbeat = make(clock, flaky_probe, interval_s=0.001, probe_timeout_s=1.0, on_probe_error=broken_callback)
     heartbeat.start()
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="heartbeat already running"):
         heartbeat.start()
-    async with asyncio.timeout(2.0):
+    async with asyncio.timeout(30.0):  # 5 beats 1 ms apart; generous for a loaded 2-core box
         await enough.wait()
-    async with asyncio.timeout(2.0):  # a cancel swallowed inside beat() would hang here
+    async with asyncio.timeout(10.0):  # a cancel swallowed inside beat() would hang here
         await heartbeat.stop()
     assert not heartbeat.is_running
     assert heartbeat.num_probe_errors >= 2 and heartbeat.last_sample == MemorySample("cpu", used_bytes=1)

@@ -1,6 +1,7 @@
 """The leak detector on generated 10-minute series, one sample per 30 s heartbeat."""
 
 import random
+import re
 
 import pytest
 
@@ -57,11 +58,16 @@ def feed(beats: list[Beat], config: LeakDetectorConfig | None = None) -> list[bo
     return flags
 
 
-@pytest.mark.parametrize("kwargs", [{"warmup_s": -1.0}, {"window_s": 0.0}, {"min_samples": 2},
-                                    {"min_growth_bytes": -1.0}, {"min_slope_bytes_per_s": -1.0},
-                                    {"min_samples": 5, "max_samples": 4}])
-def test_config_rejects_bad_values(kwargs):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"warmup_s": -1.0}, "warmup_s must be >= 0, got -1.0"),
+    ({"window_s": 0.0}, "window_s must be > 0, got 0.0"),
+    ({"min_samples": 2}, "min_samples must be >= 3 (a line and a step fit any 2), got 2"),
+    ({"min_growth_bytes": -1.0}, "min_growth_bytes must be >= 0, got -1.0"),
+    ({"min_slope_bytes_per_s": -1.0}, "min_slope_bytes_per_s must be >= 0, got -1.0"),
+    ({"min_samples": 5, "max_samples": 4}, "max_samples must be >= min_samples (5), got 4"),
+])
+def test_config_rejects_bad_values(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
         LeakDetectorConfig(**kwargs)
 
 

@@ -1,4 +1,5 @@
 import asyncio
+import re
 
 import pybreaker
 import pytest
@@ -51,16 +52,24 @@ def test_budget_minimum_serves_low_traffic_and_window_refills(clock):
     assert (budget.num_requests, budget.num_retries, budget.can_retry()) == (0, 0, True)
 
 
-@pytest.mark.parametrize("kwargs", [{"ratio": 1.5}, {"ratio": -0.1}, {"window_s": 0.0}, {"min_retries": -1}])
-def test_budget_config_rejects_bad_values(kwargs):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"ratio": 1.5}, "ratio must be in [0, 1], got 1.5"),
+    ({"ratio": -0.1}, "ratio must be in [0, 1], got -0.1"),
+    ({"window_s": 0.0}, "window_s must be > 0, got 0.0"),
+    ({"min_retries": -1}, "min_retries must be >= 0, got -1"),
+])
+def test_budget_config_rejects_bad_values(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
         RetryBudgetConfig(**kwargs)
 
 
-@pytest.mark.parametrize("kwargs", [{"max_attempts": 0}, {"initial_wait_s": 0.0},
-                                    {"initial_wait_s": 3.0, "max_wait_s": 2.0}])
-def test_retry_config_rejects_bad_values(kwargs):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"max_attempts": 0}, "max_attempts must be >= 1, got 0"),
+    ({"initial_wait_s": 0.0}, "need 0 < initial_wait_s <= max_wait_s, got 0.0, 2.0"),
+    ({"initial_wait_s": 3.0, "max_wait_s": 2.0}, "need 0 < initial_wait_s <= max_wait_s, got 3.0, 2.0"),
+])
+def test_retry_config_rejects_bad_values(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
         RetryConfig(**kwargs)
 
 
@@ -75,7 +84,7 @@ async def test_retries_transient_errors_with_full_jitter_backoff(clock):
 
 async def test_gives_up_after_max_attempts_with_the_original_error(clock):
     op = Op(clock, [EngineOverloadedError(str(i)) for i in range(5)])
-    with pytest.raises(EngineOverloadedError, match="2"):
+    with pytest.raises(EngineOverloadedError, match="^2$"):  # the last of the three attempts
         await run(op, config=RetryConfig(max_attempts=3))
     assert op.num_calls == 3
 
@@ -84,14 +93,15 @@ async def test_gives_up_after_max_attempts_with_the_original_error(clock):
                                  pybreaker.CircuitBreakerError("open")])
 async def test_never_retries_refusals(clock, exc):
     op = Op(clock, [exc])
-    with pytest.raises(type(exc)):
+    with pytest.raises(type(exc)) as info:
         await run(op, config=RetryConfig(retry_on=(Exception,)))  # even when asked to retry everything
+    assert info.value is exc
     assert op.num_calls == 1
 
 
 async def test_request_errors_are_not_retried_by_default(clock):
     op = Op(clock, [ValueError("bad top_p")])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="bad top_p"):
         await run(op)
     assert op.num_calls == 1
 
@@ -106,7 +116,7 @@ async def test_cancellation_is_never_retried(clock):
 async def test_stops_when_the_wait_would_pass_the_deadline(clock):
     op = Op(clock, [EngineOverloadedError("a"), EngineOverloadedError("b")])
     config = RetryConfig(max_attempts=5, initial_wait_s=1.0, max_wait_s=1.0)
-    with pytest.raises(EngineOverloadedError):
+    with pytest.raises(EngineOverloadedError, match="^a$"):
         await run(op, config=config, deadline=clock.now)  # already due
     assert op.num_calls == 1
 
@@ -123,7 +133,7 @@ async def test_stops_when_the_breaker_refuses(clock, permitted, num_calls):
     if permitted:
         assert await run(op, is_call_permitted=lambda: True) == "ok"
     else:
-        with pytest.raises(EngineOverloadedError):
+        with pytest.raises(EngineOverloadedError, match="^a$"):
             await run(op, is_call_permitted=lambda: False)
     assert op.num_calls == num_calls
 
@@ -133,7 +143,7 @@ async def test_spent_budget_stops_retries_and_bounds_retry_traffic(clock):
     num_calls = 0
     for _ in range(500):  # a 100% failure injection
         op = Op(clock, [EngineOverloadedError("down")] * 3)
-        with pytest.raises(EngineOverloadedError):
+        with pytest.raises(EngineOverloadedError, match="down"):
             await run(op, config=RetryConfig(max_attempts=3, initial_wait_s=1e-6, max_wait_s=1e-6),
                       budget=budget)
         num_calls += op.num_calls
@@ -144,6 +154,6 @@ async def test_spent_budget_stops_retries_and_bounds_retry_traffic(clock):
 async def test_budget_is_not_charged_when_another_stop_wins(clock):
     budget = RetryBudget(RetryBudgetConfig(min_retries=3), clock=clock)
     op = Op(clock, [EngineOverloadedError("a")])
-    with pytest.raises(EngineOverloadedError):
+    with pytest.raises(EngineOverloadedError, match="^a$"):
         await run(op, config=RetryConfig(max_attempts=1), budget=budget)
     assert (budget.num_requests, budget.num_retries) == (1, 0)
