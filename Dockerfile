@@ -1,11 +1,14 @@
 # syntax=docker/dockerfile:1
 # pagedserve on NVIDIA GPUs, in the spirit of the vllm/vllm-openai image: one replica per container.
 #   docker build -t pagedserve .
-#   docker run --gpus all -p 8000:8000 pagedserve
+#   docker run --gpus all --init --stop-timeout 30 -p 127.0.0.1:8000:8000 pagedserve
 # The torch CUDA wheel ships its own CUDA libraries (cuBLAS, cuDNN, NCCL as pip packages), so the base
 # image only has to match the driver; CUDA_VERSION and TORCH_INDEX must name the same CUDA release.
+# Base image by tag; to pin it, pass its digest (looked up for your platform with
+# `docker buildx imagetools inspect nvidia/cuda:12.8.1-runtime-ubuntu24.04`): --build-arg CUDA_DIGEST=@sha256:<digest>
 ARG CUDA_VERSION=12.8.1
-FROM nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu24.04
+ARG CUDA_DIGEST=""
+FROM nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu24.04${CUDA_DIGEST} AS runtime
 
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cu128
@@ -25,20 +28,28 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/* \
     && python3 -m venv /opt/venv
 
-# torch first, pinned and from the CUDA index: the project's own `torch==2.13.0` is then already met
-# and pip never pulls a second build from PyPI.
+# Dependencies first, in layers that only pyproject.toml invalidates: a code edit rebuilds none of them.
+# torch pinned and from the CUDA index: the project's own `torch==2.13.0` is then already met and pip
+# never pulls a second build from PyPI.
 RUN --mount=type=cache,target=/root/.cache/pip \
     pip install --index-url ${TORCH_INDEX} torch==${TORCH_VERSION}
-
 WORKDIR /app
-COPY pyproject.toml README.md ./
+COPY pyproject.toml ./
+RUN --mount=type=cache,target=/root/.cache/pip \
+    python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
+        > /tmp/requirements.txt \
+    && pip install -r /tmp/requirements.txt \
+    && python -c "import torch; assert torch.__version__.startswith('${TORCH_VERSION}'), torch.__version__"
+
+COPY deploy/image/healthcheck.py /opt/pagedserve/
+
+# Sources last. Editable: the packages stay in /app, beside models/, where the CLI looks for the defaults.
+COPY README.md ./
 COPY engine/ engine/
 COPY resilience/ resilience/
 COPY service/ service/
-# editable: the packages stay in /app, beside models/, where the CLI looks for the shipped defaults
 RUN --mount=type=cache,target=/root/.cache/pip \
-    pip install -e . \
-    && python -c "import torch; assert torch.__version__.startswith('${TORCH_VERSION}'), torch.__version__"
+    pip install --no-deps -e .
 
 # The shipped default models (a primary and its smaller fallback), read-only at run time.
 COPY models/ models/
@@ -47,16 +58,24 @@ RUN useradd --system --create-home --uid 10001 pagedserve
 USER pagedserve
 
 # MODEL: a model directory to serve alone; empty serves the shipped pagedserve-coder-small with
-# pagedserve-coder-tiny as its fallback. MAX_GPU_MEMORY_UTILIZATION: the fraction of GPU memory the
-# replica may take (weights + KV cache).
+# pagedserve-coder-tiny as its fallback. MAX_GPU_MEMORY_UTILIZATION: the fraction of the GPU's total memory
+# this replica's process may bring the device's usage to (weights + KV cache; memory other processes hold
+# counts against it). HOST, PORT: read by the server. SHUTDOWN_TIMEOUT: seconds in-flight requests may take
+# to finish on SIGTERM (--shutdown-timeout); the stop timeout must exceed it by ~20 s.
 ENV MODEL="" \
-    MAX_GPU_MEMORY_UTILIZATION=0.9
+    MAX_GPU_MEMORY_UTILIZATION=0.9 \
+    HOST=0.0.0.0 \
+    PORT=8000 \
+    SHUTDOWN_TIMEOUT=10 \
+    HEALTHCHECK_START_PERIOD=120
 
 EXPOSE 8000
-# Liveness, not readiness: a draining or loading replica is alive and must not be restarted.
-HEALTHCHECK --interval=10s --timeout=3s --start-period=120s --retries=3 \
-    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health/live', timeout=2)"]
-# SIGTERM: the replica stops admitting work (503), finishes in-flight streams, then exits;
-# give it a stop timeout longer than the longest generation (docker run --stop-timeout / stop_grace_period).
+# Liveness, not readiness: a draining or loading replica is alive. Docker only marks a container unhealthy;
+# this check also stops the replica after 3 failures in a row so the restart policy replaces it.
+HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
+    CMD ["python", "/opt/pagedserve/healthcheck.py"]
+# SIGTERM: the replica stops admitting work (503), finishes in-flight streams, then exits. Run it under
+# an init (`docker run --init`, compose `init: true`) so a SIGTERM before the server is up still stops it.
 STOPSIGNAL SIGTERM
-CMD ["pagedserve", "serve", "--host", "0.0.0.0", "--port", "8000"]
+# shell form only to expand $SHUTDOWN_TIMEOUT (the server reads HOST and PORT itself); exec: no shell stays
+CMD ["sh", "-c", "exec pagedserve serve --shutdown-timeout \"$SHUTDOWN_TIMEOUT\""]
