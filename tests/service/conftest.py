@@ -1,73 +1,121 @@
-"""In-process apps over fake engines (`fakes.FakeEngine`), for the HTTP layer's own tests."""
+"""In-process apps over real tiny engines, for the HTTP layer's own tests.
+
+Every app serves two real `engine.AsyncEngine`s on the CPU: "primary" is the shipped
+models/pagedserve-coder-tiny (trained, so its greedy text reads as Python), "fallback" a random-weight
+tiny Qwen2 made once per session (tests/conftest.py::random_model). Each loads in about a second, so
+tests see what users see: sampling parameters that matter, real stats, real aborts and block frees."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from dataclasses import dataclass, field
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from engine.config import EngineConfig
+from engine.sampling_params import SamplingParams
 from service.app import create_app
 from service.config import ModelSpec, ServerConfig
 from service.keys import STATE_KEY
-from tests.service.fakes import FakeEngine
+from tests.service.server import TINY
+
+# small on purpose: tests that need a long stream or a short context say so through engine_kwargs
+ENGINE_DEFAULTS = dict(dtype="float32", device="cpu", block_size=8, kv_cache_memory=4 * 2**20, max_model_len=256,
+                       num_threads=1)  # 1 thread: the box has 2 cores shared with other test runs
+
+
+@dataclass(frozen=True)
+class TinyModels:
+    primary: Path
+    fallback: Path
+
+
+@pytest.fixture(scope="session")
+def tiny_models(random_model) -> TinyModels:
+    if not (TINY / "config.json").is_file():
+        pytest.fail(f"{TINY} is missing (run `make models`, or set PAGEDSERVE_TEST_TINY)")
+    return TinyModels(TINY, Path(random_model("tiny-qwen2")))
 
 
 @dataclass
 class Harness:
-    client: object
-    app: object
-    engines: dict[str, FakeEngine] = field(default_factory=dict)
-
-    @property
-    def primary(self) -> FakeEngine:
-        return self.engines["primary"]
+    client: Any  # aiohttp.test_utils.TestClient
+    app: Any
 
     @property
     def state(self):
         return self.app[STATE_KEY]
 
+    @property
+    def engines(self) -> dict[str, Any]:
+        """Served name -> the engine serving it now (a rebuilt engine replaces a dead one here)."""
+        return self.state.engines
 
-def fake_config(**overrides) -> ServerConfig:
-    models = (ModelSpec("primary", EngineConfig(model="/fake/primary"), "fallback"),
-              ModelSpec("fallback", EngineConfig(model="/fake/fallback")))
-    return ServerConfig(**{"models": models, "shutdown_timeout": 1.0, **overrides})
+    @property
+    def primary(self) -> Any:
+        return self.engines["primary"]
+
+    def idle(self, name: str = "primary") -> bool:
+        """Nothing runs or waits on the model's engine and every KV block is free again."""
+        stats = self.engines[name].stats()
+        return (not self.engines[name].engine.requests and stats.num_running == stats.num_waiting == 0
+                and stats.num_free_blocks == stats.num_total_blocks)
+
+    async def greedy(self, prompt: str | list[int], max_tokens: int, name: str = "primary", **params) -> str:
+        """What the engine itself generates greedily, without the HTTP layer (the reference text)."""
+        engine = self.engines[name]
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, **params)
+        text = ""
+        async for output in engine.generate(prompt, sampling, f"reference-{uuid.uuid4().hex}"):
+            text += output.outputs[0].text
+        return text
+
+
+def real_config(models: TinyModels, engine_kwargs: dict | None = None, fallback_dir: Path | None = None,
+                **overrides) -> ServerConfig:
+    options = {**ENGINE_DEFAULTS, **(engine_kwargs or {})}
+    specs = (ModelSpec("primary", EngineConfig(model=str(models.primary), **options), "fallback"),
+             ModelSpec("fallback", EngineConfig(model=str(fallback_dir or models.fallback), **options)))
+    return ServerConfig(**{"models": specs, "shutdown_timeout": 1.0, **overrides})
 
 
 @pytest.fixture
-def start(aiohttp_client):
+def start(aiohttp_client, tiny_models):
     """`await start(**config)` -> a Harness with a ready app on a test server (handler_cancellation on)."""
 
     async def make(engine_kwargs: dict | None = None, wait_ready: bool = True, router_factory=None,
-                   routes=None, load_gate: threading.Event | None = None, load_error: Exception | None = None,
+                   routes=None, load_gate: threading.Event | None = None, fallback_dir: Path | None = None,
                    **config) -> Harness:
-        """`load_gate`: loading blocks until it is set; `load_error`: loading the fallback raises it."""
-        engines: dict[str, FakeEngine] = {}
+        """`engine_kwargs`: EngineConfig fields for both models; `load_gate`: loading blocks until it is
+        set; `fallback_dir`: the fallback's model directory instead of the tiny Qwen2."""
+        factory = None
+        if load_gate is not None:
+            def factory(cfg: EngineConfig):
+                from engine import AsyncEngine
 
-        def factory(cfg: EngineConfig) -> FakeEngine:
-            if load_gate is not None:
-                assert load_gate.wait(10)
-            if load_error is not None and cfg.model.endswith("fallback"):
-                raise load_error
-            engine = FakeEngine(cfg, **(engine_kwargs or {}))
-            engines[cfg.model.rsplit("/", 1)[-1]] = engine
-            return engine
+                assert load_gate.wait(30)
+                return AsyncEngine(cfg)
 
-        app = create_app(fake_config(**config), engine_factory=factory, router_factory=router_factory)
+        app = create_app(real_config(tiny_models, engine_kwargs, fallback_dir, **config), engine_factory=factory,
+                         router_factory=router_factory)
         if routes:
             app.router.add_routes(routes)
         client = await aiohttp_client(app, server_kwargs={"handler_cancellation": True})
-        harness = Harness(client, app, engines)
+        harness = Harness(client, app)
         if wait_ready:
-            await until(lambda: harness.state.is_ready)
+            await until(lambda: harness.state.is_ready or harness.state.fatal.is_set(), timeout=60)
+            assert not harness.state.fatal.is_set(), harness.state.load_error
         return harness
 
     return make
 
 
-async def until(predicate, timeout: float = 5.0, interval: float = 0.01) -> None:
+async def until(predicate, timeout: float = 10.0, interval: float = 0.01) -> None:
+    """Generous default: the box has 2 cores shared with other test runs."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while not predicate():

@@ -32,21 +32,27 @@ async def test_v1_needs_a_valid_key(start):
     assert (await missing.json())["error"]["code"] == "invalid_api_key"
     assert (await h.client.get("/v1/models", headers=_bearer("nope"))).status == 401
     assert (await h.client.get("/v1/models", headers={"Authorization": "Basic k1"})).status == 401
-    assert (await h.client.get("/v1/models", headers=_bearer("k2"))).status == 200
-    ok = await h.client.post("/v1/completions", json={"prompt": "hi"}, headers=_bearer("k1"))
-    assert ok.status == 200
+    listed = await h.client.get("/v1/models", headers=_bearer("k2"))
+    assert [m["id"] for m in (await listed.json())["data"]] == ["primary", "fallback"]
+    ok = await h.client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "ignore_eos": True},
+                             headers=_bearer("k1"))
+    assert ok.status == 200 and (await ok.json())["usage"]["completion_tokens"] == 2
 
 
 async def test_health_and_metrics_stay_open(start):
     h = await start(api_keys=("k1",))
     for path in ("/health", "/health/live", "/health/ready", "/metrics", "/version"):
-        assert (await h.client.get(path)).status == 200, path
+        response = await h.client.get(path)
+        assert response.status == 200, path
+        assert await response.read(), path
+    assert 'pagedserve:num_requests_running{model_name="primary"}' in await (await h.client.get("/metrics")).text()
 
 
 async def test_metrics_can_require_a_key(start):
     h = await start(api_keys=("k1",), auth_metrics=True)
     assert (await h.client.get("/metrics")).status == 401
-    assert (await h.client.get("/metrics", headers=_bearer("k1"))).status == 200
+    response = await h.client.get("/metrics", headers=_bearer("k1"))
+    assert response.status == 200 and "pagedserve:http_requests_total" in await response.text()
 
 
 async def test_admin_closed_without_an_admin_key(start):
@@ -59,12 +65,14 @@ async def test_admin_key_is_separate(start):
     h = await start(api_keys=("k1",), admin_key="adm", routes=ADMIN_ROUTES)
     assert (await h.client.get("/admin/ping")).status == 401
     assert (await h.client.get("/admin/ping", headers=_bearer("k1"))).status == 401
-    assert (await h.client.get("/admin/ping", headers=_bearer("adm"))).status == 200
+    response = await h.client.get("/admin/ping", headers=_bearer("adm"))
+    assert response.status == 200 and await response.json() == {"ok": True}
 
 
 async def test_no_keys_means_open_v1(start):
     h = await start()
-    assert (await h.client.get("/v1/models")).status == 200
+    response = await h.client.get("/v1/models")
+    assert response.status == 200 and [m["id"] for m in (await response.json())["data"]] == ["primary", "fallback"]
 
 
 async def test_keys_are_never_logged(start, caplog):

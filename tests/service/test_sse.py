@@ -1,9 +1,14 @@
-"""SSE framing, chunk shapes, multi-prompt indexing, served-model headers, request ids."""
+"""SSE framing, chunk shapes, multi-prompt indexing, served-model headers, request ids: over real tiny
+engines, with every text checked against what the engine itself generates greedily."""
 
 import json
+import math
+import threading
 
-from service.router import RoutedOutput
+from engine.faults import Fault
+from resilience.router import ModelRouter
 from service.sse import DONE, SSE_HEADERS, encode_event
+from tests.service.conftest import until
 
 
 def _events(raw: bytes) -> list:
@@ -25,102 +30,136 @@ def test_event_framing():
 async def test_completion_stream(start):
     h = await start()
     response = await h.client.post("/v1/completions", json={
-        "prompt": "hi", "max_tokens": 12, "stream": True, "stream_options": {"include_usage": True}})
+        "prompt": "def add(a, b):", "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": True,
+        "stream_options": {"include_usage": True}})
     assert response.headers["Content-Type"].startswith("text/event-stream")
     assert response.headers["x-pagedserve-served-model"] == "primary"
     events = _events(await response.read())
     *chunks, usage = events
     assert {c["object"] for c in events} == {"text_completion"} and len({c["id"] for c in events}) == 1
-    assert "".join(c["choices"][0]["text"] for c in chunks) == "héllo wörld "
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    assert text == await h.greedy("def add(a, b):", 12, ignore_eos=True) and text.strip()
     assert [c["choices"][0]["finish_reason"] for c in chunks][-2:] == [None, "length"]
-    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 2, "completion_tokens": 12,
-                                                         "total_tokens": 14}
+    num_prompt = len(h.primary.encode("def add(a, b):"))
+    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": num_prompt, "completion_tokens": 12,
+                                                         "total_tokens": num_prompt + 12}
 
 
 async def test_chat_stream_role_then_content(start):
     h = await start()
+    messages = [{"role": "user", "content": "sort a list"}]
     response = await h.client.post("/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True})
+        "messages": messages, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "stream": True})
     events = _events(await response.read())
     assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == "hél"
+    content = "".join(e["choices"][0]["delta"].get("content", "") for e in events)
+    assert content == await h.greedy(h.primary.apply_chat_template(messages), 6, ignore_eos=True)
     assert events[-1]["choices"][0]["finish_reason"] == "length" and events[-1]["object"] == "chat.completion.chunk"
     assert all(e["usage"] is None for e in events)  # no usage chunk unless asked
 
 
 async def test_several_prompts_times_n_index_the_choices(start):
     h = await start()
-    body = {"prompt": ["ab", "cd"], "n": 2, "max_tokens": 2}
+    prompts = ["def read(path):", "class Stack:"]
+    expected = [await h.greedy(p, 4, ignore_eos=True) for p in prompts]
+    assert expected[0] != expected[1]  # otherwise the index order below would prove nothing
+    body = {"prompt": prompts, "n": 2, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
     choices = (await (await h.client.post("/v1/completions", json=body)).json())["choices"]
     assert [c["index"] for c in choices] == [0, 1, 2, 3]
-    assert [c["text"] for c in choices] == ["hé", "él", "hé", "él"]
+    assert [c["text"] for c in choices] == [expected[0], expected[0], expected[1], expected[1]]
+    assert h.state.router.num_engine_requests == {"primary": 2}  # one engine request per prompt, n inside it
     events = _events(await (await h.client.post("/v1/completions", json={**body, "stream": True})).read())
     texts: dict[int, str] = {}
     for event in events:
         for choice in event["choices"]:
             texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
-    assert texts == {0: "hé", 1: "él", 2: "hé", 3: "él"}
-    ids = [r[0] for r in h.primary.requests if not r[0].startswith("warmup")]
-    assert sorted(i.rsplit("-", 1)[1] for i in ids) == ["0", "0", "1", "1"]  # one engine request per prompt
+    assert texts == {0: expected[0], 1: expected[0], 2: expected[1], 3: expected[1]}
+    assert h.state.router.num_engine_requests == {"primary": 4}
 
 
 async def test_request_id_echoed_or_made(start):
     h = await start()
-    response = await h.client.post("/v1/completions", json={"prompt": "hi", "stream": True},
+    response = await h.client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stream": True},
                                    headers={"X-Request-Id": "abc-123"})
     assert response.headers["X-Request-Id"] == "abc-123"
+    assert len(_events(await response.read())) >= 1
     response = await h.client.get("/health", headers={"X-Request-Id": "has spaces\tand tabs"})
     made = response.headers["X-Request-Id"]
     assert made != "has spaces\tand tabs" and len(made) == 32
 
 
 async def test_degraded_to_the_fallback_says_so(start):
-    h = await start()
-    h.primary.is_dead = True
-    response = await h.client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
-    body = await response.json()
-    assert body["model"] == "fallback"
-    assert response.headers["x-pagedserve-served-model"] == "fallback"
-    assert response.headers["x-pagedserve-degraded"] == "1"
-    response = await h.client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stream": True})
-    assert response.headers["x-pagedserve-degraded"] == "1"
-    assert {e["model"] for e in _events(await response.read())} == {"fallback"}
+    gate = threading.Event()
+    gate.set()
+    h = await start(load_gate=gate)
+    dead = h.primary
+    gate.clear()  # holds the rebuild of the crashed primary, so the fallback must serve meanwhile
+    try:
+        dead.faults.inject(Fault("crash"))  # the primary's loop dies for real
+        await until(lambda: dead.is_dead)
+        expected = await h.greedy("hi", 2, name="fallback", ignore_eos=True)
+        body = {"prompt": "hi", "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+        response = await h.client.post("/v1/completions", json=body)
+        done = await response.json()
+        assert done["model"] == "fallback" and done["choices"][0]["text"] == expected
+        assert response.headers["x-pagedserve-served-model"] == "fallback"
+        assert response.headers["x-pagedserve-degraded"] == "1"
+        response = await h.client.post("/v1/completions", json={**body, "stream": True})
+        assert response.headers["x-pagedserve-degraded"] == "1"
+        events = _events(await response.read())
+        assert {e["model"] for e in events} == {"fallback"}
+        assert "".join(e["choices"][0]["text"] for e in events) == expected
+    finally:
+        gate.set()
 
 
 async def test_every_generation_goes_through_the_router(start):
     seen = []
 
-    class RecordingRouter:
-        def __init__(self, engines, fallbacks):
-            self.engines = engines
+    class RecordingRouter(ModelRouter):  # the real router, recording what the app hands it
+        def __init__(self, engines, fallbacks) -> None:
             assert dict(fallbacks) == {"primary": "fallback", "fallback": None}
+            super().__init__(engines, fallbacks)
 
         async def generate(self, req):
             seen.append(req)
-            async for output in self.engines["fallback"].generate(req.prompt, req.params, req.request_id):
-                yield RoutedOutput(output, "fallback", True)
+            async for routed in super().generate(req):
+                yield routed
 
     h = await start(router_factory=RecordingRouter)
-    response = await h.client.post("/v1/completions", json={"prompt": "hi", "priority": 3})
-    assert response.headers["x-pagedserve-degraded"] == "1" and (await response.json())["model"] == "fallback"
+    response = await h.client.post("/v1/completions", json={"prompt": "hi", "priority": 3, "max_tokens": 2})
+    assert response.headers["x-pagedserve-served-model"] == "primary" and "x-pagedserve-degraded" not in response.headers
+    assert (await response.json())["model"] == "primary"
     assert [(r.model, r.prompt, r.priority, r.deadline) for r in seen] == [("primary", "hi", 3, None)]
     assert seen[0].request_id.startswith("cmpl-") and seen[0].request_id.endswith("-0")
+    assert seen[0].params.max_tokens == 2
 
 
 async def test_non_streamed_shapes(start):
     h = await start()
+    messages = [{"role": "user", "content": "hi"}]
     body = await (await h.client.post("/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True, "top_logprobs": 2,
+        "messages": messages, "max_tokens": 3, "temperature": 0, "ignore_eos": True, "logprobs": True,
+        "top_logprobs": 2,
     })).json()
     assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
     choice = body["choices"][0]
-    assert choice["message"] == {"role": "assistant", "content": "hé"} and choice["finish_reason"] == "length"
-    first = choice["logprobs"]["content"][0]
-    assert first == {"token": "h", "logprob": -0.5, "bytes": [104],
-                     "top_logprobs": [{"token": "h", "logprob": -0.5, "bytes": [104]},
-                                      {"token": "x", "logprob": -1.5, "bytes": [120]}]}
-    body = await (await h.client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3,
-                                                                "logprobs": 4})).json()
+    expected = await h.greedy(h.primary.apply_chat_template(messages), 3, ignore_eos=True)
+    assert choice["message"] == {"role": "assistant", "content": expected} and choice["finish_reason"] == "length"
+    content = choice["logprobs"]["content"]
+    assert len(content) == 3 and "".join(c["token"] for c in content) == expected
+    for entry in content:  # greedy: the sampled token is the most likely one, listed first
+        assert entry["bytes"] == list(entry["token"].encode("utf-8"))
+        first, second = entry["top_logprobs"]
+        assert first["token"] == entry["token"] and math.isclose(first["logprob"], entry["logprob"], abs_tol=1e-4)
+        assert 0 >= first["logprob"] >= second["logprob"]
+    body = await (await h.client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "temperature": 0,
+                                                                "ignore_eos": True, "logprobs": 4})).json()
     logprobs = body["choices"][0]["logprobs"]
-    assert logprobs["tokens"] == ["h", "é", "l"] and logprobs["text_offset"] == [0, 1, 2]
-    assert logprobs["top_logprobs"][0] == {"h": -0.5, "x": -1.5, "y": -2.5, "z": -9999.0}  # no -inf in JSON
+    tokens = logprobs["tokens"]
+    assert "".join(tokens) == body["choices"][0]["text"] == await h.greedy("hi", 3, ignore_eos=True)
+    assert logprobs["text_offset"] == [sum(len(t) for t in tokens[:i]) for i in range(3)]
+    for token, chosen, top in zip(tokens, logprobs["token_logprobs"], logprobs["top_logprobs"], strict=True):
+        assert 1 <= len(top) <= 4 and max(top, key=top.get) == token
+        assert all(-9999.0 <= v <= 0 and math.isfinite(v) for v in top.values())  # no -inf in JSON
+        assert math.isclose(chosen, top[token], abs_tol=1e-4)
