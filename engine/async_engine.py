@@ -41,6 +41,8 @@ class AsyncEngine:
         self.max_model_len = self.engine.max_model_len
         self.faults = FaultInjector()
         self._commands: collections.deque = collections.deque()  # ("add", args) | ("abort", request_id)
+        self._num_queued_adds = 0  # "add" commands not yet taken by the loop (a count: the deque is
+        self._adds_lock = threading.Lock()  # popped on the loop thread, never iterated from here)
         self._wake = threading.Event()
         self._waiters: dict[str, _Waiter] = {}
         self._thread: threading.Thread | None = None
@@ -104,6 +106,8 @@ class AsyncEngine:
         waiter = _Waiter(asyncio.get_running_loop(), asyncio.Queue())
         self._waiters[request_id] = waiter
         prompt_arg = prompt if isinstance(prompt, str) else prompt_token_ids
+        with self._adds_lock:
+            self._num_queued_adds += 1
         self._commands.append(("add", (request_id, prompt_arg, params, priority, time.monotonic())))
         self._wake.set()
         finished = False
@@ -135,7 +139,7 @@ class AsyncEngine:
             raise EngineDeadError("the engine is not running")
 
     def _check_room(self) -> None:
-        queued = self._stats.num_waiting + sum(1 for c in self._commands if c[0] == "add")
+        queued = self._stats.num_waiting + self._num_queued_adds
         if queued >= self.config.max_num_waiting:
             raise EngineOverloadedError(f"waiting queue is full ({self.config.max_num_waiting} requests)")
 
@@ -167,6 +171,8 @@ class AsyncEngine:
                 if output is not None:
                     self._deliver([output])
                 continue
+            with self._adds_lock:
+                self._num_queued_adds -= 1
             request_id = arg[0]
             if request_id not in self._waiters:  # its caller left before the loop saw it
                 continue
@@ -174,10 +180,12 @@ class AsyncEngine:
                 self.engine.add_request(*arg)
             except EngineError as exc:
                 self._post(request_id, exc)
+                continue
+            self.faults.after_add(self.engine, request_id, arg[1])
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
-            self._post(output.request_id, output)
+            self._post(output.request_id, output.error or output)
 
     def _post(self, request_id: str, item: RequestOutput | BaseException) -> None:
         waiter = self._waiters.get(request_id)

@@ -24,3 +24,8 @@ class EngineDeadError(EngineError):
 
 class EngineStepError(EngineError):
     """The engine failed this request (the engine itself lives on); counts against the model's breaker."""
+
+
+class RequestFailedError(EngineError):
+    """A step raised and the engine isolated this request as its cause: it alone ends, every other
+    request goes on. Never resubmitted to another model (it would only break that one too)."""

@@ -1,9 +1,11 @@
-"""Fault injection for chaos tests: make the real engine loop stall, fail, slow down or leak.
+"""Fault injection for chaos tests: make the real engine loop stall, fail, slow down, leak, crash,
+or make one marked request poison its steps.
 
 Off unless the server is started with `--enable-fault-injection`; every fault runs on the engine
 loop thread, so it behaves exactly as a sick engine would (no mock in the request path)."""
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -13,7 +15,13 @@ from engine.errors import EngineStepError
 
 logger = logging.getLogger(__name__)
 
-FAULT_KINDS = ("stall", "error", "slow", "leak")
+FAULT_KINDS = ("stall", "error", "slow", "leak", "poison", "crash")
+MAX_DELAY_MS = 60_000.0
+MAX_LEAK_BYTES_PER_STEP = 1 << 30
+
+
+class InjectedCrash(Exception):
+    """Raised on the loop thread outside the step: the engine loop dies, as from a bug of its own."""
 
 
 @dataclass(frozen=True)
@@ -22,16 +30,21 @@ class Fault:
     seconds: float | None = None  # how long it lasts; None = until cleared
     bytes_per_step: int = 0  # leak
     delay_ms: float = 0.0  # slow
+    marker: str | None = None  # poison: a request whose prompt text contains it makes its steps raise
 
     def __post_init__(self) -> None:
         if self.kind not in FAULT_KINDS:
             raise ValueError(f"fault kind must be one of {FAULT_KINDS}, got {self.kind!r}")
-        if self.seconds is not None and self.seconds <= 0:
-            raise ValueError(f"seconds must be positive, got {self.seconds}")
-        if self.bytes_per_step < 0 or self.delay_ms < 0:
-            raise ValueError("bytes_per_step and delay_ms must be non-negative")
+        if self.seconds is not None and not (math.isfinite(self.seconds) and self.seconds > 0):
+            raise ValueError(f"seconds must be a positive finite number, got {self.seconds}")
+        if not 0 <= self.bytes_per_step <= MAX_LEAK_BYTES_PER_STEP:
+            raise ValueError(f"bytes_per_step must be in [0, {MAX_LEAK_BYTES_PER_STEP}], got {self.bytes_per_step}")
+        if not 0 <= self.delay_ms <= MAX_DELAY_MS:  # also refuses NaN and inf
+            raise ValueError(f"delay_ms must be in [0, {MAX_DELAY_MS:g}], got {self.delay_ms}")
         if self.kind == "leak" and not self.bytes_per_step:
             raise ValueError("a leak fault needs bytes_per_step")
+        if (self.kind == "poison") != bool(self.marker):
+            raise ValueError("a poison fault needs a non-empty marker, and only a poison fault takes one")
 
 
 class FaultInjector:
@@ -76,6 +89,17 @@ class FaultInjector:
                     fail_request(request_id, EngineStepError("injected fault: the engine step failed"))
             elif fault.kind == "leak":
                 self.leaked.append(bytearray(b"\x01" * fault.bytes_per_step))  # touched, so resident
+            elif fault.kind == "crash":
+                with self._lock:
+                    self._faults.pop("crash", None)  # once: the rebuilt engine starts clean
+                raise InjectedCrash("injected fault: the engine loop crashed")
+
+    def after_add(self, engine, request_id: str, prompt: str | list[int]) -> None:
+        """Mark a just-added request whose prompt text carries the poison marker."""
+        markers = [f.marker for f in self.active() if f.kind == "poison"]
+        if markers and isinstance(prompt, str) and any(m in prompt for m in markers):
+            for seq in engine.requests[request_id].seqs:
+                seq.is_poisoned = True
 
     def _is_active(self, kind: str) -> bool:
         return any(f.kind == kind for f in self.active())

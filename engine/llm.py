@@ -73,3 +73,4 @@ def _merge(finals: dict[str, RequestOutput], delta: RequestOutput) -> None:
     whole.outputs = sorted(by_index.values(), key=lambda o: o.index)
     whole.finished = delta.finished
     whole.metrics = delta.metrics
+    whole.error = delta.error or whole.error

@@ -8,19 +8,21 @@ from dataclasses import dataclass, field
 
 from transformers import AutoTokenizer
 
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockCopies, BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import RequestRejectedError
+from engine.errors import EngineError, EngineStepError, RequestFailedError, RequestRejectedError
 from engine.loader import validate_model_dir
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus
+from engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from engine.sequence import SampledToken, Sequence, SequenceStatus
 from engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
+
+MAX_PRIORITY = 2**31  # |priority|: the scheduler sorts on it as a float
 
 
 @dataclass
@@ -34,6 +36,7 @@ class _Request:
     sent_chars: dict[int, int] = field(default_factory=dict)  # choice index -> text chars handed out
     sent_tokens: dict[int, int] = field(default_factory=dict)
     is_aborted: bool = False
+    error: EngineError | None = None  # why the engine failed it (poison isolation)
 
     @property
     def is_finished(self) -> bool:
@@ -62,6 +65,9 @@ class LLMEngine:
         self.last_step_time: float | None = None
         self.peak_used_blocks = 0
         self.kv_waste_at_peak = 0.0
+        self.num_isolated_steps = 0  # steps that raised and were re-run in parts to find their cause
+        self.num_failed_requests = 0  # requests finished with an error by isolation
+        self._failed: dict[str, EngineError] = {}  # request id -> why, until this step's outputs say it
 
     # --- requests --------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -85,6 +91,9 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise RequestRejectedError(f"token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestRejectedError(f"stop_token_ids: {bad[0]} is outside the vocabulary (size {self.vocab_size})")
         max_tokens = params.max_tokens or 1
         if num_prompt + max_tokens > self.max_model_len:
             raise RequestRejectedError(
@@ -95,6 +104,8 @@ class LLMEngine:
                     priority: int = 0, arrival_time: float | None = None) -> None:
         if request_id in self.requests:
             raise RequestRejectedError(f"request id {request_id!r} is already in use")
+        if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) > MAX_PRIORITY:
+            raise RequestRejectedError(f"priority must be an integer in [-2**31, 2**31], got {priority!r}")
         prompt_token_ids = self.encode(prompt)
         self.check_request(prompt_token_ids, params)
         now = time.monotonic() if arrival_time is None else arrival_time
@@ -128,10 +139,70 @@ class LLMEngine:
     # --- the step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
-        sampled = self.model_runner.run(batch)
-        updated = self.scheduler.postprocess(batch, sampled)
+        sampled = self._run(batch)
+        updated = self.scheduler.postprocess(batch, sampled, on_error=self._fail_seq)
         self._account(len(updated))
-        return self._outputs(updated)
+        return self._fail_marked() + self._outputs(updated)
+
+    # --- poison isolation: a step that raises never stops the engine --------------------------------
+    def _run(self, batch: SchedulerOutput) -> dict[int, list[SampledToken]]:
+        try:
+            return self.model_runner.run(batch)
+        except Exception:  # noqa: BLE001 - whatever a request provokes, the others go on
+            logger.exception("a step of %d sequences raised; re-running it in parts to find the cause",
+                             len(batch.scheduled))
+            self.num_isolated_steps += 1
+            return self._isolate(batch.scheduled)
+
+    def _isolate(self, items: list[ScheduledSeq]) -> dict[int, list[SampledToken]]:
+        """Re-run the step's rows in halves until each failing row stands alone; those rows' requests
+        fail, the rest keep the tokens they got. Writing a row's K/V twice writes the same values,
+        and a seeded draw depends only on its own row, so re-running is safe. If every row fails on
+        its own the model is at fault, not the requests: they all fail as an engine error."""
+        sampled: dict[int, list[SampledToken]] = {}
+        failing: list[tuple[ScheduledSeq, Exception]] = []
+        self._bisect(items, sampled, failing)
+        blame_model = len(items) > 1 and len(failing) == len(items)
+        for item, exc in failing:
+            error = (EngineStepError(f"the model failed this step: {exc!r}") if blame_model else
+                     RequestFailedError(f"this request made the engine step fail and was stopped: {exc!r}"))
+            self._fail_seq(item.seq, error)
+        return sampled
+
+    def _bisect(self, items: list[ScheduledSeq], sampled: dict, failing: list) -> None:
+        try:
+            sampled.update(self.model_runner.run(SchedulerOutput(items, BlockCopies([], [], []))))  # copies done
+        except Exception as exc:  # noqa: BLE001
+            if len(items) == 1:
+                failing.append((items[0], exc))
+                return
+            half = len(items) // 2
+            self._bisect(items[:half], sampled, failing)
+            self._bisect(items[half:], sampled, failing)
+
+    def _fail_seq(self, seq: Sequence, error: Exception) -> None:
+        if not isinstance(error, EngineError):
+            error = RequestFailedError(f"this request made the engine step fail and was stopped: {error!r}")
+        logger.error("request %s failed in the engine: %s", seq.request_id, error)
+        self._failed.setdefault(seq.request_id, error)
+
+    def _fail_marked(self) -> list[RequestOutput]:
+        """Finish every request marked failed this step, freeing its blocks; their final outputs."""
+        outputs = []
+        for request_id, error in self._failed.items():
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            # children forked in this very step are not in request.seqs yet
+            forked = [s for s in self.scheduler.running if s.request_id == request_id and s not in request.seqs]
+            request.seqs.extend(forked)
+            for seq in request.seqs:
+                self.scheduler.finish_seq(seq, SequenceStatus.FINISHED_ERROR)
+            request.is_aborted, request.error = True, error
+            self.num_failed_requests += 1
+            outputs.append(self._output(request, request.seqs))
+        self._failed.clear()
+        return outputs
 
     def _account(self, num_sampled: int) -> None:
         self.num_steps += 1
@@ -148,7 +219,9 @@ class LLMEngine:
             by_request.setdefault(seq.request_id, []).append(seq)
         outputs = []
         for request_id, seqs in by_request.items():
-            request = self.requests[request_id]
+            request = self.requests.get(request_id)
+            if request is None:  # failed in this step: its final output is out already
+                continue
             request.seqs.extend(s for s in seqs if s not in request.seqs)
             outputs.append(self._output(request, seqs))
         return outputs
@@ -164,7 +237,7 @@ class LLMEngine:
                              finished, first.num_cached_tokens,
                              {"arrival_time": request.arrival_time,
                               "first_scheduled_time": first.first_scheduled_time or 0.0,
-                              "first_token_time": first.first_token_time or 0.0})
+                              "first_token_time": first.first_token_time or 0.0}, request.error)
 
     def _delta(self, request: _Request, seq: Sequence) -> CompletionOutput:
         i = seq.index
@@ -191,7 +264,8 @@ class LLMEngine:
             prefix_cache_queries=bm.num_prefix_queries, prefix_cache_hits=bm.num_prefix_hits,
             num_preemptions=sched.num_preemptions, num_steps=self.num_steps,
             num_prompt_tokens=self.num_prompt_tokens, num_generation_tokens=self.num_generation_tokens,
-            last_step_time=self.last_step_time, is_busy=sched.has_unfinished)
+            last_step_time=self.last_step_time, is_busy=sched.has_unfinished,
+            num_isolated_steps=self.num_isolated_steps, num_failed_requests=self.num_failed_requests)
 
 
 def _live_usage(bm: BlockManager, sched: Scheduler) -> float:

@@ -32,3 +32,4 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)  # arrival/first_scheduled/first_token/finished (monotonic s)
+    error: str | None = None  # set on the final output of a request the engine failed (poison isolation)

@@ -27,6 +27,8 @@ class Sampler:
         sampled = {}
         for i, row in enumerate(rows):
             seq = row.seq
+            if seq.is_poisoned:
+                raise RuntimeError(f"injected fault: the sampler fails on request {seq.request_id}")
             tokens = []
             for j in range(row.num_samples):
                 token_id = self._draw(logits[i], probs[i] if probs is not None else None, seq, seq.index + j)
@@ -60,7 +62,8 @@ class Sampler:
         device = logits.device
         temperature = torch.tensor([r.seq.params.temperature or 1.0 for r in rows], device=device)
         logits = logits / temperature[:, None]
-        top_k = [r.seq.params.top_k or 0 for r in rows]
+        vocab_size = logits.shape[-1]
+        top_k = [min(r.seq.params.top_k or 0, vocab_size) for r in rows]
         top_p = [r.seq.params.top_p for r in rows]
         min_p = [r.seq.params.min_p for r in rows]
         if any(top_k) or min(top_p) < 1.0 or max(min_p) > 0.0:
@@ -101,7 +104,7 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_
     probs = torch.softmax(sorted_logits, dim=-1)
     before = torch.cumsum(probs, dim=-1) - probs  # mass of the strictly more likely tokens
     drop |= before >= top_p[:, None]
-    drop |= probs < (min_p * probs[:, :1])
+    drop |= probs < (min_p[:, None] * probs[:, :1])  # [B, 1] floor per row
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)

@@ -1,6 +1,16 @@
-"""Per-request sampling options, vLLM-shaped so users know them."""
+"""Per-request sampling options, vLLM-shaped so users know them.
 
+They validate themselves, so the offline API is as safe as HTTP: every number the sampler or the
+scheduler relies on is checked for type, range and finiteness here (token ids against the
+vocabulary are the engine's check: only it knows the vocabulary)."""
+
+import math
 from dataclasses import dataclass, field
+
+INT64_MAX = 2**63 - 1
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1  # seeds are hashed: signed and unsigned 64-bit both work
+MAX_STOP = 64  # stop strings, and stop token ids, per request
+MAX_N = 128
 
 
 @dataclass
@@ -27,13 +37,14 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self._check_types()
         if self.top_k is not None and self.top_k <= 0:  # vLLM spells "off" as 0 or -1
             self.top_k = None
         self.validate()
 
     def validate(self) -> None:
         checks = [
-            (self.n >= 1, f"n must be at least 1, got {self.n}"),
+            (1 <= self.n <= MAX_N, f"n must be in [1, {MAX_N}], got {self.n}"),
             (self.temperature >= 0, f"temperature must be non-negative, got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
@@ -46,10 +57,31 @@ class SamplingParams:
              f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
+            (len(self.stop) <= MAX_STOP, f"stop must hold at most {MAX_STOP} strings, got {len(self.stop)}"),
+            (len(self.stop_token_ids) <= MAX_STOP,
+             f"stop_token_ids must hold at most {MAX_STOP} ids, got {len(self.stop_token_ids)}"),
+            (all(0 <= t <= INT64_MAX for t in self.stop_token_ids), "stop_token_ids must be non-negative token ids"),
+            (self.seed is None or MIN_SEED <= self.seed <= MAX_SEED, f"seed must be in [-2**63, 2**64), got {self.seed}"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    def _check_types(self) -> None:
+        """Integers are ints (not bools) inside int64; floats are finite numbers."""
+        for name in ("n", "top_k", "seed", "min_tokens", "max_tokens", "logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ValueError(f"{name} must be an integer, got {type(value).__name__}")
+            if value is not None and name != "seed" and not -INT64_MAX <= value <= INT64_MAX:
+                raise ValueError(f"{name} must fit in 64 bits, got {value}")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be integers")
 
     @property
     def is_greedy(self) -> bool:

@@ -218,28 +218,37 @@ class Scheduler:
         self.waiting.append(seq)  # its arrival time keeps it ahead of newer requests
 
     # --- after the forward -------------------------------------------------------------------------
-    def postprocess(self, output: SchedulerOutput, sampled: dict[int, list[SampledToken]]) -> list[Sequence]:
+    def postprocess(self, output: SchedulerOutput, sampled: dict[int, list[SampledToken]],
+                    on_error: Callable[[Sequence, Exception], None] | None = None) -> list[Sequence]:
         """Account computed tokens, append sampled ones, finish what stopped.
-        Returns every sequence that got a token (fan-out children included)."""
+        Returns every sequence that got a token (fan-out children included). A sequence whose
+        update raises goes to `on_error` (the engine fails its request) and the others go on."""
         updated = []
         for item in output.scheduled:
-            seq = item.seq
-            if seq.is_finished:  # aborted while its step ran
+            if item.seq.is_finished:  # aborted while its step ran
                 continue
-            seq.num_computed_tokens = item.start + item.num_new_tokens
-            self.block_manager.cache_full_blocks(seq)
-            tokens = sampled.get(seq.seq_id)
-            if not tokens:
-                continue
-            family = [seq] + self._fan_out(seq, len(tokens) - 1)
-            for member, token in zip(family, tokens, strict=True):
-                member.append_token(token)
-                if member.first_token_time is None:
-                    member.first_token_time = self.clock()
-                if member.is_finished:
-                    self._release(member)
-                updated.append(member)
+            try:
+                updated += self._postprocess_one(item, sampled.get(item.seq.seq_id))
+            except Exception as exc:
+                if on_error is None:
+                    raise
+                on_error(item.seq, exc)
         return updated
+
+    def _postprocess_one(self, item: ScheduledSeq, tokens: list[SampledToken] | None) -> list[Sequence]:
+        seq = item.seq
+        seq.num_computed_tokens = item.start + item.num_new_tokens
+        self.block_manager.cache_full_blocks(seq)
+        if not tokens:
+            return []
+        family = [seq] + self._fan_out(seq, len(tokens) - 1)
+        for member, token in zip(family, tokens, strict=True):
+            member.append_token(token)
+            if member.first_token_time is None:
+                member.first_token_time = self.clock()
+            if member.is_finished:
+                self._release(member)
+        return family
 
     def _fan_out(self, parent: Sequence, num_children: int) -> list[Sequence]:
         parent.is_forked = True

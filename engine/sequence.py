@@ -19,6 +19,7 @@ class SequenceStatus(enum.IntEnum):
     FINISHED_STOPPED = 4
     FINISHED_LENGTH = 5
     FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7  # the engine failed it (poison isolation)
 
     @property
     def is_finished(self) -> bool:
@@ -30,6 +31,7 @@ FINISH_REASONS = {
     SequenceStatus.FINISHED_STOPPED: "stop",
     SequenceStatus.FINISHED_LENGTH: "length",
     SequenceStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -76,6 +78,7 @@ class Sequence:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    is_poisoned: bool = False  # chaos tests: the sampler raises on this row (FaultInjector's `poison`)
 
     # --- token views ---------------------------------------------------------------------------
     @property

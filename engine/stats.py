@@ -20,3 +20,5 @@ class EngineStats:
     num_generation_tokens: int
     last_step_time: float | None  # time.monotonic() at the end of the last step
     is_busy: bool  # work is waiting or running
+    num_isolated_steps: int = 0  # steps that raised and were re-run in parts (poison isolation)
+    num_failed_requests: int = 0  # requests the engine finished with an error after isolating them

@@ -1,0 +1,128 @@
+"""Poison isolation: a step that raises never stops the engine. The request that made it raise
+ends alone with RequestFailedError; every other request of the batch goes on, token for token as
+if nothing happened, and every block comes back. A loop that dies anyway fails its waiters at once."""
+
+import asyncio
+
+import pytest
+
+from engine import AsyncEngine, EngineConfig, LLMEngine, SamplingParams
+from engine.errors import EngineDeadError, EngineStepError, RequestFailedError
+from engine.faults import Fault
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+PROMPTS = {f"r{i}": [3 + i, 40 + i, 7, 9 + 2 * i] for i in range(5)}
+
+
+def _config(random_model, **overrides) -> EngineConfig:
+    return EngineConfig(**({"model": random_model("tiny-llama"), "dtype": "float32", "block_size": 4,
+                            "max_model_len": 128, "max_num_batched_tokens": 64} | overrides))
+
+
+def _run(engine: LLMEngine, poisoned: set[str], params: SamplingParams = GREEDY) -> dict:
+    for request_id, prompt in PROMPTS.items():
+        engine.add_request(request_id, prompt, params)
+        if request_id in poisoned:
+            engine.requests[request_id].seqs[0].is_poisoned = True
+    results: dict[str, dict] = {rid: {"tokens": [], "error": None, "finish": None} for rid in PROMPTS}
+    while engine.has_unfinished_requests:
+        for out in engine.step():
+            result = results[out.request_id]
+            result["tokens"] += out.outputs[0].token_ids if out.outputs else []
+            result["error"] = out.error or result["error"]
+            result["finish"] = out.outputs[0].finish_reason if out.outputs else result["finish"]
+    return results
+
+
+def _all_free(engine: LLMEngine) -> bool:
+    bm = engine.block_manager
+    return bm.num_free_blocks == bm.num_blocks and not engine.requests and not engine.scheduler.has_unfinished
+
+
+def test_a_poisoned_row_fails_alone_and_its_batch_mates_are_unchanged(random_model):
+    engine = LLMEngine(_config(random_model))
+    clean = _run(engine, poisoned=set())
+    isolated = _run(engine, poisoned={"r2"})
+    assert isinstance(isolated["r2"]["error"], RequestFailedError)
+    assert isolated["r2"]["finish"] == "error"
+    assert "injected fault" in str(isolated["r2"]["error"])
+    for request_id in PROMPTS.keys() - {"r2"}:
+        assert isolated[request_id]["error"] is None
+        assert isolated[request_id]["tokens"] == clean[request_id]["tokens"]
+        assert len(isolated[request_id]["tokens"]) == GREEDY.max_tokens
+    assert engine.num_isolated_steps == 1 and engine.num_failed_requests == 1
+    assert _all_free(engine)
+
+
+def test_two_poisoned_rows_among_seeded_sampled_rows(random_model):
+    engine = LLMEngine(_config(random_model))
+    params = SamplingParams(temperature=0.9, top_p=0.8, top_k=20, min_p=0.05, seed=11, max_tokens=8,
+                            ignore_eos=True, n=2)
+    clean = _run(engine, poisoned=set(), params=params)
+    isolated = _run(engine, poisoned={"r0", "r4"}, params=params)
+    assert [rid for rid, r in isolated.items() if r["error"] is not None] == ["r0", "r4"]
+    for request_id in ("r1", "r2", "r3"):
+        assert isolated[request_id]["tokens"] == clean[request_id]["tokens"]
+    assert _all_free(engine)
+
+
+def test_a_step_every_row_fails_alone_blames_the_model(random_model):
+    engine = LLMEngine(_config(random_model))
+    results = _run(engine, poisoned=set(PROMPTS))
+    assert all(isinstance(r["error"], EngineStepError) for r in results.values())
+    assert _all_free(engine)
+
+
+@pytest.fixture
+def async_engine(random_model):
+    engine = AsyncEngine(_config(random_model))
+    engine.start()
+    yield engine
+    engine.stop()
+
+
+async def _collect(engine: AsyncEngine, prompt: str, request_id: str) -> list[int]:
+    tokens = []
+    async for out in engine.generate(prompt, GREEDY, request_id):
+        tokens += out.outputs[0].token_ids
+    return tokens
+
+
+async def test_poison_fault_fails_only_the_marked_request(async_engine):
+    async_engine.faults.inject(Fault("poison", marker="POISON"))
+    results = await asyncio.gather(*[_collect(async_engine, f"def f{i}(x):", f"ok{i}") for i in range(6)],
+                                   _collect(async_engine, "x = 'POISON'", "bad"), return_exceptions=True)
+    assert isinstance(results[-1], RequestFailedError)
+    assert all(r == results[0] or len(r) == GREEDY.max_tokens for r in results[:-1])
+    assert all(isinstance(r, list) and len(r) == GREEDY.max_tokens for r in results[:-1])
+    assert not async_engine.is_dead
+    assert async_engine.stats().num_failed_requests == 1
+    async_engine.faults.clear()
+    assert len(await _collect(async_engine, "x = 'POISON'", "again")) == GREEDY.max_tokens
+
+
+async def test_crash_fault_kills_the_loop_and_fails_every_waiter(async_engine):
+    long = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    outputs = async_engine.generate("def long():", long, "in-flight")
+    await anext(outputs)  # running now
+    async_engine.faults.inject(Fault("crash"))
+    with pytest.raises(EngineDeadError, match="the engine loop died"):
+        async with asyncio.timeout(30):
+            async for _ in outputs:
+                pass
+    assert async_engine.is_dead
+    with pytest.raises(EngineDeadError, match="the engine is dead"):
+        await _collect(async_engine, "later", "later")
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"kind": "poison"}, "needs a non-empty marker"),
+    ({"kind": "slow", "marker": "x"}, "only a poison fault takes one"),
+    ({"kind": "slow", "delay_ms": float("inf")}, "delay_ms must be in"),
+    ({"kind": "slow", "delay_ms": float("nan")}, "delay_ms must be in"),
+    ({"kind": "stall", "seconds": float("inf")}, "seconds must be a positive finite number"),
+    ({"kind": "leak", "bytes_per_step": 1 << 40}, "bytes_per_step must be in"),
+])
+def test_faults_refuse_values_that_would_hurt_the_loop(fields, message):
+    with pytest.raises(ValueError, match=message):
+        Fault(**fields)
