@@ -3,8 +3,8 @@ endpoints only read it, the heartbeat, breakers, model registry and shutdown wri
 
 - live: the process can still do work. False when an engine is dead, the device is lost, or an
   engine is hung (busy with no progress for `hang_timeout_s`). The supervisor restarts it.
-- ready: live, not loading, not draining, no leak flagged, and some model with a breaker that is
-  not open. False takes the replica out of rotation (nginx, Kubernetes) without killing streams.
+- ready: live, not loading, not draining, no leak flagged, no engine being rebuilt after its loop
+  died, and some model with a breaker that is not open. False takes the replica out of rotation (nginx, Kubernetes) without killing streams.
 - degraded: ready, but some breaker is open or half-open (fallbacks serve), or the memory probe is
   failing. Reported, not acted on.
 
@@ -37,6 +37,7 @@ class HealthState:
         self.is_loading = True  # until the first models are up
         self.is_draining = False
         self.leak: str | None = None
+        self.rebuilding: dict[str, str] = {}  # model -> why its engine is being rebuilt
         self.dead_reason: str | None = None
         self.probe_error: str | None = None
 
@@ -50,6 +51,13 @@ class HealthState:
 
     def set_leak(self, description: str | None) -> None:
         self.leak = description
+
+    def set_rebuilding(self, model: str, reason: str | None) -> None:
+        """A model's engine loop died and is being rebuilt in process (None: it is back)."""
+        if reason is None:
+            self.rebuilding.pop(model, None)
+        else:
+            self.rebuilding[model] = reason
 
     def mark_dead(self, reason: str) -> None:
         """Unrecoverable (engine dead, device lost, probe hung): liveness fails from now on."""
@@ -81,6 +89,7 @@ class HealthState:
 
     def remove_model(self, model: str) -> None:
         self._models.pop(model, None)
+        self.rebuilding.pop(model, None)
 
     # --- readers ----------------------------------------------------------------------------------
     def is_live(self) -> bool:
@@ -100,6 +109,7 @@ class HealthState:
             "status": status, "live": not live, "ready": not live and not ready,
             "degraded": status == "degraded", "reasons": live + ready + degraded,
             "loading": self.is_loading, "draining": self.is_draining, "leak": self.leak,
+            "rebuilding": sorted(self.rebuilding),
             "models": {name: self._model_report(entry) for name, entry in sorted(self._models.items())},
         }
 
@@ -115,6 +125,7 @@ class HealthState:
         reasons = ["loading models"] * self.is_loading + ["draining"] * self.is_draining
         if self.leak is not None:
             reasons.append(f"memory leak suspected: {self.leak}")
+        reasons += [f"rebuilding engine of {name!r}: {why}" for name, why in sorted(self.rebuilding.items())]
         if not self._models:
             reasons.append("no model loaded")
         elif all(entry.breaker_state == OPEN for entry in self._models.values()):

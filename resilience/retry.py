@@ -64,6 +64,7 @@ class RetryBudget:
         self._retry_times: deque[float] = deque()
 
     def record_request(self) -> None:
+        self._expire()  # else a healthy replica, which never asks can_retry, grows this without bound
         self._request_times.append(self._clock())
 
     def can_retry(self) -> bool:

@@ -8,7 +8,10 @@ down the degrade ladder (a model's fallback, then its fallback's) when a model c
         no token within the deadline, or a failure  -> counted on the breaker; if nothing was
           before the first token                       streamed yet, resubmit to the next model
         after the first token                       -> the error goes to the client (never retried)
-    nobody left                                     -> NoModelAvailable (503 + Retry-After), fast
+        the engine isolated it as a poison request  -> the error goes to the client (RequestFailedError
+                                                       is never resubmitted: it would break the next model)
+    nobody left                                     -> NoModelAvailable: 503 + Retry-After when no model
+                                                       was tried; after a failure the status is that failure's
 
 A resubmit after a fast failure spends the retry budget (fast failures could otherwise be
 multiplied at line rate); one after a deadline does not: the deadline itself paces it, and the
@@ -22,7 +25,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.errors import EngineDeadError, EngineOverloadedError, EngineStepError
+from engine.errors import EngineDeadError, EngineOverloadedError, EngineStepError, RequestFailedError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from resilience.admission import Bulkhead, BulkheadConfig
@@ -60,7 +63,8 @@ class RoutedOutput:
 class RouterConfig:
     idle_timeout_s: float = 10.0  # no first token, or no next token, for this long: a failure
     breaker: BreakerConfig = field(default_factory=lambda: BreakerConfig(
-        ignored=IGNORED_EXCEPTIONS + (EngineOverloadedError,)))  # overload is not sickness
+        # overload is not sickness, and a poison request is the request's fault, not the model's
+        ignored=IGNORED_EXCEPTIONS + (EngineOverloadedError, RequestFailedError)))
     bulkhead: BulkheadConfig = field(default_factory=BulkheadConfig)
     retry_budget: RetryBudgetConfig = field(default_factory=RetryBudgetConfig)
 

@@ -17,7 +17,7 @@ from service.errors import InvalidRequestError, ModelNotFoundError
 from service.keys import CONFIG_KEY, STATE_KEY
 from service.registry import resolve_model_path
 
-FAULT_FIELDS = {"model", "kind", "seconds", "bytes_per_step", "delay_ms"}
+FAULT_FIELDS = {"model", "kind", "seconds", "bytes_per_step", "delay_ms", "marker"}
 LOAD_FIELDS = {"name", "path", "fallback", "quota_bytes", *ENGINE_OPTIONS}
 
 
@@ -98,9 +98,10 @@ async def inject_fault(request: web.Request) -> web.Response:
     body = await _object(request, FAULT_FIELDS)
     engine = _engine(request, body.get("model"))
     try:
-        fault = Fault(kind=body.get("kind"), seconds=body.get("seconds"),
-                      bytes_per_step=int(body.get("bytes_per_step", 0)), delay_ms=float(body.get("delay_ms", 0)))
-    except (TypeError, ValueError) as exc:
+        fault = Fault(kind=body.get("kind"), seconds=_number(body, "seconds"),
+                      bytes_per_step=int(_number(body, "bytes_per_step") or 0),
+                      delay_ms=float(_number(body, "delay_ms") or 0), marker=body.get("marker"))
+    except (TypeError, ValueError, OverflowError) as exc:
         raise InvalidRequestError(str(exc), param="kind") from exc
     engine.faults.inject(fault)
     return web.json_response({"model": body["model"], "faults": _describe(engine)})
@@ -127,6 +128,13 @@ def _engine(request: web.Request, model: Any) -> Any:
     return engine
 
 
+def _number(body: dict[str, Any], key: str) -> float | None:
+    value = body.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+        raise ValueError(f"{key} must be a number, got {type(value).__name__}")
+    return value
+
+
 def _describe(engine: Any) -> list[dict[str, Any]]:
-    return [{"kind": f.kind, "seconds": f.seconds, "bytes_per_step": f.bytes_per_step, "delay_ms": f.delay_ms}
-            for f in engine.faults.active()]
+    return [{"kind": f.kind, "seconds": f.seconds, "bytes_per_step": f.bytes_per_step, "delay_ms": f.delay_ms,
+             "marker": f.marker} for f in engine.faults.active()]

@@ -93,7 +93,20 @@ def _add_server_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", action="append", help="accepted Bearer key for /v1/* (repeatable; env API_KEY)")
     p.add_argument("--admin-key", help="Bearer key for /admin/* (env ADMIN_KEY)")
     p.add_argument("--max-body-bytes", type=parse_size, help=f"default {DEFAULT_MAX_BODY_BYTES} (4 MiB)")
-    p.add_argument("--auth-metrics", action="store_true", default=None, help="/metrics needs an API key too")
+    p.add_argument("--auth-metrics", "--metrics-auth", dest="auth_metrics", action="store_true", default=None,
+                   help="/metrics needs an API key too")
+    p.add_argument("--health-details-auth", action="store_true", default=None,
+                   help="/health* bodies give details (reasons, breakers, memory) only with an API or admin key; "
+                        "their status codes stay public")
+    p.add_argument("--max-connections", type=int, help="open client connections; beyond it 503 (default 1024)")
+    p.add_argument("--stream-write-timeout", dest="stream_write_timeout_s", type=float,
+                   help="seconds a client may leave a stream unread before it is aborted (default 30)")
+    p.add_argument("--body-read-timeout", dest="body_read_timeout_s", type=float,
+                   help="seconds to receive a request body before 408 (default 30)")
+    p.add_argument("--header-timeout", dest="header_timeout_s", type=float,
+                   help="seconds a new connection has to send a whole request head (default 30)")
+    p.add_argument("--keepalive-timeout", dest="keepalive_timeout_s", type=float,
+                   help="seconds an idle keep-alive connection stays open (default 75)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", default=None,
                    help="skip the one-token warm-up generation before turning ready")
     p.add_argument("--shutdown-timeout", type=float, help="seconds in-flight requests may finish (default 10)")
@@ -105,6 +118,9 @@ def _add_server_options(p: argparse.ArgumentParser) -> None:
                    help="idle memory growth that may count as a leak, e.g. 64MiB (default)")
     p.add_argument("--leak-action", choices=["recycle", "exit"],
                    help="on a confirmed leak: reload the engines in process (default) or exit with code 75")
+    p.add_argument("--max-engine-rebuilds", type=int,
+                   help="dead engine loops rebuilt in process within 10 minutes before the process exits 75 "
+                        "for its supervisor (default 3; 0 = exit at the first death)")
     p.add_argument("--hang-timeout", dest="hang_timeout_s", type=float,
                    help="seconds an engine loop may spend in one iteration before liveness fails (default 60)")
     p.add_argument("--breaker-open-seconds", dest="breaker_open_s", type=float,
@@ -175,10 +191,14 @@ def build_config(args: argparse.Namespace, env: Mapping[str, str]) -> ServerConf
         "shutdown_timeout": args.shutdown_timeout, "idle_timeout_s": args.idle_timeout_s,
         "heartbeat_interval_s": args.heartbeat_interval_s, "leak_min_growth_bytes": args.leak_min_growth_bytes,
         "leak_action": args.leak_action, "hang_timeout_s": args.hang_timeout_s,
+        "max_engine_rebuilds": args.max_engine_rebuilds,
         "breaker_open_s": args.breaker_open_s, "models_root": args.models_root,
         "memory_budget_bytes": args.memory_budget_bytes, "models_dir": args.models_dir,
         "max_loaded_models": args.max_loaded_models,
         "enable_fault_injection": args.enable_fault_injection,
+        "health_details_auth": args.health_details_auth, "max_connections": args.max_connections,
+        "stream_write_timeout_s": args.stream_write_timeout_s, "body_read_timeout_s": args.body_read_timeout_s,
+        "header_timeout_s": args.header_timeout_s, "keepalive_timeout_s": args.keepalive_timeout_s,
     }
     merged = {**base, **{k: v for k, v in overrides.items() if v is not None}, "models": models}
     try:
@@ -243,12 +263,11 @@ async def serve(config: ServerConfig) -> int:
     """Serve until SIGINT/SIGTERM (exit 0) or until a model fails to load (exit 1)."""
     from aiohttp import web
 
-    from service.app import create_app, drain
+    from service.app import create_app, drain, make_runner
     from service.keys import STATE_KEY
 
     app = create_app(config)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           shutdown_timeout=config.shutdown_timeout + 5)
+    runner = make_runner(app)
     await runner.setup()
     try:
         site = web.TCPSite(runner, config.host, config.port)

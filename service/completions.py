@@ -17,9 +17,15 @@ from aiohttp import web
 
 from engine.outputs import CompletionOutput
 from service import protocol
-from service.errors import UnavailableError, UnsupportedMediaTypeError, classify, error_body
+from service.errors import (
+    RequestTimeoutError,
+    UnavailableError,
+    UnsupportedMediaTypeError,
+    classify,
+    error_body,
+)
 from service.generation import Generation
-from service.keys import RECORD_KEY, REQUEST_ID_KEY
+from service.keys import CONFIG_KEY, RECORD_KEY, REQUEST_ID_KEY
 from service.router import RoutedOutput
 from service.schemas import parse_chat, parse_completion, parse_json
 from service.sse import EventStream
@@ -52,7 +58,12 @@ async def read_json(request: web.Request) -> Any:
     multipart bodies cross-site without a preflight, so refusing them keeps a keyless server out of
     reach of any web page its user opens."""
     check_json_content_type(request)
-    raw = await request.read()  # over client_max_size: HTTPRequestEntityTooLarge -> 413
+    timeout_s = request.app[CONFIG_KEY].body_read_timeout_s
+    try:
+        async with asyncio.timeout(timeout_s):  # a body trickled in byte by byte must not hold a handler
+            raw = await request.read()  # over client_max_size: HTTPRequestEntityTooLarge -> 413
+    except TimeoutError:
+        raise RequestTimeoutError(f"the request body did not arrive within {timeout_s:g} s") from None
     return parse_json(raw)
 
 
@@ -133,8 +144,9 @@ async def _send_error(request: web.Request, events: EventStream, exc: Exception,
     request_id = request[REQUEST_ID_KEY]
     request[RECORD_KEY].note = f"error_{status}"
     if status >= 500:
-        logger.error("request_id=%s error mid-stream: %r", request_id, exc, exc_info=exc if status == 500 else None)
-        message = f"{message}; request id {request_id}" if status == 500 else message
+        unexpected = status == 500 and code is None  # a bug, not a failure the engine named
+        logger.error("request_id=%s error mid-stream: %r", request_id, exc, exc_info=exc if unexpected else None)
+        message = f"internal error; request id {request_id}" if unexpected else message
     with contextlib.suppress(ConnectionResetError):
         await events.send_many([*chunks, error_body(status, message, param, code)])
         await events.close()

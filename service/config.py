@@ -20,8 +20,10 @@ DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name != "model")
 SERVER_OPTIONS = ("host", "port", "api_keys", "admin_key", "max_body_bytes", "auth_metrics", "warmup",
                   "shutdown_timeout", "idle_timeout_s", "heartbeat_interval_s", "leak_min_growth_bytes",
-                  "leak_action", "hang_timeout_s", "breaker_open_s", "enable_fault_injection", "models",
-                  "models_root", "memory_budget_bytes", "models_dir", "max_loaded_models")
+                  "leak_action", "hang_timeout_s", "max_engine_rebuilds", "breaker_open_s", "enable_fault_injection", "models",
+                  "models_root", "memory_budget_bytes", "models_dir", "max_loaded_models", "health_details_auth",
+                  "max_connections", "stream_write_timeout_s", "body_read_timeout_s", "header_timeout_s",
+                  "keepalive_timeout_s")
 LEAK_ACTIONS = ("recycle", "exit")
 MODEL_OPTIONS = ("path", "name", "fallback", *ENGINE_OPTIONS)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -61,6 +63,7 @@ class ServerConfig:
     leak_min_growth_bytes: int = 64 * 1024 * 1024  # idle growth below this is never a leak
     leak_action: str = "recycle"  # on a confirmed leak: reload engines in process, or exit for the supervisor
     hang_timeout_s: float = 60.0  # an engine loop stuck this long in one iteration fails liveness
+    max_engine_rebuilds: int = 3  # dead engine loops rebuilt in process within 10 minutes; then exit 75
     breaker_open_s: float = 30.0  # a tripped breaker's first open period (later ones back off from it)
     enable_fault_injection: bool = False  # POST/DELETE /admin/faults (chaos tests only)
     models_root: str | None = None  # POST /admin/models/load only reads directories under it (None: MODELS_ROOT)
@@ -70,6 +73,12 @@ class ServerConfig:
     health_generate_skip_s: float = 5.0  # /health/generate skips its probe when a token came this recently
     retry_after_overload: int = 1  # seconds, on 429
     retry_after_unavailable: int = 5  # seconds, on 503
+    health_details_auth: bool = False  # /health* bodies say more than their status only to a key holder
+    max_connections: int = 1024  # open client connections; a request on one beyond it gets 503
+    stream_write_timeout_s: float = 30.0  # an SSE write the client does not take in this long aborts the stream
+    body_read_timeout_s: float = 30.0  # a request body not received in this long is a 408
+    header_timeout_s: float = 30.0  # a new connection without a whole request head in this long is closed
+    keepalive_timeout_s: float = 75.0  # an idle keep-alive connection is closed after this long
 
     def __post_init__(self) -> None:
         names = [m.name for m in self.models]
@@ -90,11 +99,16 @@ class ServerConfig:
         _check(self.leak_min_growth_bytes > 0, f"leak_min_growth must be positive, got {self.leak_min_growth_bytes}")
         _check(self.leak_action in LEAK_ACTIONS, f"leak_action must be one of {LEAK_ACTIONS}, got {self.leak_action!r}")
         _check(self.hang_timeout_s > 0, f"hang_timeout must be positive, got {self.hang_timeout_s}")
+        _check(self.max_engine_rebuilds >= 0,
+               f"max_engine_rebuilds must be non-negative, got {self.max_engine_rebuilds}")
         _check(self.breaker_open_s > 0, f"breaker_open_seconds must be positive, got {self.breaker_open_s}")
         _check(self.memory_budget_bytes is None or self.memory_budget_bytes > 0,
                f"memory_budget must be positive bytes, got {self.memory_budget_bytes}")
         _check(self.max_loaded_models is None or self.max_loaded_models >= len(self.models),
                f"max_loaded_models must be at least the {len(self.models)} start-up models, got {self.max_loaded_models}")
+        _check(self.max_connections >= 1, f"max_connections must be at least 1, got {self.max_connections}")
+        for name in ("stream_write_timeout_s", "body_read_timeout_s", "header_timeout_s", "keepalive_timeout_s"):
+            _check(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
 
     @property
     def models_root_path(self) -> Path:

@@ -14,17 +14,23 @@ import logging
 
 from aiohttp import web
 
-from engine.errors import EngineDeadError, EngineOverloadedError, EngineStepError, RequestRejectedError
-from resilience.errors import AdmissionRejected, DeadlineExceeded, RetryLater
+from engine.errors import (
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineStepError,
+    RequestFailedError,
+    RequestRejectedError,
+)
+from resilience.errors import AdmissionRejected, DeadlineExceeded, NoModelAvailable, RetryLater
 from service.keys import CONFIG_KEY, REQUEST_ID_KEY
 
 logger = logging.getLogger(__name__)
 
 ERROR_TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-    404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+    404: "not_found_error", 405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
     415: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
-    500: "internal_server_error", 503: "service_unavailable_error",
+    500: "internal_server_error", 503: "service_unavailable_error", 504: "timeout_error",
 }
 
 
@@ -59,6 +65,10 @@ class ModelNotFoundError(ServiceError):
 
     def __init__(self, model: str) -> None:
         super().__init__(f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+
+class RequestTimeoutError(ServiceError):
+    status = 408
 
 
 class UnsupportedMediaTypeError(ServiceError):
@@ -117,14 +127,22 @@ def to_response(request: web.Request, exc: Exception) -> web.Response:
         headers["WWW-Authenticate"] = "Bearer"
     if status == 500:
         request_id = request.get(REQUEST_ID_KEY, "-")
-        logger.error("request_id=%s unexpected error: %r", request_id, exc, exc_info=exc)
-        message = f"internal error; request id {request_id}"
+        if code is None:  # a bug: the traceback goes to the log, never to the client
+            logger.error("request_id=%s unexpected error: %r", request_id, exc, exc_info=exc)
+            message = f"internal error; request id {request_id}"
+        else:  # a failure the engine reported and named (poison isolated, loop died, step failed)
+            logger.error("request_id=%s failed: %s (%s)", request_id, message, code)
     return error_response(status, message, param=param, code=code, headers=headers)
 
 
 def classify(exc: BaseException, retry_overload: int = 1,
              retry_unavailable: int = 5) -> tuple[int, str, str | None, str | None, int | None]:
-    """(status, message, param, code, retry_after seconds) for one exception."""
+    """(status, message, param, code, retry_after seconds) for one exception.
+
+    The status contract nginx relies on (deploy/README.md): 503 only for refusals before any work
+    (nginx replays those on the next replica); 500 and 504 for failures after work started or caused
+    by the request itself (never replayed: a poison request must not travel the fleet); 429 for
+    overload (never replayed, never counted against a replica)."""
     if isinstance(exc, ServiceError):
         retry = exc.retry_after
         if retry is None and exc.status in (429, 503):
@@ -136,15 +154,20 @@ def classify(exc: BaseException, retry_overload: int = 1,
         return 400, str(exc), None, "request_rejected", None
     if isinstance(exc, EngineOverloadedError):
         return 429, str(exc) or "the server is overloaded; retry later", None, "overloaded", retry_overload
-    if isinstance(exc, EngineDeadError):
-        return 503, str(exc) or "the engine is not running", None, "engine_dead", retry_unavailable
-    if isinstance(exc, EngineStepError):  # the model failed this request: another replica may not
-        return 503, str(exc) or "the model failed this request", None, "engine_error", retry_unavailable
+    if isinstance(exc, NoModelAvailable) and exc.__cause__ is not None:  # tried, and work was done
+        status, _, _, code, _ = classify(exc.__cause__)
+        return status, str(exc), None, code, None
+    if isinstance(exc, RequestFailedError):
+        return 500, str(exc), None, "request_failed", None
+    if isinstance(exc, EngineDeadError):  # died while serving it; one dead at arrival is skipped (503)
+        return 500, str(exc) or "the engine died", None, "engine_dead", None
+    if isinstance(exc, EngineStepError):
+        return 500, str(exc) or "the model failed this request", None, "engine_error", None
     if isinstance(exc, RetryLater):  # a full bulkhead is the client's to slow down; an open breaker is ours
         status, code = (429, "overloaded") if isinstance(exc, AdmissionRejected) else (503, "unavailable")
         return status, str(exc), None, code, int(exc.retry_after_header)
     if isinstance(exc, DeadlineExceeded):  # no model of the ladder made progress in time
-        return 503, str(exc), None, "deadline_exceeded", retry_unavailable
+        return 504, str(exc), None, "deadline_exceeded", None
     # errors from layers written later (resilience) may say their own status
     status = getattr(exc, "http_status", None)
     if isinstance(status, int) and 400 <= status < 600:

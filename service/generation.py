@@ -43,7 +43,13 @@ class Generation:
 
     @property
     def engine(self) -> Any:
-        return self.state.find_engine(self.model) or self.state.engines[self.model]
+        """The asked model's engine for tokenizing and checking; while it is being rebuilt or
+        unloaded, the first engine of its ladder that serves (the router sends the request there)."""
+        engine = self.state.find_engine(self.model)
+        if engine is None:
+            engine = next(e for name in self.state.router.ladder(self.model)
+                          if (e := self.state.engines.get(name)) is not None)
+        return engine
 
     def _resolve(self, model: str | None) -> str:
         name = model or self.config.models[0].name
@@ -53,8 +59,9 @@ class Generation:
             raise UnavailableError("the server is shutting down", code="draining")
         if self.state.health.leak is not None:  # out of rotation until the engines are recycled
             raise UnavailableError("the replica is recycling after a memory leak", code="recycling")
-        if name not in self.state.engines or self.state.router is None:
-            message, code = self.state.why_unavailable(name)
+        router = self.state.router
+        if router is None or (name not in self.state.engines and not router.can_serve(name)):
+            message, code = self.state.why_unavailable(name)  # else its fallback serves
             raise UnavailableError(message, code=code)
         return name
 

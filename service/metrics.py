@@ -113,6 +113,12 @@ class EngineCollector(Collector):
                                                  labels=labels),
             "generation_tokens": CounterMetricFamily(f"{PREFIX}generation_tokens", "Generation tokens processed",
                                                      labels=labels),
+            "isolated_steps": CounterMetricFamily(f"{PREFIX}isolated_steps", "Engine steps that raised and were "
+                                                  "re-run in parts to isolate the request that caused it",
+                                                  labels=labels),
+            "requests_failed_in_engine": CounterMetricFamily(
+                f"{PREFIX}requests_failed_in_engine", "Requests the engine ended with an error after "
+                "isolating them as the cause of a failed step", labels=labels),
         }
         for name, engine in list(self.engines().items()):
             for key, value in _figures(engine.stats()).items():
@@ -126,7 +132,8 @@ def _figures(stats: Any) -> dict[str, float]:
         "num_requests_swapped": stats.num_swapped, "kv_cache_usage_perc": stats.kv_cache_usage,
         "prefix_cache_queries": stats.prefix_cache_queries, "prefix_cache_hits": stats.prefix_cache_hits,
         "num_preemptions": stats.num_preemptions, "prompt_tokens": stats.num_prompt_tokens,
-        "generation_tokens": stats.num_generation_tokens,
+        "generation_tokens": stats.num_generation_tokens, "isolated_steps": stats.num_isolated_steps,
+        "requests_failed_in_engine": stats.num_failed_requests,
     }
 
 
@@ -157,6 +164,9 @@ class ResilienceCollector(Collector):
                                 value=int(state.health.leak is not None))
         yield CounterMetricFamily(f"{PREFIX}leaks_detected", "Leaks confirmed by the heartbeat",
                                   value=state.num_leaks)
+        yield CounterMetricFamily(f"{PREFIX}engine_deaths", "Engine loops that died", value=state.num_engine_deaths)
+        yield CounterMetricFamily(f"{PREFIX}engine_rebuilds", "Dead engines rebuilt in process",
+                                  value=state.num_engine_rebuilds)
         sample = state.heartbeat.last_sample if state.heartbeat else None
         if sample is not None:
             yield GaugeMetricFamily(f"{PREFIX}memory_used_bytes", "Memory the heartbeat last measured "

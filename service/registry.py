@@ -254,13 +254,15 @@ class ModelRegistry:
                 f"(pinned, busy or loading): {busy}")
 
     async def recycle(self, name: str) -> None:
-        """Replace a ready model's engine by a fresh one (after a leak): stop, release, rebuild, warm."""
+        """Replace a model's engine by a fresh one (after a leak, or its loop died): stop, release,
+        rebuild, warm. Callable again after a failed rebuild (the entry is FAILED, with no engine)."""
         async with self._lock:
             entry = self.entries[name]
             old = _inner(entry.engine)
             self.state.engines.pop(name, None)
-            entry.engine, entry.state = None, ModelState.LOADING
-            await asyncio.to_thread(old.stop)
+            entry.engine, entry.state, entry.error = None, ModelState.LOADING, None
+            if old is not None:
+                await asyncio.to_thread(old.stop)
             del old
             await asyncio.to_thread(release_memory)
             self._publish(entry, await self._build(entry, entry.engine_config))

@@ -28,6 +28,9 @@ class ServerState:
         self.heartbeat: Any | None = None  # resilience.heartbeat.Heartbeat, while the app runs
         self.recycling: asyncio.Task | None = None  # engines being reloaded after a leak
         self.num_leaks = 0
+        self.num_engine_deaths = 0
+        self.num_engine_rebuilds = 0
+        self.last_rebuild_seconds: float | None = None  # from a loop's death seen to the engine ready again
         self.memory_baseline_bytes: int | None = None  # the heartbeat's first sample, models loaded
         self.last_recycle: dict[str, int | None] | None = None  # memory baseline/before/after the last recycle
         self.exit_code = 0  # what the process exits with once it stops
@@ -47,8 +50,8 @@ class ServerState:
         busy or idle, is a hang)."""
         for name, engine in self.engines.items():
             self.health.observe_engine(name, is_busy=True, last_step_time=engine.last_progress_time)
-            if engine.is_dead:
-                self.health.mark_dead(f"engine {name!r} is dead: {engine.dead_error}")
+            if engine.is_dead:  # not ready until supervision rebuilds it (or, out of attempts, exits)
+                self.health.set_rebuilding(name, f"its loop died: {engine.dead_error!r}")
 
     def find_engine(self, name: str) -> Any | None:
         """A loaded engine, or one being unloaded that still finishes its streams."""
@@ -63,6 +66,8 @@ class ServerState:
 
     def why_unavailable(self, name: str) -> tuple[str, str]:
         """(message, code) for a 503 to a model that is known but not serving."""
+        if name in self.health.rebuilding:
+            return f"model {name!r} is being rebuilt: {self.health.rebuilding[name]}", "engine_rebuilding"
         entry = self.registry.entries.get(name) if self.registry is not None else None
         state = str(entry.state) if entry is not None else "loading"
         if state in ("draining", "unloading"):

@@ -1,10 +1,19 @@
-"""The replica watching itself: the memory heartbeat and what a confirmed leak does.
+"""The replica watching itself: the memory heartbeat and what a confirmed leak does, and the
+engine watch that rebuilds an engine whose loop died.
+
+Engine healing: every ENGINE_WATCH_S the watch looks for a dead engine loop (poison isolation keeps
+a request from killing one; this is for what escapes it). The replica turns not-ready at once (a
+fallback still serves, nginx routes new work elsewhere), the in-flight requests have already failed
+(500 engine_dead, or failed over before their first token), and the engine is rebuilt in process
+through the model registry, with tenacity retrying a failed rebuild with jittered backoff. More than
+`max_engine_rebuilds` deaths within REBUILD_WINDOW_S, or a rebuild that keeps failing, and the
+process exits with EXIT_CODE_REPLACE_ME for its supervisor (Docker, systemd, Kubernetes).
 
 Every `heartbeat_interval` seconds the probe (NVML on CUDA, /proc on CPU) runs off the event loop
 and feeds the leak detector. A confirmed leak takes the replica out of rotation at once (ready
 turns 503, nginx and Kubernetes route away), lets in-flight requests finish, then either recycles
 every engine in process (stop, drop, gc, reload, warm up; memory checked against the baseline) or
-exits with LEAK_EXIT_CODE for the supervisor to replace the process.
+exits with EXIT_CODE_REPLACE_ME for the supervisor to replace the process.
 """
 
 from __future__ import annotations
@@ -17,6 +26,8 @@ import logging
 import os
 import signal
 import time
+import uuid
+from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -26,12 +37,16 @@ from engine.sampling_params import SamplingParams
 from resilience.heartbeat import Heartbeat
 from resilience.leak_detector import LeakDetector, LeakDetectorConfig, LeakReport
 from resilience.probes import make_probe
+from resilience.retry import RetryConfig, retry_policy
 from service.keys import CONFIG_KEY, STATE_KEY
 
 logger = logging.getLogger(__name__)
 
 WARMUP_PROMPT = "Hello"
-LEAK_EXIT_CODE = 75  # EX_TEMPFAIL: "replace me", distinct from a crash (1) and a clean stop (0)
+EXIT_CODE_REPLACE_ME = 75  # EX_TEMPFAIL: "replace me", distinct from a crash (1) and a clean stop (0)
+ENGINE_WATCH_S = 0.25
+REBUILD_WINDOW_S = 600.0  # max_engine_rebuilds counts the deaths within this window
+REBUILD_RETRY = RetryConfig(max_attempts=3, initial_wait_s=0.5, max_wait_s=5.0, retry_on=(Exception,))
 WARMUP_BEATS = 3  # the detector ignores the first beats after start or a recycle (allocator warm-up)
 
 
@@ -48,11 +63,60 @@ async def supervision_ctx(app: web.Application) -> AsyncIterator[None]:
     state.heartbeat = heartbeat
     # memory is only worth watching once the models are in: loading is growth, not a leak
     starter = asyncio.create_task(_start_when_loaded(state, heartbeat), name="heartbeat-start")
+    watch = asyncio.create_task(_watch_engines(app), name="engine-watch")
     try:
         yield
     finally:
         starter.cancel()
+        watch.cancel()
         await heartbeat.stop()
+
+
+async def _watch_engines(app: web.Application) -> None:
+    state = app[STATE_KEY]
+    await state.loaded.wait()
+    deaths: deque[float] = deque()  # time.monotonic() of each death seen, within REBUILD_WINDOW_S
+    while True:
+        await asyncio.sleep(ENGINE_WATCH_S)
+        for name, engine in list(state.engines.items()):
+            if engine.is_dead and not state.is_draining:
+                await _heal(app, name, engine, deaths)
+
+
+async def _heal(app: web.Application, name: str, engine: Any, deaths: deque[float]) -> None:
+    config, state = app[CONFIG_KEY], app[STATE_KEY]
+    start = time.monotonic()
+    state.num_engine_deaths += 1
+    deaths.append(start)
+    while deaths[0] < start - REBUILD_WINDOW_S:
+        deaths.popleft()
+    reason = f"the engine loop of {name!r} died: {engine.dead_error!r}"
+    state.health.set_rebuilding(name, reason)
+    if len(deaths) > config.max_engine_rebuilds:
+        exit_for_supervisor(state, f"{reason}; {len(deaths)} deaths in {REBUILD_WINDOW_S:.0f} s, "
+                                   f"--max-engine-rebuilds is {config.max_engine_rebuilds}")
+        return
+    logger.error("%s; rebuilding it in process", reason)
+    try:
+        async for attempt in retry_policy(REBUILD_RETRY):
+            with attempt:
+                await state.registry.recycle(name)
+    except Exception as exc:  # noqa: BLE001 - out of attempts: the supervisor replaces the process
+        exit_for_supervisor(state, f"{reason}; rebuilding it failed: {exc!r}")
+        return
+    state.num_engine_rebuilds += 1
+    state.last_rebuild_seconds = time.monotonic() - start
+    state.health.set_rebuilding(name, None)
+    logger.warning("engine of %s rebuilt in %.2f s", name, state.last_rebuild_seconds)
+
+
+def exit_for_supervisor(state: Any, reason: str) -> None:
+    """Leave for good: liveness fails, the normal graceful stop runs, the exit code says 'replace me'."""
+    logger.error("%s: exiting with code %d so the supervisor replaces this replica", reason,
+                 EXIT_CODE_REPLACE_ME)
+    state.health.mark_dead(reason)
+    state.exit_code = EXIT_CODE_REPLACE_ME
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 async def _start_when_loaded(state, heartbeat: Heartbeat) -> None:
@@ -90,9 +154,7 @@ async def _handle_leak(app: web.Application) -> None:
     config, state = app[CONFIG_KEY], app[STATE_KEY]
     await _wait_in_flight(state, config.shutdown_timeout)
     if config.leak_action == "exit":
-        logger.error("exiting with code %d so the supervisor replaces this replica", LEAK_EXIT_CODE)
-        state.exit_code = LEAK_EXIT_CODE
-        os.kill(os.getpid(), signal.SIGTERM)  # the normal graceful stop, with a distinct exit code
+        exit_for_supervisor(state, "memory leak")
         return
     await recycle_engines(app)
 
@@ -128,7 +190,8 @@ async def warm_up(engine: Any, name: str) -> None:
     """One greedy token end to end, so the first client does not pay for lazy initialization."""
     prompt = engine.encode(WARMUP_PROMPT) or [0]
     params = SamplingParams(max_tokens=1, temperature=0.0)
-    async with contextlib.aclosing(engine.generate(prompt, params, f"warmup-{name}")) as outputs:
+    request_id = f"warmup-{name}-{uuid.uuid4().hex[:12]}"  # concurrent probes must not share an id
+    async with contextlib.aclosing(engine.generate(prompt, params, request_id)) as outputs:
         async for _ in outputs:
             pass
 

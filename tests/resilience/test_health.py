@@ -30,7 +30,7 @@ def test_starts_loading_then_ok(clock):
     health.set_loading(False)
     report = health.report()
     assert report == {"status": "ok", "live": True, "ready": True, "degraded": False, "reasons": [],
-                      "loading": False, "draining": False, "leak": None,
+                      "loading": False, "draining": False, "leak": None, "rebuilding": [],
                       "models": {"primary": {"breaker": "closed", "is_busy": False, "seconds_since_progress": None}}}
     assert json.loads(json.dumps(report)) == report
 
@@ -117,3 +117,15 @@ async def test_follows_a_real_breaker_through_its_listener(clock):
             raise EngineDeadError("boom")
     assert health.report()["models"]["primary"]["breaker"] == "open"
     assert not health.is_ready()
+
+
+def test_an_engine_being_rebuilt_is_not_ready_but_live(clock):
+    health = HealthState(clock=clock)
+    health.observe_engine("primary", is_busy=False, last_step_time=None)
+    health.set_loading(False)
+    health.set_rebuilding("primary", "its loop died: RuntimeError('x')")
+    assert (health.is_live(), health.is_ready()) == (True, False)
+    assert health.report()["reasons"] == ["rebuilding engine of 'primary': its loop died: RuntimeError('x')"]
+    assert health.report()["rebuilding"] == ["primary"]
+    health.set_rebuilding("primary", None)
+    assert health.is_ready()

@@ -117,7 +117,7 @@ async def test_a_crashed_engine_heals_in_process(start):
     await until(lambda: primary.is_dead and fallback.is_dead)
     refused = await h.client.post(COMPLETIONS, json={"prompt": "hi"})
     err = await _error(refused, 503)
-    assert err["code"] in ("engine_dead", "unavailable") and int(refused.headers["Retry-After"]) >= 1, err
+    assert err["code"] in ("engine_rebuilding", "unavailable") and int(refused.headers["Retry-After"]) >= 1, err
     assert (await h.client.get("/health/ready")).status == 503
     gate.set()
     await until(lambda: h.engines.get("primary") not in (None, primary) and not h.primary.is_dead, timeout=60)
@@ -212,7 +212,7 @@ def test_classify_families():
     assert classify(InvalidRequestError("bad", param="n"))[:3] == (400, "bad", "n")
     assert classify(RequestRejectedError("too long"))[0] == 400
     assert classify(EngineOverloadedError("full"), 2, 7)[::4] == (429, 2)
-    assert classify(EngineDeadError("dead"), 2, 7)[::3] == (503, "engine_dead")
+    assert classify(EngineDeadError("dead"), 2, 7)[::3] == (500, "engine_dead")  # died while serving it
     assert classify(EngineStepError("nan in logits"), 2, 7)[::3] == (500, "engine_error")
     assert classify(TimeoutError())[:2] == (500, "internal error")
 
