@@ -2,6 +2,7 @@
 `openai` client (sync and async) and by raw HTTP for every error case."""
 
 import asyncio
+import importlib.metadata
 import json
 import time
 
@@ -46,16 +47,28 @@ def test_loading_answers_503_with_retry_after(server):
 
 
 def test_models_health_version(server, sdk):
-    assert [m.id for m in sdk.models.list().data] == [SMALL.name, TINY.name]  # configuration order
-    for path in ("/health", "/health/live", "/health/ready", "/version"):
-        assert server.get(path)[0] == 200, path
+    models = sdk.models.list().data
+    assert [m.id for m in models] == [SMALL.name, TINY.name]  # configuration order
+    assert [(m.object, m.owned_by, m.fallback, m.max_model_len) for m in models] == [
+        ("model", "pagedserve", TINY.name, 2048), ("model", "pagedserve", None, 2048)]
+    status, _, body = server.get("/health/live")
+    assert (status, json.loads(body)) == (200, {"status": "live"})
+    for path in ("/health", "/health/ready"):
+        status, _, body = server.get(path)
+        ready = json.loads(body)
+        assert status == 200 and ready["status"] == "ready", (path, ready)
+        assert ready["models"] == {SMALL.name: "ready", TINY.name: "ready"} and not ready["draining"]
+        assert ready["leak"] is None and not ready["degraded"]
+    status, _, body = server.get("/version")
+    assert (status, json.loads(body)) == (200, {"version": importlib.metadata.version("pagedserve")})
 
 
 def test_sync_completion(sdk):
     done = sdk.completions.create(model=TINY.name, prompt=PROMPT, max_tokens=12, temperature=0)
     assert done.object == "text_completion" and done.model == TINY.name and done.id.startswith("cmpl-")
     assert done.choices[0].finish_reason in ("stop", "length") and done.choices[0].text
-    assert done.usage.completion_tokens <= 12 and done.usage.prompt_tokens > 0
+    assert 1 <= done.usage.completion_tokens <= 12 and done.usage.prompt_tokens > 0
+    assert (done.choices[0].finish_reason == "length") == (done.usage.completion_tokens == 12)
     default_model = sdk.completions.create(model=SMALL.name, prompt=PROMPT, max_tokens=4, temperature=0)
     assert default_model.model == SMALL.name
 
@@ -74,6 +87,7 @@ async def test_async_chat(async_sdk):
     done = await async_sdk.chat.completions.create(model=TINY.name, messages=messages, max_tokens=12,
                                                    temperature=0)
     assert done.object == "chat.completion" and done.choices[0].message.role == "assistant"
+    assert done.choices[0].message.content and done.model == TINY.name
     stream = await async_sdk.chat.completions.create(model=TINY.name, messages=messages, max_tokens=12,
                                                      temperature=0, stream=True)
     chunks = [c async for c in stream]
@@ -83,19 +97,36 @@ async def test_async_chat(async_sdk):
 
 async def test_async_completions_concurrently(async_sdk):
     results = await asyncio.gather(*[
-        async_sdk.completions.create(model=TINY.name, prompt=f"x = {i}\n", max_tokens=8, temperature=0)
+        async_sdk.completions.create(model=TINY.name, prompt=f"x = {i}\n", max_tokens=8, temperature=0,
+                                     extra_body={"ignore_eos": True})
         for i in range(6)])
-    assert all(r.choices[0].finish_reason in ("stop", "length") for r in results)
+    assert [(r.model, r.choices[0].finish_reason, r.usage.completion_tokens) for r in results] == \
+        [(TINY.name, "length", 8)] * 6
+    assert len({r.id for r in results}) == 6
 
 
 def test_n_and_several_prompts(sdk):
-    done = sdk.completions.create(model=TINY.name, prompt=PROMPT, max_tokens=8, n=2, seed=5)
-    assert [c.index for c in done.choices] == [0, 1]
-    done = sdk.completions.create(model=TINY.name, prompt=["import os\n", "class A:\n"], max_tokens=4, n=2)
+    ignore_eos = {"ignore_eos": True}
+    done = sdk.completions.create(model=TINY.name, prompt=PROMPT, max_tokens=8, n=2, seed=5, extra_body=ignore_eos)
+    assert [c.index for c in done.choices] == [0, 1] and done.usage.completion_tokens == 16
+    prompts = ["import os\n", "class A:\n"]
+    done = sdk.completions.create(model=TINY.name, prompt=prompts, max_tokens=4, n=2, temperature=0,
+                                  extra_body=ignore_eos)
     assert [c.index for c in done.choices] == [0, 1, 2, 3]
+    alone = [sdk.completions.create(model=TINY.name, prompt=p, max_tokens=4, temperature=0,
+                                    extra_body=ignore_eos).choices[0].text for p in prompts]
+    assert [c.text for c in done.choices] == [alone[0], alone[0], alone[1], alone[1]]  # choice i: prompt i // n
     chat = sdk.chat.completions.create(model=TINY.name, messages=[{"role": "user", "content": "hi"}],
-                                       max_tokens=6, n=2)
-    assert [c.index for c in chat.choices] == [0, 1]
+                                       max_tokens=6, n=2, extra_body=ignore_eos)
+    assert [c.index for c in chat.choices] == [0, 1] and chat.usage.completion_tokens == 12
+
+
+def test_n_samples_differ_and_a_seed_fixes_them(sdk):
+    args = dict(model=TINY.name, prompt=PROMPT, max_tokens=16, n=4, temperature=1.0, top_p=0.9, seed=11,
+                extra_body={"ignore_eos": True, "min_p": 0.01, "top_k": 100})
+    texts = [c.text for c in sdk.completions.create(**args).choices]
+    assert len(set(texts)) >= 2, texts  # n draws, not one draw copied n times
+    assert [c.text for c in sdk.completions.create(**args).choices] == texts
 
 
 def test_stop_strings(sdk):
@@ -140,8 +171,9 @@ async def test_multibyte_stream_is_valid_utf8(server):
     events = raw.decode("utf-8").strip().split("\n\n")  # strict decode: broken UTF-8 raises
     assert events[-1] == "data: [DONE]"
     deltas = [json.loads(e[len("data: "):])["choices"][0]["text"] for e in events[:-1]]
-    assert "".join(deltas) == whole
-    assert not any(d.endswith("\ufffd") for d in deltas[:-1]) or "\ufffd" in whole
+    assert "".join(deltas) == whole and whole.strip()
+    # a multi-byte character split across tokens is held back until it is whole, never sent as U+FFFD
+    assert "\ufffd" not in whole and not any("\ufffd" in d for d in deltas), deltas
 
 
 def test_served_model_headers_and_request_id(server):
@@ -178,7 +210,8 @@ def test_context_error_says_the_numbers(server):
 
 
 def test_auth_errors(server):
-    assert server.post("/v1/completions", {"prompt": "x"}, {"Authorization": ""})[0] == 401
+    status, _, raw = server.post("/v1/completions", {"prompt": "x"}, {"Authorization": ""})
+    assert status == 401 and json.loads(raw)["error"]["code"] == "invalid_api_key"
     status, headers, raw = server.post("/v1/completions", {"prompt": "x"}, {"Authorization": "Bearer nope"})
     assert status == 401 and headers["WWW-Authenticate"] == "Bearer"
     assert json.loads(raw)["error"]["type"] == "authentication_error"
