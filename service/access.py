@@ -17,6 +17,8 @@ from service.state import RequestRecord
 logger = logging.getLogger("service.access")
 
 _CLEAN_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+# anything but printable ASCII (space and backslash included) is escaped in the log
+_UNSAFE = re.compile(r"[^\x21-\x5b\x5d-\x7e]")
 CLIENT_CLOSED = 499  # nginx's code for "client closed the request": only in logs and metrics
 QUIET_PATHS = ("/metrics", "/health")  # probes and scrapes (every second or so) log at DEBUG
 
@@ -63,6 +65,18 @@ def _log(request: web.Request, request_id: str, status: int, record: RequestReco
         return
     ttft = f"{record.ttft:.3f}" if record.ttft is not None else "-"
     logger.log(level, "request_id=%s %s %s status=%s model=%s served_model=%s prompt_tokens=%d "
-               "completion_tokens=%d ttft_s=%s total_s=%.3f%s", request_id, request.method, request.path, status,
-               record.model or "-", record.served_model or "-", record.prompt_tokens, record.completion_tokens,
-               ttft, total, f" note={record.note}" if record.note else "")
+               "completion_tokens=%d ttft_s=%s total_s=%.3f%s", request_id, escape(request.method),
+               escape(request.path), status, escape(record.model or "-"), escape(record.served_model or "-"),
+               record.prompt_tokens, record.completion_tokens, ttft, total,
+               f" note={escape(record.note)}" if record.note else "")
+
+
+def escape(text: str) -> str:
+    """One log field that cannot forge a line or a field: a decoded %0A, a space or any non-ASCII
+    character (a lone surrogate too) becomes a backslash escape; at most 512 characters are kept."""
+    return _UNSAFE.sub(_escape_char, text[:512])
+
+
+def _escape_char(match: re.Match) -> str:
+    char = match.group()
+    return "\\x20" if char == " " else char.encode("unicode_escape").decode("ascii")

@@ -20,14 +20,14 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from aiohttp import web
+from aiohttp import web, web_response
 
 from engine.config import EngineConfig
 from service.access import access_middleware
 from service.admin import add_admin_routes
 from service.auth import KeyRing, auth_middleware
 from service.config import ENGINE_OPTIONS, ServerConfig
-from service.errors import error_middleware
+from service.errors import error_middleware, error_response
 from service.keys import (
     CONFIG_KEY,
     ENGINE_FACTORY_KEY,
@@ -51,7 +51,8 @@ def create_app(config: ServerConfig, *, engine_factory: EngineFactory | None = N
                router_factory: RouterFactory | None = None) -> web.Application:
     """`engine_factory` builds an engine from its config (blocking; run in a thread); tests pass
     fakes. `router_factory(engines, fallbacks)` builds the resilience router."""
-    middlewares = [access_middleware, error_middleware,
+    limit = ConnectionLimit(config.max_connections, config.header_timeout_s)
+    middlewares = [access_middleware, limit.middleware, error_middleware,
                    auth_middleware(KeyRing(config.api_keys), KeyRing([config.admin_key] if config.admin_key else []),
                                    config.auth_metrics)]
     if config.models_dir:  # innermost: after auth, before the handler reads the same body
@@ -62,6 +63,7 @@ def create_app(config: ServerConfig, *, engine_factory: EngineFactory | None = N
     app[CONFIG_KEY] = config
     app[STATE_KEY] = state
     app[METRICS_KEY] = Metrics(lambda: state.engines, state)
+    app[CONNECTIONS_KEY] = limit
     app[ENGINE_FACTORY_KEY] = engine_factory or _real_engine
     state.registry = ModelRegistry(state, app[ENGINE_FACTORY_KEY], memory_budget_bytes=config.memory_budget_bytes,
                                    max_loaded_models=config.max_loaded_models, warmup=config.warmup,
@@ -72,9 +74,99 @@ def create_app(config: ServerConfig, *, engine_factory: EngineFactory | None = N
     app.cleanup_ctx.append(engines_ctx)
     app.cleanup_ctx.append(supervision_ctx)
     app.on_shutdown.append(drain)
+    app.on_response_prepare.append(_server_header)
     add_routes(app)
     add_admin_routes(app)
     return app
+
+
+SERVER_NAME = "pagedserve"  # no versions: they only tell an attacker which CVEs to try
+HEALTH_PATHS = ("/health", "/metrics")  # probes stay answerable when the connection cap is reached
+
+
+async def _server_header(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers["Server"] = SERVER_NAME
+
+
+class ConnectionLimit:
+    """Open client connections against a cap (aiohttp has none). A connection opened beyond the cap
+    gets one 503 with Retry-After and `Connection: close` for its request (health probes excepted);
+    a connection that sends no whole request head within `header_timeout_s` is closed (slowloris).
+    Fed by the server that `make_runner` builds; without it (in-process test clients) nothing is refused."""
+
+    def __init__(self, max_connections: int, header_timeout_s: float) -> None:
+        self.max_connections = max_connections
+        self.header_timeout_s = header_timeout_s
+        self.num_connections = 0
+        self.num_refused = 0
+        self._refused: set[Any] = set()  # request handlers (one per connection) opened over the cap
+        self._timers: dict[Any, asyncio.TimerHandle] = {}  # handler -> its request-head deadline
+
+    def opened(self, handler: Any) -> None:
+        self.num_connections += 1
+        if self.num_connections > self.max_connections:
+            self._refused.add(handler)
+        loop = asyncio.get_running_loop()
+        self._timers[handler] = loop.call_later(self.header_timeout_s, self._close_if_silent, handler)
+
+    def closed(self, handler: Any) -> None:
+        self.num_connections -= 1
+        self._refused.discard(handler)
+        timer = self._timers.pop(handler, None)
+        if timer is not None:
+            timer.cancel()
+
+    def _close_if_silent(self, handler: Any) -> None:
+        self._timers.pop(handler, None)
+        # _request_count: request heads aiohttp parsed on this connection (there is no public counter)
+        if handler.transport is not None and not getattr(handler, "_request_count", 1):
+            logger.info("closing a connection that sent no request head in %.0f s", self.header_timeout_s)
+            handler.force_close()
+            handler.transport.close()
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.protocol in self._refused and not request.path.startswith(HEALTH_PATHS):
+            self.num_refused += 1
+            config = request.app[CONFIG_KEY]
+            response = error_response(503, f"too many open connections (at most {self.max_connections}); "
+                                      "retry later", code="too_many_connections",
+                                      headers={"Retry-After": str(config.retry_after_unavailable)})
+            response.force_close()
+            return response
+        return await handler(request)
+
+
+CONNECTIONS_KEY = web.AppKey("connections", ConnectionLimit)
+
+
+def make_runner(app: web.Application) -> web.AppRunner:
+    """The runner `serve` uses: handler cancellation, bounded keep-alive, the connection cap."""
+    config = app[CONFIG_KEY]
+    # aiohttp's parser errors (400 on a malformed request) are answered outside the app, where
+    # on_response_prepare does not run: their Server header comes from this module constant
+    web_response.SERVER_SOFTWARE = SERVER_NAME
+    return _Runner(app, handler_cancellation=True, access_log=None, shutdown_timeout=config.shutdown_timeout + 5,
+                   keepalive_timeout=config.keepalive_timeout_s)
+
+
+class _Runner(web.AppRunner):
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        limit = self.app[CONNECTIONS_KEY]
+        made, lost = server.connection_made, server.connection_lost
+
+        def connection_made(handler: Any, transport: asyncio.Transport) -> None:
+            made(handler, transport)
+            limit.opened(handler)
+
+        def connection_lost(handler: Any, exc: BaseException | None = None) -> None:
+            lost(handler, exc)
+            limit.closed(handler)
+
+        # web.Server has no hooks: its two bookkeeping methods are wrapped on the instance
+        server.connection_made, server.connection_lost = connection_made, connection_lost
+        return server
 
 
 def _real_engine(config: EngineConfig) -> Any:

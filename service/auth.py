@@ -51,6 +51,13 @@ def auth_middleware(api_keys: KeyRing, admin_keys: KeyRing, auth_metrics: bool =
     return middleware
 
 
+def holds_any_key(request: web.Request, api_keys: tuple[str, ...], admin_key: str | None) -> bool:
+    """The request carries an API key or the admin key (for details only key holders may read)."""
+    token = bearer_token(request)
+    keys = KeyRing([*api_keys, *([admin_key] if admin_key else [])])
+    return token is not None and bool(keys) and keys.matches(token)
+
+
 def bearer_token(request: web.Request) -> str | None:
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")

@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.metadata
 import time
+import uuid
+from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
+from engine.sampling_params import SamplingParams
+from service.auth import holds_any_key
 from service.completions import create_chat_completion, create_completion
 from service.keys import CONFIG_KEY, METRICS_KEY, STATE_KEY
 from service.metrics import CONTENT_TYPE
-from service.supervision import warm_up
+from service.supervision import WARMUP_PROMPT
 
 
 def add_routes(app: web.Application) -> None:
@@ -29,25 +35,33 @@ def add_routes(app: web.Application) -> None:
 async def list_models(request: web.Request) -> web.Response:
     """The ready models: the start-up ones in configuration order (the primary first), then those
     loaded at run time in load order."""
-    state = request.app[STATE_KEY]
+    config, state = request.app[CONFIG_KEY], request.app[STATE_KEY]
     entries = state.registry.entries
     data = []
     for name in sorted(state.engines, key=list(entries).index):
         engine, entry = state.engines[name], entries[name]
         data.append({"id": name, "object": "model", "created": int(state.started), "owned_by": "pagedserve",
-                     "root": entry.path, "parent": None, "max_model_len": engine.max_model_len,
+                     "root": _shown_path(entry.path, config.models_root_path), "parent": None,
+                     "max_model_len": engine.max_model_len,
                      "fallback": entry.fallback})
     return web.json_response({"object": "list", "data": data})
+
+
+def _shown_path(path: str, root: Path) -> str:
+    """A model directory as clients may see it: relative to the models root, else its name alone
+    (an absolute path tells a stranger the host's layout)."""
+    resolved = Path(path).expanduser().resolve()
+    with contextlib.suppress(ValueError):
+        return str(resolved.relative_to(root))
+    return resolved.name
 
 
 async def live(request: web.Request) -> web.Response:
     """The event loop answers and no engine loop is dead or hung (busy or idle, stuck in one
     iteration for hang_timeout): Kubernetes restarts the process when this fails."""
-    config, state = request.app[CONFIG_KEY], request.app[STATE_KEY]
-    reason = state.not_live_reason()
+    reason = request.app[STATE_KEY].not_live_reason()
     if reason is not None:
-        return web.json_response({"status": "dead", "reason": reason}, status=503,
-                                 headers={"Retry-After": str(config.retry_after_unavailable)})
+        return _health(request, {"status": "dead", "reason": reason}, status=503)
     return web.json_response({"status": "live"})
 
 
@@ -59,9 +73,17 @@ async def ready(request: web.Request) -> web.Response:
     reason = state.not_ready_reason(config.model_names)
     body = _health_body(request)
     if reason is not None:
-        return web.json_response({**body, "status": "not_ready", "reason": reason}, status=503,
-                                 headers={"Retry-After": str(config.retry_after_unavailable)})
-    return web.json_response({**body, "status": "degraded" if body["degraded"] else "ready"})
+        return _health(request, {**body, "status": "not_ready", "reason": reason}, status=503)
+    return _health(request, {**body, "status": "degraded" if body["degraded"] else "ready"})
+
+
+def _health(request: web.Request, body: dict[str, Any], status: int = 200) -> web.Response:
+    """With --health-details-auth only a key holder reads more than the status; the code is public."""
+    config = request.app[CONFIG_KEY]
+    if config.health_details_auth and not holds_any_key(request, config.api_keys, config.admin_key):
+        body = {"status": body["status"]}
+    headers = {"Retry-After": str(config.retry_after_unavailable)} if status == 503 else None
+    return web.json_response(body, status=status, headers=headers)
 
 
 def _health_body(request: web.Request) -> dict:
@@ -89,12 +111,21 @@ async def health_generate(request: web.Request) -> web.Response:
     try:
         async with asyncio.timeout(config.idle_timeout_s):
             for name, engine in list(state.engines.items()):
-                await warm_up(engine, name)
+                await _probe(engine, name)
     except Exception as exc:  # noqa: BLE001 - any failure of the probe generation is the answer
-        return web.json_response({"status": "failed", "reason": repr(exc)}, status=503,
-                                 headers={"Retry-After": str(config.retry_after_unavailable)})
+        return _health(request, {"status": "failed", "reason": repr(exc)}, status=503)
     state.last_token_time = time.monotonic()
-    return web.json_response({"status": "ok", "models": list(state.engines)})
+    return _health(request, {"status": "ok", "models": list(state.engines)})
+
+
+async def _probe(engine: Any, name: str) -> None:
+    """One greedy token, under a request id of its own: concurrent probes must not collide."""
+    prompt = engine.encode(WARMUP_PROMPT) or [0]
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    request_id = f"health-{name}-{uuid.uuid4().hex}"
+    async with contextlib.aclosing(engine.generate(prompt, params, request_id)) as outputs:
+        async for _ in outputs:
+            pass
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -3,14 +3,21 @@
 JSON is written with `ensure_ascii=False` and encoded as UTF-8 from whole Python strings, so the bytes
 on the wire are always valid UTF-8 (the engine never hands out half a character). A write that fails
 because the client went away raises `ConnectionResetError`; the caller's `finally` aborts the engine
-request."""
+request.
+
+A client that stops reading fills the socket buffers and a write would wait forever, holding the
+request's bulkhead permit and engine sequence: each write gets `stream_write_timeout_s`, after which the
+connection is aborted and the write raises `ConnectionResetError` like any client that went away."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
 from aiohttp import web
+
+from service.keys import CONFIG_KEY
 
 SSE_HEADERS = {
     "Content-Type": "text/event-stream; charset=utf-8",
@@ -35,21 +42,37 @@ class EventStream:
 
     def __init__(self, headers: dict[str, str] | None = None) -> None:
         self.response = web.StreamResponse(status=200, headers={**SSE_HEADERS, **(headers or {})})
+        self.write_timeout_s = 30.0
+        self._request: web.BaseRequest | None = None
 
     @property
     def is_open(self) -> bool:
         return self.response.prepared
 
     async def open(self, request: web.Request) -> None:
-        await self.response.prepare(request)
+        self._request = request
+        config = request.app.get(CONFIG_KEY)
+        if config is not None:
+            self.write_timeout_s = config.stream_write_timeout_s
+        await self._bounded(self.response.prepare(request))
 
     async def send(self, data: Any) -> None:
-        await self.response.write(encode_event(data))
+        await self._bounded(self.response.write(encode_event(data)))
 
     async def send_many(self, events: list[Any]) -> None:
         if events:
-            await self.response.write(b"".join(encode_event(e) for e in events))
+            await self._bounded(self.response.write(b"".join(encode_event(e) for e in events)))
 
     async def close(self) -> None:
-        await self.response.write(DONE)
-        await self.response.write_eof()
+        await self._bounded(self.response.write(DONE))
+        await self._bounded(self.response.write_eof())
+
+    async def _bounded(self, write: Any) -> None:
+        try:
+            async with asyncio.timeout(self.write_timeout_s):
+                await write
+        except TimeoutError:
+            transport = self._request.transport if self._request is not None else None
+            if transport is not None:
+                transport.abort()  # drop what is buffered: nobody reads it
+            raise ConnectionResetError(f"the client read nothing for {self.write_timeout_s:g} s") from None
