@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-slow lint bench models clean nginx loadtest loadtest-step baseline
+.PHONY: run test test-slow lint bench bench-resilience models clean nginx loadtest loadtest-step baseline
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -32,6 +32,12 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/offline.py
+
+# The chaos and failover scenarios, slow ones included, recording their figures in benchmarks/results/
+# (a plain test run writes them to a temp dir and never touches tracked files)
+bench-resilience: $(STAMP) nginx
+	PAGEDSERVE_RESULTS_DIR=benchmarks/results $(PY) -m pytest -q -m 'slow or not slow' -s \
+		tests/resilience/test_chaos.py tests/deploy/test_failover.py
 
 models: $(STAMP)
 	$(PY) models/train.py

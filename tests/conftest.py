@@ -1,8 +1,13 @@
-"""Random-weight models of each supported family, made once per test session."""
+"""Fixtures shared by every test folder: random-weight models of each supported family, made once
+per test session, and the directory that measured figures go to."""
+
+import os
+from pathlib import Path
 
 import pytest
 
 FAMILIES = ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral")
+RESULTS_DIR_ENV = "PAGEDSERVE_RESULTS_DIR"
 
 
 @pytest.fixture(scope="session")
@@ -17,3 +22,14 @@ def random_model(tmp_path_factory):
         return made[preset]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def results_dir(tmp_path_factory) -> Path:
+    """Where tests that measure something (chaos, failover) write their JSON figures: a temp dir, so
+    a test run never touches the tracked benchmarks/results/. `make bench-resilience` sets
+    PAGEDSERVE_RESULTS_DIR=benchmarks/results to record them on purpose."""
+    chosen = os.environ.get(RESULTS_DIR_ENV)
+    path = Path(chosen).resolve() if chosen else tmp_path_factory.mktemp("results")
+    path.mkdir(parents=True, exist_ok=True)
+    return path

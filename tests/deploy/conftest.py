@@ -5,9 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.deploy.replicas import REPO, Reaper
-
-RESULTS_DIR = REPO / "benchmarks" / "results"
+from tests.deploy.replicas import Reaper
 
 
 @pytest.fixture(scope="module")
@@ -19,15 +17,15 @@ def reaper():
 
 
 @pytest.fixture(scope="module")
-def results_file(request):
-    """`record(key, value)` into a JSON file under benchmarks/results/ (named by the module's
-    `RESULTS_NAME`), written after every call so a later failure keeps what was measured before it."""
-    path: Path = RESULTS_DIR / request.module.RESULTS_NAME
+def results_file(request, results_dir: Path):
+    """`record(key, value)` into a JSON file named by the module's `RESULTS_NAME` under `results_dir`
+    (a temp dir, or benchmarks/results/ under `make bench-resilience`), written after every call so
+    a later failure keeps what was measured before it."""
+    path = results_dir / request.module.RESULTS_NAME
     results: dict = {}
 
     def record(key: str, value) -> None:
         results[key] = value
-        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(results, indent=2) + "\n")
 
     return record
