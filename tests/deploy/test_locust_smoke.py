@@ -1,7 +1,8 @@
-"""Locust smoke: one replica with the shipped models (coder-small, degrading to coder-tiny), 64 users
-for 30 s through the gated runner `python -m loadtests.run`, run as a subprocess (importing locust
-would monkey-patch ssl in this process through gevent). It must pass with zero errors and loose
-latency gates; impossibly tight gates must make the same runner fail."""
+"""Locust smoke: one replica with the shipped models (coder-small, degrading to coder-tiny) under
+the gated runner `python -m loadtests.run`, run as a subprocess (importing locust would monkey-patch
+ssl in this process through gevent). 8 users for 5 s (make test) and 64 users for 30 s (make
+test-slow: a load run, a minute on an idle box and several on a busy one) must pass with zero errors
+and loose latency gates; impossibly tight gates must make the same runner fail."""
 
 from __future__ import annotations
 
@@ -25,11 +26,12 @@ from tests.deploy.replicas import (
     start_and_wait,
 )
 
-USERS = 64
-DURATION_S = 30
+USERS, DURATION_S = 64, 30  # the full smoke (slow)
+FAST_USERS, FAST_DURATION_S = 8, 5  # the same checks in a few seconds of load
 # Loose: 64 closed-loop users on one CPU replica, sharing two (often busy) cores with Locust itself.
 # Measured at load average ~10: p99 TTFT 22 s, p99 end-to-end 72 s (the first wave of 64 requests
 # is still finishing when the 30 s are up). They catch a stalled or serialized server, not a slow one.
+KINDS = ("chat-stream", "completion", "long-prompt", "shared-system")  # loadtests/locustfile.py's user classes
 P99_TTFT_MS = 45_000
 P99_E2E_MS = 150_000
 # Locust lets requests in flight at the end finish for this long; one it cuts is a failure
@@ -70,8 +72,12 @@ def run_locust(host: str, results_dir: Path, *args: str) -> tuple[int, dict, str
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 200)  # + the replica's start (torch import, two models, warm-up)
-def test_64_users_for_30_s_pass_with_zero_errors(replica, tmp_path):
-    rc, summary, output = run_locust(replica.url, tmp_path, "--users", str(USERS), "--duration", f"{DURATION_S}s",
+@pytest.mark.parametrize(("users", "duration_s"), [
+    (FAST_USERS, FAST_DURATION_S),
+    pytest.param(USERS, DURATION_S, marks=pytest.mark.slow),
+])
+def test_users_pass_with_zero_errors(replica, tmp_path, users, duration_s):
+    rc, summary, output = run_locust(replica.url, tmp_path, "--users", str(users), "--duration", f"{duration_s}s",
                                      "--max-error-rate", "0", "--p99-ttft-ms", str(P99_TTFT_MS),
                                      "--p99-e2e-ms", str(P99_E2E_MS))
     figures = {name: {q: summary[name][q] for q in ("p50", "p90", "p99")} for name in ("ttft_ms", "itl_ms", "e2e_ms")}
@@ -81,9 +87,10 @@ def test_64_users_for_30_s_pass_with_zero_errors(replica, tmp_path):
     assert summary["passed"] is True
     assert summary["failures"] == 0 and summary["error_rate"] == 0, summary["errors"]
     assert summary["requests"] > 0
-    assert summary["users"] == USERS
+    assert summary["users"] == users
     assert summary["model"] == SMALL.resolve().name  # the primary answered, no model named by hand
-    assert all(summary["per_kind"][kind]["requests"] > 0 for kind in summary["per_kind"]), summary["per_kind"]
+    # every user class ran (Locust gives each class a user when there are at least as many users as classes)
+    assert {kind: stats["requests"] > 0 for kind, stats in summary["per_kind"].items()} == dict.fromkeys(KINDS, True)
     assert summary["ttft_ms"]["count"] > 0 and summary["e2e_ms"]["count"] > 0
 
 
