@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ MODELS_ROOT = Path(__file__).resolve().parents[1] / "models"
 DEFAULT_MODEL = MODELS_ROOT / "pagedserve-coder-small"
 DEFAULT_FALLBACK = MODELS_ROOT / "pagedserve-coder-tiny"
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+MAX_SIZE_BYTES = 2**60  # an exabyte: any larger size is a typo or an attack
 ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name != "model")
 SERVER_OPTIONS = ("host", "port", "api_keys", "admin_key", "max_body_bytes", "auth_metrics", "warmup",
                   "shutdown_timeout", "idle_timeout_s", "heartbeat_interval_s", "leak_min_growth_bytes",
@@ -127,12 +129,20 @@ def parse_size(value: str | int | float) -> int:
     if isinstance(value, bool):
         raise ConfigError(f"a size must be bytes or a string like '512MiB', got {value!r}")
     if isinstance(value, int | float):
-        return int(value)
+        return _bytes(value, value)
     match = _SIZE.match(str(value))
     if not match:
         raise ConfigError(f"a size must be bytes or a string like '512MiB', got {value!r}")
     number, unit = match.groups()
-    return int(float(number) * _UNITS[(unit or "").lower()])
+    return _bytes(float(number) * _UNITS[(unit or "").lower()], value)
+
+
+def _bytes(number: int | float, given: Any) -> int:
+    # int(inf) raises OverflowError, and float() of a huge int too: a 500 at the admin API
+    if isinstance(number, float) and not math.isfinite(number) or not 0 <= number <= MAX_SIZE_BYTES:
+        shown = given if len(str(given)) < 40 else f"{str(given)[:20]}..."
+        raise ConfigError(f"a size must be between 0 and {MAX_SIZE_BYTES} bytes, got {shown!r}")
+    return int(number)
 
 
 def engine_config(path: str | Path, options: dict[str, Any]) -> EngineConfig:
