@@ -40,7 +40,7 @@ def _fails_fast(path, match):
     started = time.monotonic()
     with pytest.raises(ModelValidationError, match=match):
         validate_model_dir(path)
-    assert time.monotonic() - started < 1.0
+    assert time.monotonic() - started < 5.0  # milliseconds: no weights read; 5 s for a loaded 2-core box
 
 
 def test_valid_directory(model_dir):

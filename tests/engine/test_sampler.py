@@ -71,10 +71,17 @@ def test_temperature_one_matches_softmax():
 
 
 def test_fan_out_draws_n_different_streams():
-    seq = _seq(SamplingParams(temperature=1.0, n=4), seed=3)
-    tokens = Sampler()(_logits(), [SampleRow(seq, 4)])[seq.seq_id]
-    again = Sampler()(_logits(), [SampleRow(seq, 4)])[seq.seq_id]
-    assert len(tokens) == 4 and [t.token_id for t in tokens] == [t.token_id for t in again]
+    draws = []  # [seed][child]
+    for seed in range(20):
+        seq = _seq(SamplingParams(temperature=1.0, n=4), seed=seed)
+        tokens = [t.token_id for t in Sampler()(_logits(), [SampleRow(seq, 4)])[seq.seq_id]]
+        again = [t.token_id for t in Sampler()(_logits(), [SampleRow(seq, 4)])[seq.seq_id]]
+        assert len(tokens) == 4 and tokens == again  # reproducible from the seed
+        draws.append(tokens)
+    # each child draws its own stream: over 20 seeds, two children agreeing everywhere by chance has
+    # probability below 0.3**20
+    streams = {tuple(draws[seed][child] for seed in range(20)) for child in range(4)}
+    assert len(streams) == 4, draws
 
 
 def test_penalties_and_min_tokens():
