@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from transformers import AutoTokenizer
 
 from engine.block_manager import BlockCopies, BlockManager
+from engine.chat_template import render_bounded
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import EngineError, EngineStepError, RequestFailedError, RequestRejectedError
@@ -78,8 +79,8 @@ class LLMEngine:
     def apply_chat_template(self, messages: list[dict]) -> str:
         if not self.chat_template:
             raise RequestRejectedError("this model has no chat template; use the completions API")
-        return self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False,
-                                                  add_generation_prompt=True)
+        return render_bounded(lambda: self.tokenizer.apply_chat_template(
+            messages, chat_template=self.chat_template, tokenize=False, add_generation_prompt=True))
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Reject what can never be served, with the numbers. The KV pool always holds one sequence

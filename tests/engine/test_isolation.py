@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from engine import AsyncEngine, EngineConfig, LLMEngine, SamplingParams
-from engine.errors import EngineDeadError, EngineStepError, RequestFailedError
+from engine.errors import EngineDeadError, EngineStepError, RequestFailedError, RequestRejectedError
 from engine.faults import Fault
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -126,3 +126,17 @@ async def test_crash_fault_kills_the_loop_and_fails_every_waiter(async_engine):
 def test_faults_refuse_values_that_would_hurt_the_loop(fields, message):
     with pytest.raises(ValueError, match=message):
         Fault(**fields)
+
+
+@pytest.mark.parametrize(("template", "message"), [
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "did not render within"),
+    ("{% for i in range(100000) %}{% for j in range(100000) %}xxxxxxxx{% endfor %}{% endfor %}",
+     "did not render within|more than"),
+])
+def test_a_hostile_chat_template_is_stopped_and_the_engine_goes_on(random_model, template, message):
+    engine = LLMEngine(_config(random_model))
+    engine.chat_template = template
+    with pytest.raises(RequestRejectedError, match=message):
+        engine.apply_chat_template([{"role": "user", "content": "hi"}])
+    engine.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    assert engine.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi"
