@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -35,6 +34,7 @@ from engine.errors import ModelValidationError
 from engine.loader import ModelFiles, validate_model_dir
 from service.errors import InvalidRequestError, ServiceError
 from service.keys import STATE_KEY
+from service.schemas import parse_json
 from service.supervision import release_memory, warm_up
 
 logger = logging.getLogger(__name__)
@@ -371,9 +371,9 @@ def on_demand_middleware(models_dir: Path, options: dict[str, Any]) -> Callable:
 
 async def _asked_model(request: web.Request) -> str | None:
     raw = await request.read()  # kept by aiohttp: the handler reads the same bytes again
-    try:
-        model = json.loads(raw).get("model")
-    except (ValueError, AttributeError):
+    try:  # parse_json: depth-bounded and surrogate-free, like the handler's (a RecursionError here was a 500)
+        model = parse_json(raw).get("model")
+    except (InvalidRequestError, AttributeError):
         return None  # the handler says what is wrong with the body
     return model if isinstance(model, str) and model else None
 
@@ -390,7 +390,7 @@ def measure(engine: Any) -> tuple[int | None, int | None]:
 def resolve_model_path(raw: Any, models_root: Path) -> ModelFiles:
     """A model directory confined to `models_root`: absolute or relative to the root, symlinks
     resolved before the check; then validated. Anything else is a 400 that says why."""
-    if not isinstance(raw, str) or not raw.strip():
+    if not isinstance(raw, str) or not raw.strip() or "\x00" in raw:  # NUL: os.stat raises ValueError (a 500)
         raise InvalidRequestError("'path' must be a non-empty string (a directory under the models root)",
                                   param="path")
     root = models_root.resolve()
