@@ -2,7 +2,7 @@
 by `deploy.nginx.render`, checked against the status contract of deploy/README.md.
 
 - A poison request (the `poison` fault, armed on every replica) reaches exactly one replica and ends with its
-  500 `request_failed`; 64 concurrent users meanwhile all get 200, through nginx's default client limits.
+  500 `request_failed`; 64 concurrent users meanwhile all get 200.
 - Saturated primaries answer 429: nginx passes every one on and never marks a replica down (no 502).
 - A replica whose engine cannot be rebuilt (`--max-engine-rebuilds 0`, then the `crash` fault) exits 75, a
   supervisor (a thread here, compose's `restart:` in production) starts it again, and nginx sends it traffic.
@@ -52,8 +52,10 @@ REPLICA_ARGS = ["--model", str(TINY), "--dtype", "float32", "--block-size", "8",
                 "--max-num-waiting", "24", "--max-model-len", "256", "--kv-cache-memory", "8MiB",
                 "--num-threads", "1", "--shutdown-timeout", "5", "--admin-key", ADMIN_KEY,
                 "--enable-fault-injection"]
-# one worker: one set of failure counters; the default client limits (50r/s burst 100, 128 in flight)
-OPTIONS = NginxOptions(worker_processes=1, worker_connections=1024, fail_timeout="10s")
+# One worker: one set of failure counters. No request-rate limit: 64 closed-loop users of a tiny model
+# with 6-token completions send ~300 requests/s from one address, far past the default 50r/s (a 64-user
+# Locust run on the shipped model sends 1-2/s); the default limit on requests in flight (128) stays.
+OPTIONS = NginxOptions(worker_processes=1, worker_connections=1024, fail_timeout="10s", rate_limit="off")
 PROMPTS = ("def add(a, b):\n", "import os\n\ndef main():\n", "class Stack:\n    def push(self, item):\n",
            "for i in range(10):\n")
 
@@ -147,14 +149,17 @@ async def complete(session: aiohttp.ClientSession, base_url: str, model: str, pr
 
 
 async def users(base_url: str, model: str, num_users: int, requests_each: int,
-                think_on_429_s: float = 0.0) -> list[Result]:
-    """`num_users` clients at once, each sending `requests_each` completions one after another."""
+                think_on_429_s: float = 0.0, until: asyncio.Event | None = None) -> list[Result]:
+    """`num_users` clients at once, each sending completions one after another: `requests_each`, and
+    more until `until` is set."""
     connector = aiohttp.TCPConnector(limit=0, force_close=True)
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         async def user(index: int) -> list[Result]:
             results = []
-            for i in range(requests_each):
+            i = 0
+            while i < requests_each or (until is not None and not until.is_set()):
+                i += 1
                 result = await complete(session, base_url, model, PROMPTS[(index + i) % len(PROMPTS)])
                 results.append(result)
                 if result.status == 429 and think_on_429_s:
@@ -176,14 +181,15 @@ async def test_a_poison_request_reaches_exactly_one_replica(fleet, nginx_factory
     try:
         before = {r.name: completions_by_status(r) for r in fleet.replicas}
         started = time.monotonic()
-        load = asyncio.create_task(users(nginx.url, fleet.model, NUM_USERS, requests_each=2))
-        await asyncio.sleep(1.0)  # the users' first requests are in the engines' batches
-        assert not load.done(), "the ordinary load ended before the poison request was sent"
+        poison_done = asyncio.Event()  # the users keep sending until the poison request has its answer
+        load = asyncio.create_task(users(nginx.url, fleet.model, NUM_USERS, requests_each=2, until=poison_done))
+        await asyncio.sleep(0.5)  # the users' first requests are in the engines' batches
         connector = aiohttp.TCPConnector(force_close=True)
         async with aiohttp.ClientSession(connector=connector,
                                          timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)) as session:
             poison = await complete(session, nginx.url, fleet.model, f"# {marker}\ndef f():\n",
                                     request_id=f"poison-{marker}")
+        poison_done.set()
         ordinary = await load
         elapsed_s = time.monotonic() - started
         after = {r.name: completions_by_status(r) for r in fleet.replicas}
@@ -202,7 +208,8 @@ async def test_a_poison_request_reaches_exactly_one_replica(fleet, nginx_factory
     poisoned = next(r.name for r in fleet.replicas if r.address == entry.upstreams[0])
     assert new_500s[poisoned] == 1
     statuses = Counter(r.status for r in ordinary)
-    assert statuses == {200: NUM_USERS * 2}, [r for r in ordinary if r.status != 200][:5]
+    assert len(ordinary) >= NUM_USERS * 2
+    assert statuses == {200: len(ordinary)}, [r for r in ordinary if r.status != 200][:5]
     served = {name: after[name][200] - before[name][200] for name in after}
     assert all(n > 0 for n in served.values()), served  # every replica kept serving, the poisoned one too
     results_file("poison", {"users": NUM_USERS, "ordinary_requests": len(ordinary), "ordinary_ok": statuses[200],
