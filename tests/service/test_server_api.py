@@ -129,6 +129,27 @@ def test_n_samples_differ_and_a_seed_fixes_them(sdk):
     assert [c.text for c in sdk.completions.create(**args).choices] == texts
 
 
+async def test_mixed_sampling_parameters_in_one_batch(server, async_sdk):
+    """Rows that filter differently share steps (once a crash: min_p broadcast as [B, B]); every request
+    is served by the model it asked, filters that keep one token give the greedy text, and no step had
+    to be re-run by poison isolation (which would hide such a bug from the client, not from /metrics)."""
+    base = dict(model=TINY.name, prompt=PROMPT, max_tokens=16, temperature=1.0)
+    greedy = (await async_sdk.completions.create(**{**base, "temperature": 0},
+                                                 extra_body={"ignore_eos": True})).choices[0].text
+    isolated = server.metric("isolated_steps_total", TINY.name)
+
+    def create(extra: dict | None = None, **params):
+        return async_sdk.completions.create(**{**base, **params}, extra_body={"ignore_eos": True, **(extra or {})})
+
+    results = await asyncio.gather(
+        create({"top_k": 1}, seed=1), create({"min_p": 1.0}, seed=2), create(top_p=1e-6, seed=3),
+        create(n=2, top_p=0.9, seed=4), create({"top_k": 40, "min_p": 0.05}, top_p=0.95, seed=5), create(seed=6))
+    assert [r.model for r in results] == [TINY.name] * 6
+    assert [r.choices[0].text for r in results[:3]] == [greedy] * 3
+    assert [r.usage.completion_tokens for r in results] == [16, 16, 16, 32, 16, 16]
+    assert server.metric("isolated_steps_total", TINY.name) == isolated
+
+
 def test_stop_strings(sdk):
     args = dict(model=TINY.name, prompt=PROMPT, max_tokens=24, temperature=0)
     text = sdk.completions.create(**args).choices[0].text
