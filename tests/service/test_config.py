@@ -113,7 +113,7 @@ def test_toml_errors_name_the_option(tmp_path, toml, message):
 def test_config_is_frozen_and_validates():
     spec = ModelSpec("m", EngineConfig(model="/m"))
     config = ServerConfig(models=(spec,))
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(dataclasses.FrozenInstanceError, match="cannot assign to field 'port'"):
         config.port = 1  # type: ignore[misc]
     with pytest.raises(ConfigError, match="at least one model"):
         ServerConfig(models=())
@@ -126,7 +126,7 @@ def test_config_is_frozen_and_validates():
 def test_parse_size():
     assert [parse_size(v) for v in (1024, "1024", "1k", "1KiB", "1.5MiB", "2GB", "3gi")] == \
         [1024, 1024, 1000, 1024, int(1.5 * 2**20), 2 * 10**9, 3 * 2**30]
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match="a size must be bytes or a string like '512MiB', got 'lots'"):
         parse_size("lots")
 
 
@@ -136,7 +136,7 @@ def test_main_exits_2_on_a_missing_model_dir(tmp_path, capsys):
 
 
 def test_help_lists_subcommands(capsys):
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit, match="^0$"):  # --help exits 0
         main(["--help"])
     out = capsys.readouterr().out
     assert "serve" in out and "generate" in out

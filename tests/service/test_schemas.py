@@ -1,15 +1,18 @@
 """OpenAI request bodies -> typed requests; every error is an InvalidRequestError naming its param."""
 
+import re
+
 import pytest
 
 from service.errors import InvalidRequestError
 from service.schemas import parse_chat, parse_completion, parse_messages, parse_prompts
 
 
-def _param_of(fn, body) -> str | None:
-    with pytest.raises(InvalidRequestError) as info:
+def _refused(fn, body, param: str | None) -> None:
+    """`fn(body)` raises an InvalidRequestError whose param is `param` and whose message names it."""
+    with pytest.raises(InvalidRequestError, match=re.escape(param or "the request body must be a JSON object")) as info:
         fn(body)
-    return info.value.param
+    assert info.value.param == param
 
 
 def test_prompt_forms():
@@ -21,7 +24,7 @@ def test_prompt_forms():
 
 @pytest.mark.parametrize("prompt", [[], 5, None, ["a", 1], [[1], []], [[1, -2]], [True, False], {"a": 1}])
 def test_bad_prompts_name_prompt(prompt):
-    assert _param_of(parse_prompts, prompt) == "prompt"
+    _refused(parse_prompts, prompt, "prompt")
 
 
 def test_completion_defaults():
@@ -58,8 +61,8 @@ def test_chat_logprobs():
     assert parse_chat({"messages": msgs}).params.logprobs is None
     assert parse_chat({"messages": msgs, "logprobs": True}).params.logprobs == 0
     assert parse_chat({"messages": msgs, "logprobs": True, "top_logprobs": 3}).params.logprobs == 3
-    assert _param_of(parse_chat, {"messages": msgs, "top_logprobs": 3}) == "top_logprobs"
-    assert _param_of(parse_chat, {"messages": msgs, "logprobs": 1}) == "logprobs"
+    _refused(parse_chat, {"messages": msgs, "top_logprobs": 3}, "top_logprobs")
+    _refused(parse_chat, {"messages": msgs, "logprobs": 1}, "logprobs")
 
 
 def test_messages_normalized():
@@ -82,7 +85,7 @@ def test_messages_normalized():
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "messages[0].content[0]"),
 ])
 def test_bad_messages(messages, param):
-    assert _param_of(parse_chat, {"messages": messages}) == param
+    _refused(parse_chat, {"messages": messages}, param)
 
 
 @pytest.mark.parametrize(("field", "value"), [
@@ -95,22 +98,22 @@ def test_bad_messages(messages, param):
     ("logit_bias", {"1": 2}), ("stream_options", {"include_usage": True}),
 ])
 def test_bad_fields_name_their_param(field, value):
-    assert _param_of(parse_completion, {"prompt": "x", field: value}) == field
+    _refused(parse_completion, {"prompt": "x", field: value}, field)
 
 
 def test_min_tokens_over_max_tokens_names_min_tokens():
-    assert _param_of(parse_completion, {"prompt": "x", "min_tokens": 9, "max_tokens": 3}) == "min_tokens"
+    _refused(parse_completion, {"prompt": "x", "min_tokens": 9, "max_tokens": 3}, "min_tokens")
 
 
 def test_body_must_be_object_and_prompt_required():
-    assert _param_of(parse_completion, [1, 2]) is None
-    assert _param_of(parse_completion, {"model": "m"}) == "prompt"
+    _refused(parse_completion, [1, 2], None)
+    _refused(parse_completion, {"model": "m"}, "prompt")
 
 
 def test_stream_options_shape():
-    assert _param_of(parse_completion, {"prompt": "x", "stream": True, "stream_options": []}) == "stream_options"
-    assert _param_of(parse_completion, {"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}}) \
-        == "stream_options.include_usage"
+    _refused(parse_completion, {"prompt": "x", "stream": True, "stream_options": []}, "stream_options")
+    _refused(parse_completion, {"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}},
+             "stream_options.include_usage")
 
 
 def test_nulls_mean_defaults_and_unsupported_off_values_pass():
@@ -121,6 +124,5 @@ def test_nulls_mean_defaults_and_unsupported_off_values_pass():
 
 def test_response_format_json_refused():
     msgs = [{"role": "user", "content": "hi"}]
-    assert _param_of(parse_chat, {"messages": msgs, "response_format": {"type": "json_object"}}) == \
-        "response_format"
-    assert _param_of(parse_chat, {"messages": msgs, "tool_choice": "auto"}) == "tool_choice"
+    _refused(parse_chat, {"messages": msgs, "response_format": {"type": "json_object"}}, "response_format")
+    _refused(parse_chat, {"messages": msgs, "tool_choice": "auto"}, "tool_choice")
