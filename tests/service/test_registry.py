@@ -91,8 +91,16 @@ def served(server: Server) -> list[str]:
 
 
 def complete(server: Server, model: str, max_tokens: int = 4) -> tuple[int, dict]:
-    status, _, raw = server.post("/v1/completions", {"model": model, "prompt": "def f(x):", "max_tokens": max_tokens})
+    status, _, raw = server.post("/v1/completions", {"model": model, "prompt": "def f(x):", "max_tokens": max_tokens,
+                                                     "ignore_eos": True})
     return status, json.loads(raw)
+
+
+def assert_served(server: Server, model: str, max_tokens: int = 4) -> None:
+    """A completion asked of `model` is answered by it, in full."""
+    status, body = complete(server, model, max_tokens)
+    assert status == 200 and body["model"] == model, body
+    assert body["usage"]["completion_tokens"] == max_tokens and body["choices"][0]["finish_reason"] == "length", body
 
 
 def rss_bytes(pid: int) -> int:
@@ -127,7 +135,7 @@ def test_bad_model_paths_are_400_with_the_reason(server, path, fragment):
 def test_a_load_over_budget_evicts_the_least_recently_used_idle_model(server, root):
     load(server, "a", "a", quota_bytes=QUOTA)
     load(server, "b", str(root / "b"), quota_bytes=QUOTA, fallback="start")  # absolute paths work too
-    assert complete(server, "b")[0] == 200
+    assert_served(server, "b")
     failures, done = [], threading.Event()
 
     def keep_a_busy() -> None:  # a stays in flight the whole time: it must never be the victim
@@ -143,7 +151,7 @@ def test_a_load_over_budget_evicts_the_least_recently_used_idle_model(server, ro
         entry = load(server, "c", "c", quota_bytes=QUOTA)
         assert entry["state"] == "ready" and entry["memory_bytes"] == QUOTA
         assert states(server) == {"start": "ready", "a": "ready", "c": "ready"}  # b was idle and least recent
-        assert complete(server, "c")[0] == 200
+        assert_served(server, "c")
         status, body = complete(server, "b")
         assert status == 404, body
         # nothing idle is left to evict (a busy, start pinned, c idle but not enough): 507 says the numbers
@@ -226,7 +234,7 @@ def test_memory_comes_back_after_ten_load_unload_cycles(server):
         start = time.perf_counter()
         entry = load(server, "big", "big", quota_bytes=BIG_QUOTA)
         loads.append(time.perf_counter() - start)
-        assert complete(server, "big")[0] == 200
+        assert_served(server, "big")
         peaks.append(rss_bytes(server.process.pid))
         start = time.perf_counter()
         unload(server, "big")
@@ -255,12 +263,14 @@ def test_on_demand_loading_with_a_model_cap(root, tmp_path_factory):
                   "--device", "cpu", "--api-key", API_KEY, "--admin-key", ADMIN_KEY],
                  tmp_path_factory.mktemp("on-demand") / "server.log")
     try:
-        assert complete(srv, "a")[0] == 200  # not loaded: loaded first, the request waits
+        assert_served(srv, "a")  # not loaded: loaded first, the request waits
         assert states(srv) == {"start": "ready", "a": "ready"}
         status, body = complete(srv, "b")  # the cap is 2: a (idle) makes room, start is pinned
         assert status == 200 and body["model"] == "b", body
         assert states(srv) == {"start": "ready", "b": "ready"}
-        assert complete(srv, "nope")[0] == 404 and complete(srv, "../a")[0] == 404
+        for name in ("nope", "../a"):
+            status, body = complete(srv, name)
+            assert status == 404 and body["error"]["code"] == "model_not_found", body
         assert 'pagedserve:models_loaded{state="ready"} 2.0' in srv.get("/metrics")[2].decode()
     finally:
         assert srv.stop() == 0, srv.log()[-3000:]
