@@ -93,13 +93,17 @@ async def async_engine(random_model):
     eng.stop()
 
 
-async def _wait_idle(eng: AsyncEngine) -> None:
-    for _ in range(100):
+async def _wait_idle(eng: AsyncEngine, timeout_s: float = 10.0) -> None:
+    """Every block free and nothing scheduled: milliseconds after an abort on an idle box; the
+    timeout leaves room for a loaded one."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while loop.time() < deadline:
         stats = eng.stats()
         if not stats.is_busy and stats.num_free_blocks == stats.num_total_blocks:
             return
         await asyncio.sleep(0.02)
-    raise AssertionError(f"engine never went idle: {eng.stats()}")
+    raise AssertionError(f"engine not idle {timeout_s} s after the last request: {eng.stats()}")
 
 
 async def test_async_stream_and_abort_on_close(async_engine):
