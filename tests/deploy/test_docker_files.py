@@ -15,10 +15,13 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
+import time
 import tomllib
+import urllib.request
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
@@ -349,6 +352,53 @@ def test_healthcheck_counts_nothing_while_loading_or_for_an_earlier_run(healthch
     healthcheck.COUNTER.write_text(f"{healthcheck.init_start_ticks() + 1} 9")  # left by the run before a restart
     assert healthcheck.main() == 1
     assert healthcheck.read_failures(healthcheck.init_start_ticks()) == 1 and healthcheck.kills == []
+
+
+def test_the_image_command_serves_on_host_and_port_from_the_environment(tmp_path):
+    # the CPU image's CMD and HEALTHCHECK, run here as the image would: the environment names the address
+    # and the drain, the liveness check passes on the running replica, SIGTERM ends it within the grace
+    df = parse_dockerfile(ROOT / "Dockerfile.cpu")
+    argv = json.loads(df.runtime.ops("CMD")[0].args)
+    tiny = ROOT / "models/pagedserve-coder-tiny"
+    if not (tiny / "config.json").is_file():
+        pytest.skip("the shipped tiny model is missing (make models)")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("API_KEY", "ADMIN_KEY", "MAX_GPU_MEMORY_UTILIZATION")}
+    env.update(PATH=f"{Path(sys.executable).parent}:{env.get('PATH', '')}", HOST="127.0.0.1", PORT=str(port),
+               SHUTDOWN_TIMEOUT="3", MODEL=str(tiny), OMP_WAIT_POLICY="PASSIVE", HF_HUB_OFFLINE="1",
+               HEALTHCHECK_STATE=str(tmp_path / "failures"), HEALTHCHECK_START_PERIOD="0")
+    log = (tmp_path / "replica.log").open("wb")
+    process = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not _answers(f"http://127.0.0.1:{port}/health/ready"):
+            assert process.poll() is None, (tmp_path / "replica.log").read_text()[-2000:]
+            assert time.monotonic() < deadline, "the replica did not turn ready in 180 s"
+            time.sleep(0.2)
+        check = subprocess.run([sys.executable, str(ROOT / "deploy/image/healthcheck.py")], env=env,
+                               capture_output=True, text=True, timeout=30)
+        assert check.returncode == 0, check.stdout + check.stderr
+        started = time.monotonic()
+        process.send_signal(signal.SIGTERM)  # exec: the shell is gone, the server gets it
+        assert process.wait(timeout=3 + DRAIN_CLEANUP_S) == 0
+        stop_s = time.monotonic() - started
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(10)
+        log.close()
+    assert stop_s < 3 + DRAIN_CLEANUP_S
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
 
 
 # --- compose ------------------------------------------------------------------------------------------------

@@ -287,6 +287,9 @@ class Supervisor:
 @pytest.mark.slow
 async def test_a_replica_that_cannot_rebuild_exits_75_and_is_back_in_rotation(fleet, nginx_factory,
                                                                               results_file):
+    # Faster checks of the parts: exit 75 in tests/resilience/test_chaos.py
+    # (test_leak_with_exit_action_exits_75), an engine rebuilt after the crash fault in
+    # tests/resilience/test_isolation_chaos.py; here a supervisor and nginx put the replica back in rotation.
     a = fleet.replicas[0]
     d = Replica("d", free_port(), [*REPLICA_ARGS, "--max-engine-rebuilds", "0"], fleet.logs / "d.log", fleet.reaper)
     supervisor = Supervisor(d)
