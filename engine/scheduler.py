@@ -86,6 +86,12 @@ class Scheduler:
             priority -= (self.clock() - seq.arrival_time) / self.config.aging_seconds
         return (priority, seq.arrival_time, seq.seq_id)
 
+    def _has_seats_for(self, seq: Sequence) -> bool:
+        """max_num_seqs counts the sequences a request will fan out to: a parent not yet forked
+        holds n seats, so its first sampled token never pushes the batch past the cap."""
+        taken = sum(_seats(s) for s in self.running)
+        return taken + _seats(seq) <= self.config.max_num_seqs
+
     # --- schedule --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = _Budget(self.config.max_num_batched_tokens, self._prefill_cap())
@@ -148,7 +154,7 @@ class Scheduler:
         for seq in sorted(self.swapped, key=self._key):
             if first_waiting is not None and first_waiting < self._key(seq):
                 return
-            if len(self.running) >= self.config.max_num_seqs or not self.block_manager.can_swap_in(seq):
+            if not self._has_seats_for(seq) or not self.block_manager.can_swap_in(seq):
                 return
             self.block_manager.swap_in(seq)
             self.swapped.remove(seq)
@@ -163,7 +169,7 @@ class Scheduler:
         for seq in sorted(self.waiting, key=self._key):
             if first_swapped is not None and first_swapped < self._key(seq):
                 return
-            if len(self.running) >= self.config.max_num_seqs or budget.tokens == 0:
+            if not self._has_seats_for(seq) or budget.tokens == 0:
                 return
             if budget.prefill_tokens == 0 or not self._admit(seq, budget):
                 return
@@ -199,7 +205,7 @@ class Scheduler:
             worst = max(self.running, key=self._key)
             if self._key(worst) <= self._key(best):
                 return
-            if needed <= bm.num_free_blocks and len(self.running) < self.config.max_num_seqs:
+            if needed <= bm.num_free_blocks and self._has_seats_for(best):
                 return
             self._preempt(worst, preempted)
 
@@ -275,3 +281,7 @@ class Scheduler:
         if not seq.is_finished:
             seq.status = status
             self._release(seq)
+
+
+def _seats(seq: Sequence) -> int:
+    return 1 if seq.is_forked else seq.params.n

@@ -125,6 +125,7 @@ def test_scheduler_finishes_every_request_and_frees_every_block(requests, policy
                    for item in out.scheduled if item.num_samples}
         for seq in sched.postprocess(out, sampled):
             families[seq.request_id].add(seq)  # fan-out children join their family here
+        assert len(sched.running) <= config.max_num_seqs  # fan-out included
     else:
         pytest.fail(f"not finished after 2000 steps: running {sched.running}, waiting {sched.waiting}")
     assert all(seq.is_finished for family in families.values() for seq in family)
