@@ -9,7 +9,9 @@ default). A failure counts only once the container is older than $HEALTHCHECK_ST
 (a replica still loading its models is not dead). On the `KILL_AFTER`th failure in a row it sends
 SIGTERM to PID 1 (the init process, which passes it on: the replica drains what it can and exits); if
 the replica is still there `KILL_AFTER` checks later (a hung event loop ignores SIGTERM), SIGKILL to
-every process of the container but PID 1 (the init then exits with its child).
+every process of the container but PID 1 (the init then exits with its child). That last step needs an
+init as PID 1 (compose `init: true`, `docker run --init`): without one the server is PID 1, which no
+process of its own namespace can SIGKILL. HEALTHCHECK_KILL_AFTER=0: only report, never stop.
 """
 
 import os
