@@ -5,6 +5,7 @@ replayed nor counted; a 429 (overload) is passed to the client and never marks a
 streams through unbuffered; nginx's own per-client limits answer 429 in the OpenAI shape."""
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -203,6 +204,9 @@ REFUSALS = {
 }
 
 
+STALL, RESET = -1, -2  # stand-in behaviours without a status of their own
+
+
 class Replica:
     """A stand-in for a pagedserve replica: healthy (`status` None), or answering `status` (503, 429, 500)
     with the replica's error shape on everything."""
@@ -226,6 +230,12 @@ class Replica:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         self.hits.append(f"{request.method} {request.path}")
+        if self.status == STALL:  # working on it, silently: nginx's read timeout runs out first
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.release_stream.wait(), timeout=10)
+        if self.status == RESET:  # the process died mid-request: the connection closes with no answer
+            request.transport.abort()
+            return web.Response()
         if self.status is not None:
             message, kind, code = REFUSALS[self.status]
             headers = {"X-Replica": self.name, **({"Retry-After": "1"} if self.status != 500 else {})}
@@ -474,3 +484,28 @@ async def test_nginx_rate_limit_answers_429_in_the_openai_shape(stand_ins, nginx
     assert len(healthy.hits) == 3
     async with client.get(f"{base}/health") as r:  # probes are not rate limited
         assert r.status == 200
+
+
+@needs_nginx
+@pytest.mark.timeout(15)
+async def test_a_read_timeout_is_not_replayed(stand_ins, nginx_factory, client):
+    # the replica may be working on it: nginx answers 504 itself and never sends it to a second replica
+    stalled, healthy = await stand_ins("stalled", STALL), await stand_ins("healthy", None)
+    options = NginxOptions(worker_processes=1, worker_connections=64, read_timeout="1s")
+    base = nginx_factory([f"127.0.0.1:{stalled.port}"], [f"127.0.0.1:{healthy.port}"], options)
+    async with client.post(f"{base}/v1/completions", json={"prompt": "x"}) as r:
+        assert r.status == 504
+        assert (await r.json(content_type=None))["error"]["code"] == 504
+    assert (len(stalled.hits), len(healthy.hits)) == (1, 0)
+
+
+@needs_nginx
+@pytest.mark.timeout(15)
+async def test_a_connection_closed_without_an_answer_is_replayed(stand_ins, nginx_factory, client):
+    # what a killed or drained-away replica looks like; also the residual risk in deploy/README.md: a
+    # request that crashes a whole replica process is replayed on the next one
+    dying, healthy = await stand_ins("dying", RESET), await stand_ins("healthy", None)
+    base = nginx_factory([f"127.0.0.1:{dying.port}"], [f"127.0.0.1:{healthy.port}"])
+    async with client.post(f"{base}/v1/completions", json={"prompt": "x"}) as r:
+        assert (r.status, (await r.json())["replica"]) == (200, "healthy")
+    assert (len(dying.hits), len(healthy.hits)) == (1, 1)
