@@ -115,14 +115,20 @@ async def test_a_crashed_engine_heals_in_process(start):
     assert (error["code"], error["type"]) == ("engine_dead", "internal_server_error"), error
     assert events[-1] == "data: [DONE]"
     await until(lambda: primary.is_dead and fallback.is_dead)
+    # the primary's rebuild waits on the gate (and the fallback's on the registry lock behind it)
+    await until(lambda: "primary" not in h.engines)
     refused = await h.client.post(COMPLETIONS, json={"prompt": "hi"})
     err = await _error(refused, 503)
-    assert err["code"] in ("engine_rebuilding", "unavailable") and int(refused.headers["Retry-After"]) >= 1, err
-    assert (await h.client.get("/health/ready")).status == 503
+    assert err["code"] == "engine_rebuilding" and int(refused.headers["Retry-After"]) >= 1, err
+    ready = await h.client.get("/health/ready")
+    assert ready.status == 503 and "rebuilding engine of 'primary'" in (await ready.json())["reason"]
+    assert (await h.client.get("/health/live")).status == 200  # rebuilding in process: no restart wanted
     gate.set()
-    await until(lambda: h.engines.get("primary") not in (None, primary) and not h.primary.is_dead, timeout=60)
     await until(lambda: h.state.not_ready_reason(["primary", "fallback"]) is None, timeout=60)
+    assert h.engines["primary"].inner is not primary.inner and not h.primary.is_dead
     assert (await h.client.get("/health/ready")).status == 200
+    metrics = await (await h.client.get("/metrics")).text()
+    assert "pagedserve:engine_rebuilds_total 2.0" in metrics
     done = await h.client.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 3, "ignore_eos": True})
     assert done.status == 200 and (await done.json())["usage"]["completion_tokens"] == 3
 
