@@ -1,15 +1,22 @@
-"""Progress deadline over an async stream: each item must come within `idle_timeout_s` of the last
-(or of the start, for the first), and none after an absolute `total_deadline`.
+"""Deadlines over an async stream (an engine request's output deltas). Three timers, the earliest wins:
+
+- stall: the next item has not come for `stall_timeout_s` AND the producer (`alive_at`: the engine
+  loop's last step) made no progress for as long: the loop is stalled -> `StallDetected`, a failure.
+  An item late while the producer is busy with other work is queued, not stalled: the wait goes on.
+- first item: none by `first_item_deadline` (a time on the clock; queue time included when the
+  caller counts it from the request's arrival) -> `DeadlineExceeded("first_token")`: too slow, not
+  broken; the caller moves the request to another model.
+- total: nothing after `total_deadline` (the request's own budget) -> `DeadlineExceeded("total")`.
 
 On a timeout the inner iterator is closed (`aclose`), so an engine stream sees GeneratorExit or
-CancelledError and aborts its request, freeing its KV blocks; the caller gets `DeadlineExceeded`
-and can count a failure on the breaker, or resubmit to the fallback when nothing was streamed yet.
+CancelledError and aborts its request, freeing its KV blocks.
 """
 
 import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 from resilience.clock import Clock
@@ -17,62 +24,92 @@ from resilience.errors import DeadlineExceeded
 
 T = TypeVar("T")
 
-DEFAULT_IDLE_TIMEOUT_S = 10.0
+DEFAULT_STALL_TIMEOUT_S = 10.0
 
 
-async def progress_deadline(source: AsyncIterable[T], idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
-                            total_deadline: float | None = None, *, clock: Clock = time.monotonic,
+class StallDetected(DeadlineExceeded):
+    """The producer made no progress at all for the stall timeout: the model failed, it is not slow."""
+
+
+@dataclass
+class _Timers:
+    stall_timeout_s: float
+    first_item_deadline: float | None
+    total_deadline: float | None
+    clock: Clock
+    alive_at: Callable[[], float] | None
+
+    def check_now(self, is_first: bool) -> None:
+        """Raise before waiting at all when a deadline has already passed."""
+        now = self.clock()
+        if self.total_deadline is not None and now >= self.total_deadline:
+            raise DeadlineExceeded("total", 0.0)
+        if is_first and self.first_item_deadline is not None and now >= self.first_item_deadline:
+            raise DeadlineExceeded("first_token", 0.0)
+
+    def next(self, is_first: bool, stall_check_at: float) -> tuple[float, str, float]:
+        """(seconds to wait, the timer that fires then, its time on the clock); ties go to the request's
+        own budget first, then to the first-token deadline."""
+        timers = [(stall_check_at, 2, "stall")]
+        if self.total_deadline is not None:
+            timers.append((self.total_deadline, 0, "total"))
+        if is_first and self.first_item_deadline is not None:
+            timers.append((self.first_item_deadline, 1, "first_token"))
+        at, _, which = min(timers)
+        return max(at - self.clock(), 0.0), which, at
+
+    def producer_idle_s(self) -> float:
+        return self.clock() - self.alive_at() if self.alive_at is not None else float("inf")
+
+
+async def progress_deadline(source: AsyncIterable[T], stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
+                            total_deadline: float | None = None, *, first_item_deadline: float | None = None,
+                            clock: Clock = time.monotonic,
                             alive_at: Callable[[], float] | None = None) -> AsyncIterator[T]:
-    """Yield what `source` yields; `total_deadline` is a time on `clock` (absolute, not a duration).
-
-    `alive_at`, when given, returns when the source's producer last made progress of any kind (an
-    engine's last step): an item that is late while the producer is busy with other work is queued,
-    not stalled, so the wait goes on (bounded by `total_deadline`). Overload is not sickness."""
-    if not idle_timeout_s > 0:
-        raise ValueError(f"idle_timeout_s must be > 0, got {idle_timeout_s}")
+    """Yield what `source` yields. `total_deadline` and `first_item_deadline` are times on `clock`
+    (absolute, not durations); `alive_at` returns when the producer last made progress of any kind."""
+    if not stall_timeout_s > 0:
+        raise ValueError(f"stall_timeout_s must be > 0, got {stall_timeout_s}")
+    timers = _Timers(stall_timeout_s, first_item_deadline, total_deadline, clock, alive_at)
     iterator = aiter(source)
-    stage = "first_token"
+    is_first = True
     try:
         while True:
             try:
-                item = await _next_item(iterator, stage, idle_timeout_s, total_deadline, clock, alive_at)
+                item = await _next_item(iterator, timers, is_first)
             except StopAsyncIteration:
                 return
             yield item
-            stage = "between_tokens"
+            is_first = False
     finally:
         await _aclose(iterator)
 
 
-async def _next_item(iterator: AsyncIterator[T], stage: str, idle_timeout_s: float, total_deadline: float | None,
-                     clock: Clock, alive_at: Callable[[], float] | None) -> T:
-    timeout_s, timeout_stage = _next_timeout(stage, idle_timeout_s, total_deadline, clock)
+async def _next_item(iterator: AsyncIterator[T], timers: _Timers, is_first: bool) -> T:
+    timers.check_now(is_first)
+    started = timers.clock()
+    stall_check_at = started + timers.stall_timeout_s
+    stage = "first_token" if is_first else "between_tokens"
     pending = asyncio.ensure_future(anext(iterator))
     try:
         while True:
-            done, _ = await asyncio.wait({pending}, timeout=timeout_s)
+            wait_s, which, at = timers.next(is_first, stall_check_at)
+            done, _ = await asyncio.wait({pending}, timeout=wait_s)
             if done:
                 return pending.result()
-            producer_idle_s = clock() - alive_at() if alive_at is not None else float("inf")
-            if timeout_stage == "total" or producer_idle_s >= idle_timeout_s:
-                raise DeadlineExceeded(timeout_stage, timeout_s)
-            timeout_s, timeout_stage = _next_timeout(stage, idle_timeout_s, total_deadline, clock)
+            if which == "total":
+                raise DeadlineExceeded("total", at - started)
+            if which == "first_token":
+                raise DeadlineExceeded("first_token", at - started)
+            idle_s = timers.producer_idle_s()
+            if idle_s >= timers.stall_timeout_s:
+                raise StallDetected(stage, timers.stall_timeout_s)
+            stall_check_at = timers.clock() + timers.stall_timeout_s - idle_s  # its last step + the timeout
     finally:
         if not pending.done():
             pending.cancel()  # the source sees CancelledError at its await: an engine aborts the request
             with contextlib.suppress(BaseException):
                 await pending
-
-
-def _next_timeout(stage: str, idle_timeout_s: float, total_deadline: float | None,
-                  clock: Clock) -> tuple[float, str]:
-    """Seconds to wait for the next item, and the stage to blame if none comes."""
-    if total_deadline is None:
-        return idle_timeout_s, stage
-    left_s = total_deadline - clock()
-    if left_s <= 0:
-        raise DeadlineExceeded("total", 0.0)
-    return (idle_timeout_s, stage) if idle_timeout_s < left_s else (left_s, "total")
 
 
 async def _aclose(iterator: AsyncIterator[object]) -> None:

@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from resilience.deadline import progress_deadline
+from resilience.deadline import StallDetected, progress_deadline
 from resilience.errors import DeadlineExceeded
 from tests.resilience.fakes import FakeClock
 
@@ -47,7 +47,7 @@ async def test_passes_items_through_until_the_end():
 
 async def test_no_first_token_in_time_aborts_the_stream():
     source = Source([], hang=True)
-    with pytest.raises(DeadlineExceeded) as info:
+    with pytest.raises(StallDetected) as info:  # no alive_at: nothing says the producer is busy
         await collect(source.stream(), TICK_S)
     assert (info.value.stage, info.value.timeout_s) == ("first_token", TICK_S)
     assert source.closed_by == "CancelledError"
@@ -135,10 +135,10 @@ async def test_plain_async_iterator_without_aclose():
     assert await collect(Countdown(), 1.0) == [2, 1, 0]
 
 
-@pytest.mark.parametrize("idle_timeout_s", [0.0, -1.0])
-async def test_rejects_non_positive_idle_timeout(idle_timeout_s):
-    with pytest.raises(ValueError, match=f"idle_timeout_s must be > 0, got {idle_timeout_s}"):
-        await collect(Source([1]).stream(), idle_timeout_s)
+@pytest.mark.parametrize("stall_timeout_s", [0.0, -1.0])
+async def test_rejects_non_positive_stall_timeout(stall_timeout_s):
+    with pytest.raises(ValueError, match=f"stall_timeout_s must be > 0, got {stall_timeout_s}"):
+        await collect(Source([1]).stream(), stall_timeout_s)
 
 
 def test_deadline_exceeded_checks_its_stage():
@@ -154,6 +154,57 @@ async def test_a_late_item_from_a_busy_producer_is_queued_not_stalled():
 
     busy = [i async for i in progress_deadline(late(), 0.1, alive_at=time.monotonic)]  # steps keep coming
     assert busy == [1]
-    with pytest.raises(DeadlineExceeded) as info:  # its last step was a second ago: stalled
+    with pytest.raises(StallDetected) as info:  # its last step was a second ago: stalled
         _ = [i async for i in progress_deadline(late(), 0.1, alive_at=lambda: time.monotonic() - 1.0)]
     assert info.value.stage == "first_token"
+
+
+async def test_first_item_deadline_fires_even_while_the_producer_is_busy():
+    source = Source([], hang=True)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with pytest.raises(DeadlineExceeded, match="deadline exceeded at first_token") as info:
+        await collect(source.stream(), 10.0, first_item_deadline=time.monotonic() + 0.05, alive_at=time.monotonic)
+    assert not isinstance(info.value, StallDetected)  # slow, not broken
+    assert info.value.timeout_s == pytest.approx(0.05, abs=0.01)
+    assert 0.04 <= loop.time() - started < 5.0
+    assert source.closed_by == "CancelledError"
+
+
+async def test_first_item_deadline_does_not_bound_later_items():
+    async def slow_after_first():
+        yield 1
+        await asyncio.sleep(0.1)
+        yield 2
+
+    deadline = time.monotonic() + 0.05
+    assert await collect(slow_after_first(), 10.0, first_item_deadline=deadline, alive_at=time.monotonic) == [1, 2]
+
+
+async def test_first_item_deadline_already_past_never_starts_the_source(clock):
+    source = Source([1])
+    with pytest.raises(DeadlineExceeded, match="deadline exceeded at first_token after 0.000 s"):
+        await collect(source.stream(), 10.0, first_item_deadline=clock.now, clock=clock)
+    assert source.num_yielded == 0
+
+
+async def test_total_before_first_item_deadline_blames_total(clock):
+    source = Source([], hang=True)
+    with pytest.raises(DeadlineExceeded) as info:
+        await collect(source.stream(), 10.0, clock.now + TICK_S, first_item_deadline=clock.now + 1.0, clock=clock)
+    assert (info.value.stage, info.value.timeout_s) == ("total", pytest.approx(TICK_S))
+
+
+async def test_busy_producer_is_checked_again_a_stall_timeout_after_its_last_step():
+    # at the first check (0.1 s in) the producer has just stepped: the next check is 0.1 s after that
+    # step; by then it has been silent, so the wait ends as a stall at about 0.2 s
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    steps = iter([time.monotonic() + 0.1])
+
+    def alive_at() -> float:
+        return next(steps, started)
+
+    with pytest.raises(StallDetected, match="deadline exceeded at first_token"):
+        await collect(Source([], hang=True).stream(), 0.1, alive_at=alive_at)
+    assert 0.19 <= loop.time() - started < 5.0
