@@ -1,11 +1,14 @@
-"""A bulkhead per model: bounded requests (in flight + queued) AND tokens (prompt + max_tokens).
+"""A bulkhead per model: bounded sequences (in flight + queued; a request counts its n) AND,
+optionally, tokens (prompt + n x max_tokens). By default the sequence bound is what the engine
+itself can hold (max_num_seqs running + max_num_waiting queued), so the bulkhead refuses only what
+the engine would refuse a moment later, without queueing it first.
 
 A full bulkhead refuses at once with `AdmissionRejected(retry_after_s)` (429/503 + Retry-After):
 zero wait, as resilience4j recommends on event loops, so overload turns into fast refusals instead
 of a queue whose every entry misses its deadline. The fallback model has its own bulkhead, so
 failing over cannot swamp it.
 
-    async with bulkhead.try_acquire(len(prompt_ids) + params.max_tokens):
+    async with bulkhead.try_acquire(len(prompt_ids) + params.n * params.max_tokens, params.n):
         ...  # released exactly once: on return, error or cancellation
 """
 
@@ -24,14 +27,14 @@ _HOLD_EWMA_WEIGHT = 0.2  # weight of the newest hold time in the running average
 
 @dataclass(frozen=True)
 class BulkheadConfig:
-    max_num_requests: int = 64  # admitted and not yet released: in flight + queued in the engine
-    max_num_tokens: int = 65536  # sum of prompt + max_tokens over those requests
+    max_num_seqs: int | None = None  # admitted, not yet released; None: the engine's own capacity
+    max_num_tokens: int | None = None  # sum of prompt + n x max_tokens over them; None: unbounded
     min_retry_after_s: float = 1.0  # bounds of the Retry-After hint
     max_retry_after_s: float = 30.0
 
     def __post_init__(self) -> None:
-        for name in ("max_num_requests", "max_num_tokens"):
-            if getattr(self, name) < 1:
+        for name in ("max_num_seqs", "max_num_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.min_retry_after_s <= self.max_retry_after_s:
             raise ValueError("need 0 < min_retry_after_s <= max_retry_after_s, "
@@ -41,9 +44,10 @@ class BulkheadConfig:
 class Permit:
     """One admitted request's share of the bulkhead; `release()` is idempotent."""
 
-    def __init__(self, bulkhead: "Bulkhead", num_tokens: int, acquired_at: float) -> None:
+    def __init__(self, bulkhead: "Bulkhead", num_tokens: int, num_seqs: int, acquired_at: float) -> None:
         self._bulkhead = bulkhead
         self.num_tokens = num_tokens
+        self.num_seqs = num_seqs
         self.acquired_at = acquired_at
         self.is_released = False
 
@@ -68,48 +72,60 @@ class Permit:
 
 
 class Bulkhead:
-    def __init__(self, model: str, config: BulkheadConfig | None = None, *, clock: Clock) -> None:
+    def __init__(self, model: str, config: BulkheadConfig | None = None, *, clock: Clock,
+                 engine_capacity: int | None = None) -> None:
+        """`engine_capacity`: sequences the engine holds (running + waiting), the default bound."""
         self.model = model
         self.config = config or BulkheadConfig()
+        self.max_num_seqs = self.config.max_num_seqs or engine_capacity  # None: unbounded
         self._clock = clock
-        self.num_requests = 0
+        self.num_seqs = 0
         self.num_tokens = 0
         self.num_rejected = 0
         self._mean_hold_s: float | None = None  # EWMA of how long permits are held
 
-    def can_acquire(self, num_tokens: int) -> bool:
-        return self._refusal(num_tokens) is None
+    def can_acquire(self, num_tokens: int, num_seqs: int = 1) -> bool:
+        return self._refusal(num_tokens, num_seqs) is None
 
-    def try_acquire(self, num_tokens: int) -> Permit:
-        """Admit a request of `num_tokens` (prompt + max_tokens) or raise AdmissionRejected at once.
-        A request larger than the whole bulkhead can never fit: RequestRejectedError (a 4xx)."""
-        if num_tokens < 0:
-            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        if num_tokens > self.config.max_num_tokens:
-            raise RequestRejectedError(f"request needs {num_tokens} tokens, model {self.model!r} admits "
-                                       f"at most {self.config.max_num_tokens} at a time")
-        refusal = self._refusal(num_tokens)
+    def check_fits(self, num_tokens: int, num_seqs: int = 1) -> None:
+        """RequestRejectedError (a 4xx) for what can never be admitted, even into an empty bulkhead."""
+        if self.max_num_seqs is not None and num_seqs > self.max_num_seqs:
+            raise RequestRejectedError(f"the request needs {num_seqs} sequences (prompts x n); model "
+                                       f"{self.model!r} admits at most {self.max_num_seqs} at a time")
+        limit = self.config.max_num_tokens
+        if limit is not None and num_tokens > limit:
+            raise RequestRejectedError(f"the request needs {num_tokens} tokens (prompt + n x max_tokens); "
+                                       f"model {self.model!r} admits at most {limit} at a time")
+
+    def try_acquire(self, num_tokens: int, num_seqs: int = 1) -> Permit:
+        """Admit a request of `num_seqs` sequences and `num_tokens` (prompt + n x max_tokens) or
+        raise AdmissionRejected at once (RequestRejectedError when it could never fit)."""
+        if num_tokens < 0 or num_seqs < 1:
+            raise ValueError(f"need num_tokens >= 0 and num_seqs >= 1, got {num_tokens}, {num_seqs}")
+        self.check_fits(num_tokens, num_seqs)
+        refusal = self._refusal(num_tokens, num_seqs)
         if refusal is not None:
             self.num_rejected += 1
             raise AdmissionRejected(self.model, refusal, self.retry_after_s())
-        self.num_requests += 1
+        self.num_seqs += num_seqs
         self.num_tokens += num_tokens
-        return Permit(self, num_tokens, self._clock())
+        return Permit(self, num_tokens, num_seqs, self._clock())
 
     def retry_after_s(self) -> float:
         """About one mean hold time: by then most of the requests holding the bulkhead are done."""
         hold_s = self._mean_hold_s if self._mean_hold_s is not None else self.config.min_retry_after_s
         return min(max(hold_s, self.config.min_retry_after_s), self.config.max_retry_after_s)
 
-    def _refusal(self, num_tokens: int) -> str | None:
-        if self.num_requests + 1 > self.config.max_num_requests:
-            return f"{self.num_requests} of {self.config.max_num_requests} requests admitted"
-        if self.num_tokens + num_tokens > self.config.max_num_tokens:
-            return f"{self.num_tokens} + {num_tokens} tokens exceed {self.config.max_num_tokens}"
+    def _refusal(self, num_tokens: int, num_seqs: int) -> str | None:
+        if self.max_num_seqs is not None and self.num_seqs + num_seqs > self.max_num_seqs:
+            return f"{self.num_seqs} + {num_seqs} sequences exceed {self.max_num_seqs}"
+        limit = self.config.max_num_tokens
+        if limit is not None and self.num_tokens + num_tokens > limit:
+            return f"{self.num_tokens} + {num_tokens} tokens exceed {limit}"
         return None
 
     def _release(self, permit: Permit) -> None:
-        self.num_requests -= 1
+        self.num_seqs -= permit.num_seqs
         self.num_tokens -= permit.num_tokens
         hold_s = self._clock() - permit.acquired_at
         self._mean_hold_s = hold_s if self._mean_hold_s is None else \

@@ -70,6 +70,10 @@ class Generation:
         a prompt too long for the context is a 400 that says the numbers."""
         self.num_prompt_tokens = await asyncio.to_thread(self._check_all, prompts)
         self.prompts = prompts
+        # its prompts are admitted side by side: a request bigger than the whole bulkhead never fits
+        n, max_tokens = self.params.n, self.params.max_tokens or 0
+        self.state.router.bulkhead(self.model).check_fits(
+            sum(self.num_prompt_tokens) + len(prompts) * n * max_tokens, len(prompts) * n)
 
     async def check_chat(self, messages: list[dict[str, str]]) -> None:
         prompt = await asyncio.to_thread(self.engine.apply_chat_template, messages)

@@ -156,8 +156,23 @@ class ResilienceCollector(Collector):
             breaker.add_metric([name], BREAKER_STATES[model_breaker.state])
         for name, count in getattr(router, "num_engine_requests", {}).items():
             engine_requests.add_metric([name], count)
+        rejected = CounterMetricFamily(f"{PREFIX}admission_rejections", "Requests the bulkhead refused (429)",
+                                       labels=["model_name"])
+        admitted = GaugeMetricFamily(f"{PREFIX}admitted_seqs", "Sequences holding a bulkhead permit",
+                                     labels=["model_name"])
+        for name, bulkhead in getattr(router, "bulkheads", {}).items():
+            rejected.add_metric([name], bulkhead.num_rejected)
+            admitted.add_metric([name], bulkhead.num_seqs)
         yield breaker
         yield engine_requests
+        yield rejected
+        yield admitted
+        budget = getattr(router, "retry_budget", None)
+        if budget is not None:
+            yield GaugeMetricFamily(f"{PREFIX}retry_budget_requests", "Requests in the retry budget's window",
+                                    value=budget.num_requests)
+            yield GaugeMetricFamily(f"{PREFIX}retry_budget_retries", "Failovers spent from the retry budget in "
+                                    "its window", value=budget.num_retries)
         yield CounterMetricFamily(f"{PREFIX}failovers", "Requests resubmitted to a fallback before their first "
                                   "token", value=getattr(router, "num_failovers", 0))
         yield GaugeMetricFamily(f"{PREFIX}leak_suspected", "1 while a memory leak is flagged",

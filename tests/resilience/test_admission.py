@@ -13,7 +13,7 @@ def make(clock, **kwargs) -> Bulkhead:
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"max_num_requests": 0}, "max_num_requests must be >= 1, got 0"),
+    ({"max_num_seqs": 0}, "max_num_seqs must be >= 1, got 0"),
     ({"max_num_tokens": 0}, "max_num_tokens must be >= 1, got 0"),
     ({"min_retry_after_s": 0.0}, "need 0 < min_retry_after_s <= max_retry_after_s, got 0.0, 30.0"),
     ({"min_retry_after_s": 5.0, "max_retry_after_s": 2.0}, "need 0 < min_retry_after_s <= max_retry_after_s, got 5.0, 2.0"),
@@ -24,58 +24,70 @@ def test_config_rejects_bad_values(kwargs, message):
 
 
 def test_request_cap_refuses_at_once_and_release_makes_room(clock):
-    bulkhead = make(clock, max_num_requests=2, max_num_tokens=100)
+    bulkhead = make(clock, max_num_seqs=2, max_num_tokens=100)
     first, _second = bulkhead.try_acquire(10), bulkhead.try_acquire(10)
     assert not bulkhead.can_acquire(1)
     with pytest.raises(AdmissionRejected) as info:
         bulkhead.try_acquire(1)
-    assert (info.value.model, info.value.reason) == ("small", "2 of 2 requests admitted")
+    assert (info.value.model, info.value.reason) == ("small", "2 + 1 sequences exceed 2")
     assert info.value.retry_after_s == 1.0
     first.release()
     assert bulkhead.can_acquire(1)
-    assert (bulkhead.num_requests, bulkhead.num_tokens, bulkhead.num_rejected) == (1, 10, 1)
+    assert (bulkhead.num_seqs, bulkhead.num_tokens, bulkhead.num_rejected) == (1, 10, 1)
 
 
 def test_token_cap_counts_prompt_and_max_tokens(clock):
-    bulkhead = make(clock, max_num_requests=10, max_num_tokens=100)
+    bulkhead = make(clock, max_num_seqs=10, max_num_tokens=100)
     bulkhead.try_acquire(60)
     with pytest.raises(AdmissionRejected, match="60 \\+ 50 tokens exceed 100"):
         bulkhead.try_acquire(50)
     bulkhead.try_acquire(40)
-    assert (bulkhead.num_requests, bulkhead.num_tokens) == (2, 100)
+    assert (bulkhead.num_seqs, bulkhead.num_tokens) == (2, 100)
 
 
 def test_request_larger_than_the_bulkhead_is_a_request_error(clock):
     bulkhead = make(clock, max_num_tokens=100)
-    with pytest.raises(RequestRejectedError, match="request needs 101 tokens, model 'small' admits"):
+    with pytest.raises(RequestRejectedError, match=r"needs 101 tokens \(prompt \+ n x max_tokens\); model "
+                                                   r"'small' admits at most 100 at a time"):
         bulkhead.try_acquire(101)
-    with pytest.raises(ValueError, match="num_tokens must be >= 0, got -1"):
+    with pytest.raises(ValueError, match="need num_tokens >= 0 and num_seqs >= 1, got -1, 1"):
         bulkhead.try_acquire(-1)
     assert bulkhead.num_rejected == 0
 
 
+def test_sequences_count_n_and_default_to_the_engine_capacity(clock):
+    bulkhead = Bulkhead("small", BulkheadConfig(), clock=clock, engine_capacity=6)
+    assert bulkhead.max_num_seqs == 6 and bulkhead.config.max_num_tokens is None
+    bulkhead.try_acquire(10_000_000, num_seqs=4)  # no token bound unless one is configured
+    with pytest.raises(AdmissionRejected, match=r"4 \+ 4 sequences exceed 6"):
+        bulkhead.try_acquire(1, num_seqs=4)
+    with pytest.raises(RequestRejectedError, match="needs 7 sequences .*admits at most 6 at a time"):
+        bulkhead.try_acquire(1, num_seqs=7)  # never fits, even when empty: a 4xx, not a 429 forever
+    assert Bulkhead("x", BulkheadConfig(max_num_seqs=3), clock=clock, engine_capacity=6).max_num_seqs == 3
+
+
 def test_release_is_idempotent(clock):
-    bulkhead = make(clock, max_num_requests=2, max_num_tokens=100)
+    bulkhead = make(clock, max_num_seqs=2, max_num_tokens=100)
     permit = bulkhead.try_acquire(30)
     bulkhead.try_acquire(20)
     permit.release()
     permit.release()
     with permit:
         pass
-    assert (permit.is_released, bulkhead.num_requests, bulkhead.num_tokens) == (True, 1, 20)
+    assert (permit.is_released, bulkhead.num_seqs, bulkhead.num_tokens) == (True, 1, 20)
 
 
 async def test_async_with_releases_on_error(clock):
-    bulkhead = make(clock, max_num_requests=1)
+    bulkhead = make(clock, max_num_seqs=1)
     with pytest.raises(RuntimeError, match="engine died"):
         async with bulkhead.try_acquire(5):
-            assert bulkhead.num_requests == 1
+            assert bulkhead.num_seqs == 1
             raise RuntimeError("engine died")
-    assert (bulkhead.num_requests, bulkhead.num_tokens) == (0, 0)
+    assert (bulkhead.num_seqs, bulkhead.num_tokens) == (0, 0)
 
 
 async def test_releases_when_the_request_is_cancelled(clock):
-    bulkhead = make(clock, max_num_requests=1)
+    bulkhead = make(clock, max_num_seqs=1)
     holding = asyncio.Event()
 
     async def handler() -> None:
@@ -89,11 +101,11 @@ async def test_releases_when_the_request_is_cancelled(clock):
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert (bulkhead.num_requests, bulkhead.num_tokens) == (0, 0)
+    assert (bulkhead.num_seqs, bulkhead.num_tokens) == (0, 0)
 
 
 def test_retry_after_follows_hold_times_within_bounds(clock):
-    bulkhead = make(clock, max_num_requests=1, min_retry_after_s=1.0, max_retry_after_s=30.0)
+    bulkhead = make(clock, max_num_seqs=1, min_retry_after_s=1.0, max_retry_after_s=30.0)
     for hold_s, expected in [(4.0, 4.0), (4.0, 4.0), (14.0, 6.0), (0.0, 4.8)]:
         permit = bulkhead.try_acquire(1)
         clock.advance(hold_s)
