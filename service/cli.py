@@ -109,7 +109,7 @@ def _add_server_options(p: argparse.ArgumentParser) -> None:
                    help="seconds an idle keep-alive connection stays open (default 75)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", default=None,
                    help="skip the one-token warm-up generation before turning ready")
-    p.add_argument("--shutdown-timeout", type=float, help="seconds in-flight requests may finish (default 10)")
+    p.add_argument("--shutdown-timeout", type=float, help="seconds in-flight requests may finish (default 10; env SHUTDOWN_TIMEOUT)")
     p.add_argument("--idle-timeout", dest="idle_timeout_s", type=float,
                    help="seconds without a first or next token before a request fails over (default 10)")
     p.add_argument("--heartbeat-interval", dest="heartbeat_interval_s", type=float,
@@ -188,7 +188,8 @@ def build_config(args: argparse.Namespace, env: Mapping[str, str]) -> ServerConf
         "api_keys": tuple(api_keys) if api_keys else None,
         "admin_key": args.admin_key or env.get("ADMIN_KEY") or None,
         "max_body_bytes": args.max_body_bytes, "auth_metrics": args.auth_metrics, "warmup": args.warmup,
-        "shutdown_timeout": args.shutdown_timeout, "idle_timeout_s": args.idle_timeout_s,
+        "shutdown_timeout": args.shutdown_timeout if args.shutdown_timeout is not None else
+        _env_number(env, "SHUTDOWN_TIMEOUT", float), "idle_timeout_s": args.idle_timeout_s,
         "heartbeat_interval_s": args.heartbeat_interval_s, "leak_min_growth_bytes": args.leak_min_growth_bytes,
         "leak_action": args.leak_action, "hang_timeout_s": args.hang_timeout_s,
         "max_engine_rebuilds": args.max_engine_rebuilds,

@@ -53,13 +53,14 @@ def test_fallback_that_is_also_a_model_is_not_loaded_twice():
 
 def test_environment_like_vllm_docker():
     env = {"MODEL": "/m/x", "PORT": "7000", "MAX_GPU_MEMORY_UTILIZATION": "0.5", "API_KEY": "secret",
-           "ADMIN_KEY": "adm"}
+           "ADMIN_KEY": "adm", "SHUTDOWN_TIMEOUT": "30"}
     config = _config([], env)
-    assert config.model_names == ["x"] and config.port == 7000
+    assert config.model_names == ["x"] and config.port == 7000 and config.shutdown_timeout == 30.0
     assert config.models[0].engine.gpu_memory_utilization == 0.5
     assert (config.api_keys, config.admin_key) == (("secret",), "adm")
-    flagged = _config(["--port", "7001", "--model", "/m/y", "--api-key", "k"], env)
+    flagged = _config(["--port", "7001", "--model", "/m/y", "--api-key", "k", "--shutdown-timeout", "4"], env)
     assert (flagged.port, flagged.model_names, flagged.api_keys) == (7001, ["y"], ("k",))
+    assert flagged.shutdown_timeout == 4.0
 
 
 def test_keys_never_in_repr():
