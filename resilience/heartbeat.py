@@ -6,7 +6,7 @@ the next beat is reported as fatal (a wedged NVML call means a wedged driver: fa
 and no second probe is started on top of it.
 
     heartbeat = Heartbeat(make_probe("cuda:0"), LeakDetector(clock=time.monotonic),
-                          clock=time.monotonic, is_busy=lambda: engine.stats().is_busy,
+                          clock=time.monotonic, load=lambda: engine_load([engine]),
                           on_leak=..., on_probe_error=...)
     heartbeat.start(); ...; await heartbeat.stop()
 """
@@ -14,7 +14,8 @@ and no second probe is started on top of it.
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from resilience.clock import Clock
 from resilience.errors import ProbeError
@@ -24,12 +25,29 @@ from resilience.probes import MemorySample, Probe
 logger = logging.getLogger(__name__)
 
 DEFAULT_INTERVAL_S = 30.0
+MIN_BUSY_LOAD = 1e-3  # requests queued but none running yet: busy all the same, never "idle"
+DEFAULT_MAX_NUM_SEQS = 128  # for an engine that does not say (test fakes)
+
+
+def engine_load(engines: Iterable[Any]) -> float:
+    """0.0 when no engine has work, else the fraction of all their sequence slots running: what the
+    activations' working set scales with (KV blocks are preallocated and do not move memory)."""
+    num_running = num_slots = 0
+    is_busy = False
+    for engine in engines:
+        stats = engine.stats()
+        is_busy = is_busy or stats.is_busy
+        num_running += stats.num_running
+        num_slots += getattr(getattr(engine, "config", None), "max_num_seqs", DEFAULT_MAX_NUM_SEQS)
+    if not is_busy:
+        return 0.0
+    return min(1.0, max(MIN_BUSY_LOAD, num_running / max(1, num_slots)))
 
 
 class Heartbeat:
     def __init__(self, probe: Probe, detector: LeakDetector, *, clock: Clock,
                  interval_s: float = DEFAULT_INTERVAL_S, probe_timeout_s: float | None = None,
-                 is_busy: Callable[[], bool] = lambda: False,
+                 load: Callable[[], float] = lambda: 0.0,
                  on_leak: Callable[[LeakReport], None] | None = None,
                  on_probe_error: Callable[[BaseException], None] | None = None) -> None:
         if not interval_s > 0:
@@ -38,7 +56,8 @@ class Heartbeat:
         self.probe_timeout_s = probe_timeout_s if probe_timeout_s is not None else interval_s
         if not self.probe_timeout_s > 0:
             raise ValueError(f"probe_timeout_s must be > 0, got {self.probe_timeout_s}")
-        self._probe, self._detector, self._clock, self._is_busy = probe, detector, clock, is_busy
+        # load: 0.0 idle, else the fraction of sequence slots running (see LeakDetector.add)
+        self._probe, self._detector, self._clock, self._load = probe, detector, clock, load
         self._on_leak, self._on_probe_error = on_leak, on_probe_error
         self.last_sample: MemorySample | None = None
         self.last_sample_at: float | None = None
@@ -86,13 +105,13 @@ class Heartbeat:
             hung_s = self._clock() - self._pending_since
             self._report_error(ProbeError(f"memory probe hung for {hung_s:.1f} s", is_fatal=True))
             return None
-        is_busy = self._is_busy()
+        load = self._load()
         try:
             sample = await self._call_probe()
         except Exception as exc:
             self._report_error(exc)
             return None
-        self._take(sample, is_busy or self._is_busy())
+        self._take(sample, max(load, self._load()))  # the higher of the two ends of the probe call
         return sample
 
     async def _call_probe(self) -> MemorySample:
@@ -112,9 +131,9 @@ class Heartbeat:
         if not future.cancelled():
             future.exception()  # retrieved here so a late failure is not logged as never retrieved
 
-    def _take(self, sample: MemorySample, is_busy: bool) -> None:
+    def _take(self, sample: MemorySample, load: float) -> None:
         self.last_sample, self.last_sample_at = sample, self._clock()
-        report = self._detector.add(sample, is_busy)
+        report = self._detector.add(sample, load)
         if report is not None and self.last_report is None:
             logger.warning("heartbeat: memory leak suspected: %s", report.describe())
             if self._on_leak is not None:

@@ -34,7 +34,7 @@ from typing import Any
 from aiohttp import web
 
 from engine.sampling_params import SamplingParams
-from resilience.heartbeat import Heartbeat
+from resilience.heartbeat import Heartbeat, engine_load
 from resilience.leak_detector import LeakDetector, LeakDetectorConfig, LeakReport
 from resilience.probes import make_probe
 from resilience.retry import RetryConfig, retry_policy
@@ -58,7 +58,7 @@ async def supervision_ctx(app: web.Application) -> AsyncIterator[None]:
         window_s=max(300.0, 10 * config.heartbeat_interval_s)), clock=time.monotonic)
     heartbeat = Heartbeat(
         make_probe(device), detector, clock=time.monotonic, interval_s=config.heartbeat_interval_s,
-        is_busy=lambda: any(e.stats().is_busy for e in state.engines.values()),
+        load=lambda: engine_load(state.engines.values()),
         on_leak=lambda report: _on_leak(app, report), on_probe_error=lambda exc: _on_probe_error(app, exc))
     state.heartbeat = heartbeat
     # memory is only worth watching once the models are in: loading is growth, not a leak

@@ -1,10 +1,11 @@
 import asyncio
 import threading
+from types import SimpleNamespace
 
 import pytest
 
 from resilience.errors import ProbeError
-from resilience.heartbeat import Heartbeat
+from resilience.heartbeat import DEFAULT_MAX_NUM_SEQS, MIN_BUSY_LOAD, Heartbeat, engine_load
 from resilience.leak_detector import MIB, LeakDetector, LeakDetectorConfig
 from resilience.probes import MemorySample
 
@@ -51,12 +52,40 @@ async def test_beat_feeds_the_detector_and_reports_a_leak_once(clock):
     assert threading.get_ident() not in probe.thread_ids  # probed off the event loop
 
 
-async def test_busy_samples_are_tagged(clock):
-    heartbeat = make(clock, GrowingProbe(clock), is_busy=lambda: True)
+async def test_samples_carry_the_load_and_a_leak_under_load_is_still_flagged(clock):
+    leaks = []
+    heartbeat = make(clock, GrowingProbe(clock), load=lambda: 0.25, on_leak=leaks.append)
     for _ in range(5):
         await heartbeat.beat()
-    assert heartbeat.last_report is None
     assert heartbeat._detector.num_busy_samples == 5
+    assert len(leaks) == 1 and leaks[0].load == 0.25
+
+
+async def test_a_sample_takes_the_higher_load_of_the_probe_call_s_two_ends(clock):
+    loads = iter([0.0, 0.5] * 5)  # idle when the probe starts, busy when it answers: not idle
+    heartbeat = make(clock, GrowingProbe(clock), load=lambda: next(loads))
+    for _ in range(5):
+        await heartbeat.beat()
+    assert heartbeat._detector.num_busy_samples == 5
+    assert heartbeat.last_report is not None and heartbeat.last_report.load == 0.5
+
+
+class FakeEngine:
+    def __init__(self, num_running: int, num_waiting: int = 0, max_num_seqs: int | None = None) -> None:
+        self._stats = SimpleNamespace(num_running=num_running, is_busy=num_running + num_waiting > 0)
+        if max_num_seqs is not None:
+            self.config = SimpleNamespace(max_num_seqs=max_num_seqs)
+
+    def stats(self) -> SimpleNamespace:
+        return self._stats
+
+
+def test_engine_load_is_the_fraction_of_sequence_slots_running():
+    assert engine_load([]) == 0.0
+    assert engine_load([FakeEngine(0, max_num_seqs=8), FakeEngine(0)]) == 0.0
+    assert engine_load([FakeEngine(64, max_num_seqs=128), FakeEngine(0, max_num_seqs=128)]) == 0.25
+    assert engine_load([FakeEngine(0, num_waiting=3, max_num_seqs=8)]) == MIN_BUSY_LOAD  # queued: busy
+    assert engine_load([FakeEngine(32)]) == 32 / DEFAULT_MAX_NUM_SEQS  # a fake without a config
 
 
 async def test_probe_errors_are_reported_and_the_beat_goes_on(clock):
