@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 GiB = 1 << 30
+CPU_TOKENS_PER_SEQ = 256  # the default CPU KV pool holds max_num_seqs sequences this long
 
 
 def resolve_device(name: str) -> torch.device:
@@ -96,7 +97,7 @@ class ModelRunner:
         max_model_len = min(self.config.max_model_len or max_model_len, max_model_len)
         dtype_bytes = torch.tensor([], dtype=self.dtype).element_size()
         per_block = 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * head_dim * dtype_bytes
-        num_blocks = self._kv_budget() // per_block
+        num_blocks = self._kv_budget(per_block // block_size, max_model_len) // per_block
         if not self.config.kv_cache_memory:  # a derived budget: no more than a full batch of full sequences
             num_blocks = min(num_blocks, self.config.max_num_seqs * math.ceil(max_model_len / block_size))
         if num_blocks < math.ceil(max_model_len / block_size):
@@ -107,16 +108,19 @@ class ModelRunner:
         return KVCacheLayout(num_blocks, block_size, cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim,
                              dtype_bytes, num_swap, max_model_len)
 
-    def _kv_budget(self) -> int:
-        """Bytes for the KV pool: as configured, else what the device has left after the weights."""
+    def _kv_budget(self, bytes_per_token: int, max_model_len: int) -> int:
+        """Bytes for the KV pool: as configured; on CUDA what the device has left after the weights;
+        on CPU room for max_num_seqs sequences of CPU_TOKENS_PER_SEQ tokens plus one of max_model_len
+        (at most 1 GiB): sized for the model and the batch, not for free memory, so it is the same
+        on every run and next to other replicas (preemption covers a mix of longer sequences)."""
         if self.config.kv_cache_memory:
             return self.config.kv_cache_memory
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             activations = 2 * GiB  # headroom for the forward's activations and logits
             return max(int(total * self.config.gpu_memory_utilization) - (total - free) - activations, 0)
-        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-        return min(GiB, available // 8)  # host memory is shared with every other process on the box
+        num_tokens = self.config.max_num_seqs * CPU_TOKENS_PER_SEQ + max_model_len
+        return min(GiB, bytes_per_token * num_tokens)
 
     def _allocate(self, num_blocks: int, host: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
         lay = self.layout
