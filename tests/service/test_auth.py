@@ -2,16 +2,9 @@
 
 import logging
 
-from aiohttp import web
-
 from service.auth import KeyRing
 
-
-async def _ping(request: web.Request) -> web.Response:
-    return web.json_response({"ok": True})
-
-
-ADMIN_ROUTES = [web.get("/admin/ping", _ping)]
+ADMIN = "/admin/models"  # a real admin route: the registry's listing
 
 
 def _bearer(key: str) -> dict[str, str]:
@@ -56,17 +49,19 @@ async def test_metrics_can_require_a_key(start):
 
 
 async def test_admin_closed_without_an_admin_key(start):
-    h = await start(api_keys=("k1",), routes=ADMIN_ROUTES)
-    response = await h.client.get("/admin/ping", headers=_bearer("k1"))
+    h = await start(api_keys=("k1",))
+    response = await h.client.get(ADMIN, headers=_bearer("k1"))
     assert response.status == 403 and "--admin-key" in (await response.json())["error"]["message"]
 
 
 async def test_admin_key_is_separate(start):
-    h = await start(api_keys=("k1",), admin_key="adm", routes=ADMIN_ROUTES)
-    assert (await h.client.get("/admin/ping")).status == 401
-    assert (await h.client.get("/admin/ping", headers=_bearer("k1"))).status == 401
-    response = await h.client.get("/admin/ping", headers=_bearer("adm"))
-    assert response.status == 200 and await response.json() == {"ok": True}
+    h = await start(api_keys=("k1",), admin_key="adm")
+    assert (await h.client.get(ADMIN)).status == 401
+    assert (await h.client.get(ADMIN, headers=_bearer("k1"))).status == 401
+    response = await h.client.get(ADMIN, headers=_bearer("adm"))
+    assert response.status == 200
+    assert [(m["name"], m["state"]) for m in (await response.json())["models"]] == [("primary", "ready"),
+                                                                                   ("fallback", "ready")]
 
 
 async def test_no_keys_means_open_v1(start):
@@ -76,9 +71,9 @@ async def test_no_keys_means_open_v1(start):
 
 
 async def test_keys_are_never_logged(start, caplog):
-    h = await start(api_keys=("sekrit-key",), admin_key="sekrit-admin", routes=ADMIN_ROUTES)
+    h = await start(api_keys=("sekrit-key",), admin_key="sekrit-admin")
     with caplog.at_level(logging.DEBUG):
         await h.client.get("/v1/models", headers=_bearer("sekrit-wrong"))
         await h.client.post("/v1/completions", json={"prompt": "hi"}, headers=_bearer("sekrit-key"))
-        await h.client.get("/admin/ping", headers=_bearer("sekrit-admin"))
+        await h.client.get(ADMIN, headers=_bearer("sekrit-admin"))
     assert caplog.records and not any("sekrit" in r.getMessage() for r in caplog.records)
