@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -70,6 +71,9 @@ class Generation:
         a prompt too long for the context is a 400 that says the numbers."""
         self.num_prompt_tokens = await asyncio.to_thread(self._check_all, prompts)
         self.prompts = prompts
+        if self.params.max_tokens is None:  # not asked for (chat): the default, within the context left
+            room = self.engine.max_model_len - max(self.num_prompt_tokens)
+            self.params = dataclasses.replace(self.params, max_tokens=min(self.config.default_max_tokens, room))
         # its prompts are admitted side by side: a request bigger than the whole bulkhead never fits
         n, max_tokens = self.params.n, self.params.max_tokens or 0
         self.state.router.bulkhead(self.model).check_fits(
