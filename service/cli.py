@@ -264,6 +264,11 @@ def check_model_dirs(config: ServerConfig) -> None:
 
 async def serve(config: ServerConfig) -> int:
     """Serve until SIGINT/SIGTERM (exit 0) or until a model fails to load (exit 1)."""
+    # first thing: a SIGTERM during the imports and set-up below is a clean stop, not a kill
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
     from aiohttp import web
 
     from service.app import create_app, drain, make_runner
@@ -277,10 +282,6 @@ async def serve(config: ServerConfig) -> int:
         await site.start()
         logger.info("pagedserve listening on http://%s:%d (models: %s)", config.host, config.port,
                     ", ".join(config.model_names))
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
         fatal = app[STATE_KEY].fatal
         waiters = [asyncio.create_task(stop.wait()), asyncio.create_task(fatal.wait())]
         await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
