@@ -1,15 +1,24 @@
-"""The request path through the resilience layer: admission -> breaker -> deadline -> engine, and
+"""The request path through the resilience layer: admission -> breaker -> deadlines -> engine, and
 down the degrade ladder (a model's fallback, then its fallback's) when a model cannot serve.
 
     for each model of the ladder (the asked one first):
         engine dead, or breaker open / probing      -> next model, at once
         bulkhead full                               -> AdmissionRejected (429), no degrade: overload
                                                        is not sickness, and the fallback has its own
-        no token within the deadline, or a failure  -> counted on the breaker; if nothing was
-          before the first token                       streamed yet, resubmit to the next model
+        no first token by the first-token deadline  -> a slow call on the breaker; the request is
+          (arrival + first_token_timeout_s for the     aborted there and moved to the next model (which
+          asked model, queue time included; the        gets its own first_token_timeout_s); on the last
+          moment it moved for the next ones)           model that can serve there is no such deadline:
+                                                       a late first token is only counted slow
+        a transient engine error (EngineStepError)  -> resubmitted once to the same model (tenacity),
+          before the first token                       within the retry budget and the deadlines
+        a failure before the first token (stalled   -> counted on the breaker; resubmit to the next
+          loop, engine error, dead engine)             model
         after the first token                       -> the error goes to the client (never retried)
         the engine isolated it as a poison request  -> the error goes to the client (RequestFailedError
                                                        is never resubmitted: it would break the next model)
+        the request's own deadline (client header,  -> DeadlineExceeded("total") to the client (504, or
+          --request-timeout) ran out                   an error event mid-stream); never the model's fault
     nobody left                                     -> NoModelAvailable: 503 + Retry-After when no model
                                                        was tried; after a failure the status is that failure's
 
@@ -21,6 +30,7 @@ breaker those same deadlines open stops it.
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,16 +39,17 @@ from engine.errors import EngineDeadError, EngineOverloadedError, EngineStepErro
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from resilience.admission import Bulkhead, BulkheadConfig
-from resilience.breaker import IGNORED_EXCEPTIONS, BreakerConfig, ModelBreaker, StateListener
+from resilience.breaker import IGNORED_EXCEPTIONS, BreakerCall, BreakerConfig, ModelBreaker, StateListener
 from resilience.clock import Clock
-from resilience.deadline import progress_deadline
-from resilience.errors import DeadlineExceeded, NoModelAvailable
-from resilience.retry import RetryBudget, RetryBudgetConfig
+from resilience.deadline import StallDetected, progress_deadline
+from resilience.errors import DeadlineExceeded, NoModelAvailable, RetryLater
+from resilience.retry import RetryBudget, RetryBudgetConfig, RetryConfig, retry_policy
 
 logger = logging.getLogger(__name__)
 
 FAILOVER_ERRORS = (DeadlineExceeded, EngineStepError, EngineDeadError)
 NO_MODEL_RETRY_AFTER_S = 5.0
+DEADLINE_KINDS = ("first_token", "stall", "total")  # the second key of ModelRouter.num_deadline_hits
 
 
 @dataclass
@@ -48,8 +59,9 @@ class GenerateRequest:
     prompt: str | list[int]
     params: SamplingParams
     priority: int = 0
-    deadline: float | None = None  # time.monotonic() by which the client gives up
+    deadline: float | None = None  # on the router's clock: the request's own budget ends (504 after it)
     num_prompt_tokens: int = 0  # for the token bulkhead (prompt + max_tokens)
+    arrival: float | None = None  # on the router's clock (None: when the router sees it)
 
 
 @dataclass
@@ -61,16 +73,21 @@ class RoutedOutput:
 
 @dataclass(frozen=True)
 class RouterConfig:
-    idle_timeout_s: float = 10.0  # no first token, or no next token, for this long: a failure
+    first_token_timeout_s: float = 10.0  # no first token this long after arrival: slow, next model
+    stall_timeout_s: float = 10.0  # no item while the engine loop makes no progress this long: a failure
     breaker: BreakerConfig = field(default_factory=lambda: BreakerConfig(
         # overload is not sickness, and a poison request is the request's fault, not the model's
         ignored=IGNORED_EXCEPTIONS + (EngineOverloadedError, RequestFailedError)))
     bulkhead: BulkheadConfig = field(default_factory=BulkheadConfig)
     retry_budget: RetryBudgetConfig = field(default_factory=RetryBudgetConfig)
+    # one resubmit to the same model after a transient engine error, before any byte went out
+    retry: RetryConfig = field(default_factory=lambda: RetryConfig(
+        max_attempts=2, initial_wait_s=0.05, max_wait_s=0.05, retry_on=(EngineStepError,)))
 
     def __post_init__(self) -> None:
-        if not self.idle_timeout_s > 0:
-            raise ValueError(f"idle_timeout_s must be > 0, got {self.idle_timeout_s}")
+        for name in ("first_token_timeout_s", "stall_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
 class ModelRouter:
@@ -85,7 +102,11 @@ class ModelRouter:
         self.breakers: dict[str, ModelBreaker] = {}
         self.bulkheads: dict[str, Bulkhead] = {}
         self.retry_budget = RetryBudget(self.config.retry_budget, clock=clock)
-        self.num_engine_requests: dict[str, int] = {}  # submissions per model, retries included
+        # counters for metrics, per served model
+        self.num_engine_requests: Counter[str] = Counter()  # submissions, retries included
+        self.num_retries: Counter[str] = Counter()  # resubmits to the same model after a transient error
+        self.num_slow_calls: Counter[str] = Counter()  # first token after the first-token deadline, or none by it
+        self.num_deadline_hits: Counter[tuple[str, str]] = Counter()  # (model, one of DEADLINE_KINDS)
         self.num_failovers = 0
 
     def breaker(self, model: str) -> ModelBreaker:
@@ -118,26 +139,32 @@ class ModelRouter:
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RoutedOutput]:
         self.retry_budget.record_request()
+        window_from = req.arrival if req.arrival is not None else self.clock()  # of the first-token deadline
+        ladder = self.ladder(req.model)
         last_error: BaseException | None = None
-        for name in self.ladder(req.model):
+        for index, name in enumerate(ladder):
             if not self._is_available(name):
                 continue
             if last_error is not None and not self._may_fail_over(req, last_error):
                 break
+            # the last model that can serve has no first-token deadline: moving on would only fail
+            has_next = any(self._is_available(later) for later in ladder[index + 1:])
+            first_token_deadline = window_from + self.config.first_token_timeout_s
             streamed = False
             try:
-                async with contextlib.aclosing(self._attempt(name, req)) as attempt:
-                    async for routed in attempt:
+                async with contextlib.aclosing(self._serve(name, req, first_token_deadline, has_next)) as outputs:
+                    async for routed in outputs:
                         streamed = True
                         yield routed
                 return
             except FAILOVER_ERRORS as exc:
                 if streamed:
                     raise
-                logger.warning("request %s: model %s failed before its first token (%r)", req.request_id, name, exc)
+                logger.warning("request %s: no first token from model %s (%r); next model", req.request_id, name, exc)
                 last_error = exc
+                window_from = self.clock()
         cause = f" (last failure: {last_error})" if last_error else ""
-        raise NoModelAvailable(f"no model of {self.ladder(req.model)} can serve now{cause}",
+        raise NoModelAvailable(f"no model of {ladder} can serve now{cause}",
                                self._retry_after_s(req.model)) from last_error
 
     def _may_fail_over(self, req: GenerateRequest, error: BaseException) -> bool:
@@ -149,20 +176,88 @@ class ModelRouter:
         self.num_failovers += 1
         return True
 
-    async def _attempt(self, name: str, req: GenerateRequest) -> AsyncIterator[RoutedOutput]:
+    async def _serve(self, name: str, req: GenerateRequest, first_token_deadline: float,
+                     has_next: bool) -> AsyncIterator[RoutedOutput]:
+        """One model of the ladder: tenacity resubmits once after a transient engine error, only until
+        the first output (never once bytes may have gone out), within the retry budget and deadlines."""
+        breaker = self.breaker(name)
+        deadlines = [d for d in (req.deadline, first_token_deadline if has_next else None) if d is not None]
+        # the budget is asked last, so a retry stopped by the attempt count or a deadline costs none
+        policy = retry_policy(self.config.retry, deadline=min(deadlines, default=None), clock=self.clock,
+                              is_call_permitted=lambda: breaker.is_call_permitted() and self.retry_budget.try_spend())
+        error: BaseException | None = None
+        async for attempt in policy:
+            with attempt:
+                number = attempt.retry_state.attempt_number
+                request_id = req.request_id if number == 1 else f"{req.request_id}-retry{number - 1}"
+                stream = self._attempt(name, req, request_id, first_token_deadline, has_next, is_retry=number > 1)
+                try:
+                    first = await _first(stream)
+                except RetryLater:
+                    if error is None:
+                        raise
+                    raise error from None  # the resubmit was refused (breaker opened meanwhile): fail over
+                except EngineStepError as exc:
+                    error = exc
+                    raise
+        async with contextlib.aclosing(stream):
+            if first is None:
+                return
+            yield first
+            async for routed in stream:
+                yield routed
+
+    async def _attempt(self, name: str, req: GenerateRequest, request_id: str, first_token_deadline: float,
+                       has_next: bool, is_retry: bool = False) -> AsyncIterator[RoutedOutput]:
         engine = self.engines[name]
         num_tokens = req.num_prompt_tokens + (req.params.max_tokens or 0)
         with self.bulkhead(name).try_acquire(num_tokens):
-            async with self.breaker(name).calling_async():
-                self.num_engine_requests[name] = self.num_engine_requests.get(name, 0) + 1
-                stream = progress_deadline(engine.generate(req.prompt, req.params, req.request_id, req.priority),
-                                           self.config.idle_timeout_s, req.deadline, clock=self.clock,
-                                           alive_at=lambda: engine.last_progress_time)
-                async with contextlib.aclosing(stream):
-                    async for output in stream:
-                        yield RoutedOutput(output, name, name != req.model)
+            async with self.breaker(name).calling_async() as call:
+                self.num_engine_requests[name] += 1
+                if is_retry:
+                    self.num_retries[name] += 1
+                stream = progress_deadline(engine.generate(req.prompt, req.params, request_id, req.priority),
+                                           self.config.stall_timeout_s, req.deadline,
+                                           first_item_deadline=first_token_deadline if has_next else None,
+                                           clock=self.clock, alive_at=lambda: engine.last_progress_time)
+                is_first = True
+                try:
+                    async with contextlib.aclosing(stream):
+                        async for output in stream:
+                            if is_first and self.clock() > first_token_deadline:
+                                self._slow(name, call)
+                            is_first = False
+                            yield RoutedOutput(output, name, name != req.model)
+                except DeadlineExceeded as exc:
+                    self._on_deadline(name, call, exc, is_first and self.clock() >= first_token_deadline)
+                    raise
+
+    def _on_deadline(self, name: str, call: BreakerCall, exc: DeadlineExceeded, is_late: bool) -> None:
+        """A stalled loop is the model's failure; the first-token deadline makes a slow call; the
+        request's own deadline is nobody's failure (slow if no first token came in time either)."""
+        kind = "stall" if isinstance(exc, StallDetected) else exc.stage
+        self.num_deadline_hits[(name, kind)] += 1
+        if kind == "stall":
+            return
+        call.excuse()
+        if kind == "first_token" or is_late:
+            self._slow(name, call)
+
+    def _slow(self, name: str, call: BreakerCall) -> None:
+        call.mark_slow()
+        self.num_slow_calls[name] += 1
 
     def _retry_after_s(self, model: str) -> float:
         waits = [self.breaker(name).retry_after_s() for name in self.ladder(model) if name in self.engines]
         return max(min(waits, default=NO_MODEL_RETRY_AFTER_S), 1.0)
 
+
+async def _first(stream: AsyncIterator[RoutedOutput]) -> RoutedOutput | None:
+    """The first output of a fresh stream (None when it ends without one); a stream that fails is closed."""
+    try:
+        return await anext(stream)
+    except StopAsyncIteration:
+        return None
+    except BaseException:
+        await stream.aclose()
+        raise

@@ -1,5 +1,5 @@
 """The seam between the HTTP handlers and the resilience layer: every generation goes through
-resilience's `ModelRouter` (bulkhead, breaker, progress deadline, degrade ladder). The app holds a
+resilience's `ModelRouter` (bulkhead, breaker, deadlines, degrade ladder). The app holds a
 router *factory* under `ROUTER_FACTORY_KEY`, so tests can put a recording router in its place."""
 
 from __future__ import annotations
@@ -13,12 +13,17 @@ from resilience.router import GenerateRequest, ModelRouter, RoutedOutput, Router
 
 
 def make_router(engines: Mapping[str, Any], fallbacks: Mapping[str, str | None],
-                idle_timeout_s: float = 10.0, breaker_open_s: float | None = None,
-                on_breaker_change: StateListener | None = None) -> ModelRouter:
+                first_token_timeout_s: float = 10.0, breaker_open_s: float | None = None,
+                on_breaker_change: StateListener | None = None, *,
+                idle_timeout_s: float | None = None) -> ModelRouter:
     """The default router factory: served name -> engine, served name -> fallback name.
+    `first_token_timeout_s`: a request with no first token this long after its arrival moves to the
+    next model of its ladder, and an engine loop without progress this long is stalled (the same
+    figure, as --first-token-timeout says); `idle_timeout_s`: its old name, wins when given;
     `breaker_open_s`: the breakers' first open period (None: resilience's default);
     `on_breaker_change`: told of every breaker's state changes (the health state listens)."""
-    config = RouterConfig(idle_timeout_s=idle_timeout_s)
+    timeout_s = idle_timeout_s if idle_timeout_s is not None else first_token_timeout_s
+    config = RouterConfig(first_token_timeout_s=timeout_s, stall_timeout_s=timeout_s)
     if breaker_open_s is not None:
         breaker = config.breaker  # keep its other defaults (which errors count, the backoff)
         breaker = dataclasses.replace(breaker, open_s=breaker_open_s,

@@ -1,6 +1,7 @@
-"""The router on real engines (tiny random models): a stalled or failing primary degrades to its
-fallback before the first token, an open breaker sends requests straight to the fallback, a
-half-open breaker lets one probe through, and nothing streamed is ever retried."""
+"""The router on real engines (tiny random models): a stalled, failing or slow primary degrades to its
+fallback before the first token, its breaker opens (on failures or on slow calls) and sends requests
+straight to the fallback, a half-open breaker lets one probe through, and nothing streamed is ever
+retried."""
 
 import asyncio
 
@@ -31,9 +32,9 @@ async def engines(random_model):
 def _router(engines, **options) -> ModelRouter:
     breaker = BreakerConfig(min_calls=4, window_s=60, open_s=0.5, max_open_s=2, jitter=0,
                             ignored=RouterConfig().breaker.ignored)
-    # 1 s without a step is a stall: a tiny model steps in milliseconds, but a thread of a loaded 2-core
-    # box can wait hundreds of ms for a core, and a stalled fallback would fail the test
-    config = RouterConfig(**{"idle_timeout_s": 1.0, "breaker": breaker, **options})
+    # 1 s without a step is a stall, and without a first token a slow call: a tiny model steps in
+    # milliseconds, but a thread of a loaded 2-core box can wait hundreds of ms for a core
+    config = RouterConfig(**{"first_token_timeout_s": 1.0, "stall_timeout_s": 1.0, "breaker": breaker, **options})
     return ModelRouter(engines, {"big": "small", "small": None}, config)
 
 
@@ -67,9 +68,29 @@ async def test_stalled_primary_degrades_then_breaker_opens_then_one_probe_closes
     assert (await _run(router, 300))[0] == "big"
 
 
+async def test_slow_primary_sheds_to_the_fallback_until_a_fast_probe_closes_its_breaker(engines):
+    # every step of the primary takes 2 s: no first token within the 1 s deadline, though its loop is alive
+    router = _router(engines, stall_timeout_s=10.0)
+    engines["big"].faults.inject(Fault("slow", delay_ms=2000))
+    served = await asyncio.gather(*[_run(router, i) for i in range(4)])
+    assert {s for s, _ in served} == {"small"} and all(text for _, text in served)
+    assert router.breaker("big").state == "open"  # on slow calls alone
+    assert (router.num_slow_calls["big"], router.breaker("big").num_failed_calls) == (4, 0)
+    assert router.num_deadline_hits == {("big", "first_token"): 4}
+    before = router.num_engine_requests["big"]
+    assert (await _run(router, 100))[0] == "small"
+    assert router.num_engine_requests["big"] == before  # shed at once, no deadline wait
+    engines["big"].faults.clear()
+    await asyncio.sleep(2.5)  # the open period (0.5 s) and the loop's last 2 s sleep pass
+    results = await asyncio.gather(*[_run(router, 200 + i) for i in range(4)])
+    assert sorted(s for s, _ in results).count("big") == 1  # one probe, fast again
+    assert router.breaker("big").state == "closed"
+
+
 async def test_error_fault_fails_over_within_the_retry_budget(engines):
-    # 30 requests: the budget allows max(min_retries 2, 10% of 30) = 3 resubmits after a fast failure
-    router = _router(engines, retry_budget=RetryBudgetConfig(ratio=0.1, min_retries=2))
+    # 30 requests: the budget allows max(min_retries 2, 20% of 30) = 6 resubmits after a fast failure, to
+    # the same model (at most 3: the 4th failure opens the breaker) or to the fallback
+    router = _router(engines, retry_budget=RetryBudgetConfig(ratio=0.2, min_retries=2))
     engines["big"].faults.inject(Fault("error"))
     results = await asyncio.gather(*[_run(router, i) for i in range(30)], return_exceptions=True)
     served = [r for r in results if not isinstance(r, BaseException)]
@@ -81,23 +102,23 @@ async def test_error_fault_fails_over_within_the_retry_budget(engines):
     assert {s for s, _ in served} == {"small"}
     assert all(text for _, text in served)
     assert all(isinstance(r, NoModelAvailable) for r in refused), [repr(r) for r in refused]
-    assert router.retry_budget.num_retries <= 3
+    assert router.retry_budget.num_retries <= 6
     assert router.num_engine_requests["small"] == len(served)
-    assert router.num_engine_requests["big"] <= 30
-    assert sum(router.num_engine_requests.values()) <= 30 * 1.1
+    assert router.num_engine_requests["big"] == 30 + router.num_retries["big"] <= 33
+    assert sum(router.num_engine_requests.values()) <= 30 * 1.2
 
 
 async def test_whole_ladder_down_is_a_fast_503(engines):
     # "fast" = without waiting for any deadline: a 5 s idle timeout, and the refusal must come in a
     # fifth of it (it takes about a millisecond; the margin is for a loaded 2-core box)
-    router = _router(engines, idle_timeout_s=5.0)
+    router = _router(engines, first_token_timeout_s=5.0, stall_timeout_s=5.0)
     for name in ("big", "small"):
-        router.breaker(name)._cb.open()
+        router.breaker(name).circuit.open()
     loop = asyncio.get_running_loop()
     started = loop.time()
     with pytest.raises(NoModelAvailable, match=r"no model of \['big', 'small'\] can serve now") as info:
         await _run(router, 0)
-    assert loop.time() - started < 0.2 * router.config.idle_timeout_s
+    assert loop.time() - started < 0.2 * router.config.first_token_timeout_s
     assert info.value.retry_after_s >= 0.4
     assert router.num_engine_requests == {}  # no engine saw it
 

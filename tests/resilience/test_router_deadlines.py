@@ -1,0 +1,229 @@
+"""The router's deadlines and retries on fake engines (real time, timeouts of a tenth of a second):
+the first-token deadline counted from arrival moves a request to the next model and counts a slow
+call; the last model that can serve has none; the request's own deadline ends it (never a failover,
+never the model's fault); a stalled loop is a failure; tenacity resubmits once to the same model after
+a transient engine error before the first output, never a poison request, never past the budget."""
+
+import asyncio
+import time
+
+import pytest
+
+import resilience.router
+from engine.errors import EngineStepError, RequestFailedError
+from engine.sampling_params import SamplingParams
+from resilience.breaker import BreakerConfig
+from resilience.deadline import StallDetected
+from resilience.errors import DeadlineExceeded, NoModelAvailable
+from resilience.retry import RetryBudgetConfig, retry_policy
+from resilience.router import GenerateRequest, ModelRouter, RouterConfig
+
+TIMEOUT_S = 0.2  # first-token deadline; the fakes answer in 0 s or hang
+PARAMS = SamplingParams(max_tokens=3)
+
+
+class FakeEngine:
+    """Yields `num_outputs` outputs after `ttft_s`, after raising `errors` (one per request) first.
+    `hang_after`: outputs before it hangs; `is_stalled`: its loop makes no progress meanwhile."""
+
+    def __init__(self, ttft_s: float = 0.0, errors: list[BaseException] | None = None, num_outputs: int = 3,
+                 hang_after: int | None = None, is_stalled: bool = False) -> None:
+        self.ttft_s, self.errors, self.num_outputs = ttft_s, list(errors or []), num_outputs
+        self.hang_after, self.is_stalled = hang_after, is_stalled
+        self.is_dead = False
+        self.request_ids: list[str] = []
+        self.aborted: list[str] = []
+        self._stalled_since = time.monotonic()
+
+    @property
+    def last_progress_time(self) -> float:
+        return self._stalled_since if self.is_stalled else time.monotonic()  # busy: always stepping
+
+    async def generate(self, prompt, params, request_id, priority=0):
+        self.request_ids.append(request_id)
+        if self.errors:
+            raise self.errors.pop(0)
+        try:
+            await asyncio.sleep(self.ttft_s)
+            for i in range(self.num_outputs):
+                if i == self.hang_after:
+                    await asyncio.Event().wait()
+                yield f"{request_id}:{i}"
+        except (asyncio.CancelledError, GeneratorExit):
+            self.aborted.append(request_id)
+            raise
+
+
+def make_router(engines: dict[str, FakeEngine], **options) -> ModelRouter:
+    names = list(engines)
+    fallbacks = {name: (names[i + 1] if i + 1 < len(names) else None) for i, name in enumerate(names)}
+    breaker = BreakerConfig(min_calls=4, window_s=60, open_s=30, jitter=0, ignored=RouterConfig().breaker.ignored)
+    config = RouterConfig(**{"first_token_timeout_s": TIMEOUT_S, "stall_timeout_s": 5.0, "breaker": breaker,
+                             **options})
+    return ModelRouter(engines, fallbacks, config)
+
+
+async def serve(router: ModelRouter, request_id: str = "r", **fields) -> tuple[set[str], set[bool], list[str]]:
+    """(served models, degraded flags, outputs) of one request for "big"."""
+    routed = [r async for r in router.generate(GenerateRequest(request_id, "big", "x", PARAMS, **fields))]
+    return {r.served_model for r in routed}, {r.degraded for r in routed}, [r.output for r in routed]
+
+
+async def test_no_first_token_by_the_deadline_moves_to_the_next_model_as_a_slow_call():
+    engines = {"big": FakeEngine(ttft_s=60.0), "small": FakeEngine()}
+    router = make_router(engines)
+    started = time.monotonic()
+    assert await serve(router) == ({"small"}, {True}, ["r:0", "r:1", "r:2"])
+    assert TIMEOUT_S <= time.monotonic() - started < 10 * TIMEOUT_S
+    assert engines["big"].aborted == ["r"]  # aborted there: its KV blocks are freed
+    assert (router.num_slow_calls, router.num_deadline_hits) == ({"big": 1}, {("big", "first_token"): 1})
+    breaker = router.breaker("big")
+    assert (breaker.num_slow_calls, breaker.num_failed_calls, breaker.circuit.fail_counter) == (1, 0, 1)
+    assert router.num_failovers == 1 and router.retry_budget.num_retries == 0  # a deadline spends no budget
+
+
+async def test_the_first_token_deadline_counts_from_arrival():
+    engines = {"big": FakeEngine(ttft_s=TIMEOUT_S / 2), "small": FakeEngine()}
+    router = make_router(engines)
+    assert (await serve(router, "fresh"))[0] == {"big"}  # in time when it just arrived
+    arrived = time.monotonic() - 0.75 * TIMEOUT_S  # three quarters of it spent queueing before the router
+    assert (await serve(router, "queued", arrival=arrived))[0] == {"small"}
+    assert router.num_deadline_hits == {("big", "first_token"): 1}
+
+
+async def test_the_last_model_that_can_serve_has_no_first_token_deadline_but_counts_slow():
+    engines = {"big": FakeEngine(ttft_s=2 * TIMEOUT_S), "small": FakeEngine()}
+    router = make_router(engines)
+    router.breaker("small").circuit.open()
+    assert await serve(router) == ({"big"}, {False}, ["r:0", "r:1", "r:2"])
+    assert router.num_slow_calls == {"big": 1} and router.num_deadline_hits == {}
+    assert router.breaker("big").num_slow_calls == 1
+
+
+async def test_each_model_of_the_ladder_gets_its_own_first_token_window():
+    # mid answers in 3/4 of a window, after big used a whole one: in time for mid's own window
+    engines = {"big": FakeEngine(ttft_s=60.0), "mid": FakeEngine(ttft_s=0.75 * TIMEOUT_S), "small": FakeEngine()}
+    router = make_router(engines)
+    assert (await serve(router))[:2] == ({"mid"}, {True})
+    assert router.num_slow_calls == {"big": 1}
+    assert engines["small"].request_ids == []
+
+
+async def test_the_requests_own_deadline_ends_it_without_failover_or_blame():
+    engines = {"big": FakeEngine(ttft_s=60.0), "small": FakeEngine()}
+    router = make_router(engines, first_token_timeout_s=5.0)
+    with pytest.raises(NoModelAvailable) as info:
+        await serve(router, deadline=time.monotonic() + TIMEOUT_S)
+    assert isinstance(info.value.__cause__, DeadlineExceeded) and info.value.__cause__.stage == "total"
+    assert engines["small"].request_ids == [] and engines["big"].aborted == ["r"]
+    assert router.num_deadline_hits == {("big", "total"): 1} and router.num_slow_calls == {}
+    breaker = router.breaker("big")
+    assert (breaker.num_failed_calls, breaker.num_slow_calls, breaker.circuit.fail_counter) == (0, 0, 0)
+
+
+async def test_the_requests_own_deadline_cuts_a_stream_after_its_first_output():
+    engines = {"big": FakeEngine(hang_after=1), "small": FakeEngine()}
+    router = make_router(engines)
+    received = []
+    with pytest.raises(DeadlineExceeded, match="deadline exceeded at total"):
+        async for routed in router.generate(GenerateRequest("r", "big", "x", PARAMS,
+                                                            deadline=time.monotonic() + TIMEOUT_S)):
+            received.append(routed.output)
+    assert received == ["r:0"] and engines["small"].request_ids == []
+    assert router.breaker("big").num_failed_calls == 0
+
+
+async def test_a_stalled_loop_is_a_failure_and_fails_over():
+    engines = {"big": FakeEngine(ttft_s=60.0, is_stalled=True), "small": FakeEngine()}
+    router = make_router(engines, stall_timeout_s=TIMEOUT_S / 2, first_token_timeout_s=5.0)
+    assert (await serve(router))[0] == {"small"}
+    assert router.num_deadline_hits == {("big", "stall"): 1} and router.num_slow_calls == {}
+    assert router.breaker("big").num_failed_calls == 1
+
+
+async def test_sustained_slowness_opens_the_breaker_and_sheds_to_the_fallback():
+    engines = {"big": FakeEngine(ttft_s=60.0), "small": FakeEngine()}
+    router = make_router(engines)
+    results = await asyncio.gather(*[serve(router, f"r{i}") for i in range(4)])
+    assert [served for served, _, _ in results] == [{"small"}] * 4
+    assert router.breaker("big").state == "open"  # 4 of 4 slow
+    started = time.monotonic()
+    assert (await serve(router, "shed"))[:2] == ({"small"}, {True})
+    assert time.monotonic() - started < TIMEOUT_S  # no deadline wait: straight to the fallback
+    assert len(engines["big"].request_ids) == 4
+
+
+async def test_a_transient_engine_error_is_resubmitted_once_to_the_same_model():
+    engines = {"big": FakeEngine(errors=[EngineStepError("nan in logits")]), "small": FakeEngine()}
+    router = make_router(engines)
+    assert await serve(router) == ({"big"}, {False}, ["r-retry1:0", "r-retry1:1", "r-retry1:2"])
+    assert engines["big"].request_ids == ["r", "r-retry1"] and engines["small"].request_ids == []
+    assert router.num_retries == {"big": 1} and router.retry_budget.num_retries == 1
+    assert router.breaker("big").num_failed_calls == 1
+
+
+async def test_a_second_transient_error_fails_over_after_the_one_retry():
+    errors = [EngineStepError("first"), EngineStepError("second")]
+    engines = {"big": FakeEngine(errors=errors), "small": FakeEngine()}
+    router = make_router(engines)
+    assert (await serve(router))[:2] == ({"small"}, {True})
+    assert engines["big"].request_ids == ["r", "r-retry1"]
+    assert router.num_retries == {"big": 1} and router.retry_budget.num_retries == 2  # the retry, the failover
+
+
+async def test_a_resubmit_refused_by_a_breaker_opened_during_its_backoff_fails_over(monkeypatch):
+    engines = {"big": FakeEngine(errors=[EngineStepError("nan in logits")]), "small": FakeEngine()}
+    router = make_router(engines)
+
+    async def sleep(seconds: float) -> None:  # other requests trip the breaker while this one backs off
+        router.breaker("big").circuit.open()
+
+    def policy(*args, **kwargs):
+        return retry_policy(*args, sleep=sleep, **kwargs)
+
+    monkeypatch.setattr(resilience.router, "retry_policy", policy)
+    assert (await serve(router))[:2] == ({"small"}, {True})  # not a 503 for the refused resubmit
+    assert engines["big"].request_ids == ["r"] and router.num_retries == {}
+    assert router.retry_budget.num_retries == 2  # the refused resubmit, the failover
+
+
+async def test_a_poison_request_is_neither_retried_nor_failed_over():
+    engines = {"big": FakeEngine(errors=[RequestFailedError("isolated as the step's cause")]), "small": FakeEngine()}
+    router = make_router(engines)
+    with pytest.raises(RequestFailedError, match="isolated as the step's cause"):
+        await serve(router)
+    assert engines["big"].request_ids == ["r"] and engines["small"].request_ids == []
+    assert router.num_retries == {} and router.breaker("big").num_failed_calls == 0
+
+
+async def test_no_retry_and_no_failover_once_the_budget_is_spent():
+    engines = {"big": FakeEngine(errors=[EngineStepError("nan in logits")]), "small": FakeEngine()}
+    router = make_router(engines, retry_budget=RetryBudgetConfig(ratio=0.0, min_retries=0))
+    with pytest.raises(NoModelAvailable) as info:
+        await serve(router)
+    assert isinstance(info.value.__cause__, EngineStepError)
+    assert engines["big"].request_ids == ["r"] and engines["small"].request_ids == []
+
+
+async def test_an_error_after_the_first_output_is_never_retried():
+    class FailsMidStream(FakeEngine):
+        async def generate(self, prompt, params, request_id, priority=0):
+            self.request_ids.append(request_id)
+            yield f"{request_id}:0"
+            raise EngineStepError("mid-stream")
+
+    engines = {"big": FailsMidStream(), "small": FakeEngine()}
+    router = make_router(engines)
+    received = []
+    with pytest.raises(EngineStepError, match="mid-stream"):
+        async for routed in router.generate(GenerateRequest("r", "big", "x", PARAMS)):
+            received.append(routed.output)
+    assert received == ["r:0"] and engines["big"].request_ids == ["r"] and engines["small"].request_ids == []
+
+
+def test_stall_is_a_deadline_kind_of_its_own():
+    assert issubclass(StallDetected, DeadlineExceeded)
+    with pytest.raises(ValueError, match="first_token_timeout_s must be > 0, got 0"):
+        RouterConfig(first_token_timeout_s=0)
+    with pytest.raises(ValueError, match="stall_timeout_s must be > 0, got -1"):
+        RouterConfig(stall_timeout_s=-1)
