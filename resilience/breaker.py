@@ -303,7 +303,8 @@ class ModelBreaker:
         """Set up the state being entered; says why, for the log line."""
         why = "probe succeeded" if new == CLOSED else "open period over; letting one probe through"
         if new == OPEN:
-            why = "probe failed" if old == HALF_OPEN else str(self._window)
+            is_tripped = self._window.is_tripped(self.config) or self._cb.fail_counter >= self._cb.fail_max
+            why = "probe failed" if old == HALF_OPEN else str(self._window) if is_tripped else "opened by hand"
             self._num_failed_probes = self._num_failed_probes + 1 if old == HALF_OPEN else 0
             self._cb.reset_timeout = period = self._open_period_s()  # read by pybreaker's open state
             why = f"{why}; open for {period:.1f} s"
