@@ -76,17 +76,19 @@ async def test_metrics_show_the_abort(start):
 
 
 async def test_drain_lets_short_requests_finish_and_cancels_the_rest(start):
-    h = await start(shutdown_timeout=1.0)
-    h.primary.faults.inject(Fault("slow", delay_ms=20))  # 200 tokens: ~4 s, far past the 1 s drain
+    # 3 s of drain: ample for 3 tokens on a loaded box; 800 tokens 20 ms apart need 16 s at least
+    h = await start(shutdown_timeout=3.0, engine_kwargs={"max_model_len": 1024})
+    h.primary.faults.inject(Fault("slow", delay_ms=20))
     short = asyncio.create_task(h.client.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 3,
                                                                   "ignore_eos": True}))
-    long = await h.client.post(COMPLETIONS, json=LONG)
+    long = await h.client.post(COMPLETIONS, json={**LONG, "max_tokens": 800})
     await long.content.readline()
+    await until(lambda: len(h.state.generations) == 2)  # both in flight when the drain begins
     await drain(h.app)
     done = await short
     assert done.status == 200 and (await done.json())["usage"]["completion_tokens"] == 3
     events = (await long.read()).decode().strip().split("\n\n")
-    assert len(events) < 200 and "shutting down" in events[-2] and events[-1] == "data: [DONE]"
+    assert len(events) < 800 and "shutting down" in events[-2] and events[-1] == "data: [DONE]"
     await until(h.idle)
     refused = await h.client.post(COMPLETIONS, json={"prompt": "hi"})
     assert refused.status == 503 and refused.headers["Retry-After"] == "5"
