@@ -110,8 +110,13 @@ def _add_server_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-warmup", dest="warmup", action="store_false", default=None,
                    help="skip the one-token warm-up generation before turning ready")
     p.add_argument("--shutdown-timeout", type=float, help="seconds in-flight requests may finish (default 10; env SHUTDOWN_TIMEOUT)")
-    p.add_argument("--idle-timeout", dest="idle_timeout_s", type=float,
-                   help="seconds without a first or next token before a request fails over (default 10)")
+    p.add_argument("--first-token-timeout", "--idle-timeout", dest="first_token_timeout_s", type=float,
+                   help="seconds from a request's arrival (queue included) to its first token before it moves to "
+                        "the next model of its ladder, counted as a slow call on the breaker; also how long an "
+                        "engine loop may make no progress before it counts as stalled (default 10)")
+    p.add_argument("--request-timeout", dest="request_timeout_s", type=float,
+                   help="seconds any request may take in total, 504 deadline_exceeded after it; a client may ask for "
+                        "less with the x-pagedserve-timeout header (default 600)")
     p.add_argument("--heartbeat-interval", dest="heartbeat_interval_s", type=float,
                    help="seconds between memory probes and leak checks (default 30)")
     p.add_argument("--leak-min-growth", dest="leak_min_growth_bytes", type=parse_size,
@@ -191,7 +196,8 @@ def build_config(args: argparse.Namespace, env: Mapping[str, str]) -> ServerConf
         "admin_key": args.admin_key or env.get("ADMIN_KEY") or None,
         "max_body_bytes": args.max_body_bytes, "auth_metrics": args.auth_metrics, "warmup": args.warmup,
         "shutdown_timeout": args.shutdown_timeout if args.shutdown_timeout is not None else
-        _env_number(env, "SHUTDOWN_TIMEOUT", float), "idle_timeout_s": args.idle_timeout_s,
+        _env_number(env, "SHUTDOWN_TIMEOUT", float), "first_token_timeout_s": args.first_token_timeout_s,
+        "request_timeout_s": args.request_timeout_s,
         "heartbeat_interval_s": args.heartbeat_interval_s, "leak_min_growth_bytes": args.leak_min_growth_bytes,
         "leak_action": args.leak_action, "hang_timeout_s": args.hang_timeout_s,
         "max_engine_rebuilds": args.max_engine_rebuilds, "default_max_tokens": args.default_max_tokens,

@@ -21,7 +21,7 @@ DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 MAX_SIZE_BYTES = 2**60  # an exabyte: any larger size is a typo or an attack
 ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name != "model")
 SERVER_OPTIONS = ("host", "port", "api_keys", "admin_key", "max_body_bytes", "auth_metrics", "warmup",
-                  "shutdown_timeout", "idle_timeout_s", "heartbeat_interval_s", "leak_min_growth_bytes",
+                  "shutdown_timeout", "first_token_timeout_s", "idle_timeout_s", "request_timeout_s", "heartbeat_interval_s", "leak_min_growth_bytes",
                   "leak_action", "hang_timeout_s", "max_engine_rebuilds", "default_max_tokens", "breaker_open_s", "enable_fault_injection", "models",
                   "models_root", "memory_budget_bytes", "models_dir", "max_loaded_models", "health_details_auth",
                   "max_connections", "stream_write_timeout_s", "body_read_timeout_s", "header_timeout_s",
@@ -60,7 +60,10 @@ class ServerConfig:
     auth_metrics: bool = False  # /metrics needs an API key too
     warmup: bool = True  # one tiny generation per model before /health/ready says 200
     shutdown_timeout: float = 10.0  # seconds in-flight requests may take to finish on shutdown
-    idle_timeout_s: float = 10.0  # no first token, or no next token, for this long: fail over (resilience)
+    # no first token this long after arrival (queue included): next model of the ladder, a slow call on the
+    # breaker; an engine loop without progress this long is stalled (a failure)
+    first_token_timeout_s: float = 10.0
+    request_timeout_s: float = 600.0  # any request, in total (a client may ask for less): 504 after it
     heartbeat_interval_s: float = 30.0  # memory probe and leak check period
     leak_min_growth_bytes: int = 64 * 1024 * 1024  # idle growth below this is never a leak
     leak_action: str = "recycle"  # on a confirmed leak: reload engines in process, or exit for the supervisor
@@ -97,7 +100,10 @@ class ServerConfig:
         _check(all(isinstance(k, str) and k for k in self.api_keys), "API keys must be non-empty strings")
         _check(self.admin_key is None or bool(self.admin_key), "the admin key must be a non-empty string")
         _check(self.shutdown_timeout >= 0, f"shutdown_timeout must be non-negative, got {self.shutdown_timeout}")
-        _check(self.idle_timeout_s > 0, f"idle_timeout_s must be positive, got {self.idle_timeout_s}")
+        for name in ("first_token_timeout_s", "request_timeout_s"):
+            value = getattr(self, name)
+            _check(isinstance(value, int | float) and math.isfinite(value) and value > 0,
+                   f"{name} must be a positive number of seconds, got {value!r}")
         _check(self.heartbeat_interval_s > 0, f"heartbeat_interval must be positive, got {self.heartbeat_interval_s}")
         _check(self.leak_min_growth_bytes > 0, f"leak_min_growth must be positive, got {self.leak_min_growth_bytes}")
         _check(self.leak_action in LEAK_ACTIONS, f"leak_action must be one of {LEAK_ACTIONS}, got {self.leak_action!r}")
@@ -113,6 +119,11 @@ class ServerConfig:
         _check(self.max_connections >= 1, f"max_connections must be at least 1, got {self.max_connections}")
         for name in ("stream_write_timeout_s", "body_read_timeout_s", "header_timeout_s", "keepalive_timeout_s"):
             _check(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def idle_timeout_s(self) -> float:
+        """The old name of `first_token_timeout_s` (--idle-timeout)."""
+        return self.first_token_timeout_s
 
     @property
     def models_root_path(self) -> Path:
@@ -176,6 +187,8 @@ def load_toml(path: str | Path) -> dict[str, Any]:
     unknown = sorted(set(data) - set(SERVER_OPTIONS))
     _check(not unknown, f"{path}: unknown keys {unknown}; known: {list(SERVER_OPTIONS)}")
     out = {k: v for k, v in data.items() if k != "models"}
+    if "idle_timeout_s" in out:  # the old name
+        out.setdefault("first_token_timeout_s", out.pop("idle_timeout_s"))
     if "api_keys" in out:
         out["api_keys"] = tuple(out["api_keys"])
     for key in ("max_body_bytes", "memory_budget_bytes"):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import math
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -14,12 +15,13 @@ from typing import Any
 from aiohttp import web
 
 from engine.sampling_params import SamplingParams
-from service.errors import ModelNotFoundError, UnavailableError
+from service.errors import InvalidRequestError, ModelNotFoundError, UnavailableError
 from service.keys import CONFIG_KEY, METRICS_KEY, RECORD_KEY, REQUEST_ID_KEY, STATE_KEY
 from service.protocol import new_id
 from service.router import GenerateRequest, RoutedOutput
 
 _END = object()
+TIMEOUT_HEADER = "x-pagedserve-timeout"  # seconds the client gives the whole request (less than --request-timeout)
 
 
 class Generation:
@@ -34,6 +36,7 @@ class Generation:
         self.created = int(time.time())
         self.params = params
         self.priority = priority
+        self.deadline = self.record.start + self._timeout_s()  # time.monotonic(), as the router's clock
         self.model = self._resolve(model)
         self.record.model = self.model
         self.prompts: list[str | list[int]] = []
@@ -51,6 +54,22 @@ class Generation:
             engine = next(e for name in self.state.router.ladder(self.model)
                           if (e := self.state.engines.get(name)) is not None)
         return engine
+
+    def _timeout_s(self) -> float:
+        """--request-timeout, or less when the client asks for less (a positive finite number of seconds)."""
+        limit_s = self.config.request_timeout_s
+        value = self.request.headers.get(TIMEOUT_HEADER)
+        if value is None:
+            return limit_s
+        try:
+            asked_s = float(value)
+        except ValueError:
+            asked_s = float("nan")
+        if not (math.isfinite(asked_s) and asked_s > 0):
+            shown = value if len(value) <= 40 else f"{value[:20]}..."
+            raise InvalidRequestError(f"{TIMEOUT_HEADER} must be a positive finite number of seconds, got {shown!r}",
+                                      code="invalid_timeout")
+        return min(asked_s, limit_s)
 
     def _resolve(self, model: str | None) -> str:
         name = model or self.config.models[0].name
@@ -108,7 +127,7 @@ class Generation:
         task = asyncio.current_task()
         self.state.generations.add(task)
         requests = [GenerateRequest(f"{self.id}-{i}", self.model, prompt, self.params, self.priority,
-                                    num_prompt_tokens=num_tokens)
+                                    deadline=self.deadline, num_prompt_tokens=num_tokens, arrival=self.record.start)
                     for i, (prompt, num_tokens) in enumerate(zip(self.prompts, self.num_prompt_tokens, strict=True))]
         try:
             async for index, routed in merge([self.state.router.generate(r) for r in requests]):
