@@ -39,6 +39,11 @@ bench-resilience: $(STAMP) nginx
 	PAGEDSERVE_RESULTS_DIR=benchmarks/results $(PY) -m pytest -q -m 'slow or not slow' -s \
 		tests/resilience/test_chaos.py tests/deploy/test_failover.py
 
+# 10 minutes of varying load on a real server with no leak: the leak detector must raise no alarm
+.PHONY: test-leak-soak
+test-leak-soak: $(STAMP)
+	$(PY) -m pytest -q -s -m slow tests/resilience/test_leak_under_load.py
+
 models: $(STAMP)
 	$(PY) models/train.py
 
