@@ -348,6 +348,12 @@ CONTENT_TYPE_CASES = [
     ok("json-charset-utf8", completion(), content_type="application/json; charset=utf-8"),
     ok("json-upper-case", completion(), content_type="APPLICATION/JSON;Charset=UTF-8"),
     ok("vendor-json", completion(), content_type="application/vnd.api+json"),
+    ok("json-quoted-charset", completion(), content_type='application/json; charset="utf-8"'),
+    ok("json-empty-charset", completion(), content_type="application/json; charset="),
+    bad("only-semicolons", completion(), status=415, content_type=";;;"),
+    bad("very-long-content-type", completion(), status=415, content_type="text/" + "x" * 4000),
+    ok("long-request-id-replaced", completion(), headers={"X-Request-Id": "x" * 500}),
+    ok("request-id-with-spaces-replaced", completion(), headers={"X-Request-Id": "a b\tc"}),
 ]
 
 METHOD_CASES = [
@@ -389,6 +395,9 @@ AUTH_CASES = [
     Case("no-key-unknown-v1", 401, path="/v1/nothing", method="GET", auth=None),
     Case("no-key-text-plain", 401, completion(), auth=None, content_type="text/plain"),
     ok("bearer-lower-case", completion(), auth=None, headers={"Authorization": f"bearer {API_KEY}"}),
+    ok("bearer-extra-spaces", completion(), auth=None, headers={"Authorization": f"Bearer   {API_KEY}  "}),
+    Case("bearer-only", 401, completion(), auth=None, headers={"Authorization": "Bearer"}, code="invalid_api_key"),
+    Case("key-4000-chars", 401, completion(), auth="k" * 4000, code="invalid_api_key"),
 ]
 
 ADMIN_CASES = [

@@ -21,6 +21,7 @@ from service.access import escape
 from service.config import ModelSpec, ServerConfig
 from service.errors import FALLBACK_BODY, InvalidRequestError, error_middleware
 from service.keys import CONFIG_KEY
+from service.schemas import parse_json
 from service.sse import encode_event
 from tests.service.server import API_KEY, TINY, launch, require_models
 
@@ -235,3 +236,34 @@ def test_sse_events_and_log_fields_survive_surrogates_and_newlines():
     assert encode_event({"error": {"message": "\ud800"}}) == b'data: {"error":{"message":"\\ud800"}}\n\n'
     assert encode_event({"text": "é"}) == 'data: {"text":"é"}\n\n'.encode()
     assert escape("/v1/a\nb c\\d\ud800é") == "/v1/a\\nb\\x20c\\\\d\\ud800\\xe9"
+
+
+@pytest.mark.parametrize(("raw", "fragment"), [
+    (b'{"a": "' + b"[" * 100 + b'\\" \\\\"}', None),  # brackets, an escaped quote and backslash inside strings
+    (b'{"a": ' + b"[" * 31 + b"]" * 31 + b"}", None),  # 32 levels
+    (b'{"a": ' + b"[" * 32 + b"]" * 32 + b"}", "nested more than 32 levels"),
+    (b'{"a": ' + b'{"b": [' * 16 + b"]}" * 16 + b"}", "nested more than 32 levels"),  # 33, alternating
+    (b"[" * 100_000, "more than 16384 arrays and objects"),
+    (b'{"a": "[[[[', "not valid JSON"),  # unterminated: not mistaken for depth
+    (b'{"a": [1}', "not valid JSON"),
+    (b'{"a": "\\\\ud800"}', None),  # an escaped backslash, then text: no surrogate
+    (b'{"a": "\\ud83d\\ude00"}', None),  # a pair
+    (b'{"a": ["x", {"b": "\\udc00"}]}', "in a[1].b holds a lone UTF-16 surrogate"),
+])
+def test_parse_json_bounds(raw: bytes, fragment: str | None):
+    if fragment is None:
+        assert isinstance(parse_json(raw), dict)
+        return
+    with pytest.raises(InvalidRequestError) as info:
+        parse_json(raw)
+    assert fragment in info.value.message
+
+
+def test_parse_json_refuses_a_body_of_tiny_lists_at_c_speed():
+    """A Python walk of this 2.4 MB body took 10 s of event loop on this machine; generous bound for a
+    busy box."""
+    raw = json.dumps({"prompt": [[1]] * 600_000}).encode()
+    start = time.perf_counter()
+    with pytest.raises(InvalidRequestError):
+        parse_json(raw)
+    assert time.perf_counter() - start < 1.0
