@@ -420,6 +420,8 @@ ADMIN_CASES = [
     admin("load-path-dot-dot", 400, "/admin/models/load", {"name": "x", "path": "../../etc"}, param="path"),
     admin("load-path-absolute", 400, "/admin/models/load", {"name": "x", "path": "/etc/passwd"}, param="path"),
     admin("load-path-missing-dir", 400, "/admin/models/load", {"name": "x", "path": "nope"}, param="path"),
+    admin("load-path-300-chars", 400, "/admin/models/load", {"name": "x", "path": "a" * 300}, param="path"),
+    admin("load-path-5000-chars", 400, "/admin/models/load", {"name": "x", "path": "a/" * 2500}, param="path"),
     admin("load-path-nul", 400, "/admin/models/load", {"name": "x", "path": "a\u0000b"}, param="path"),
     admin("load-quota-string", 400, "/admin/models/load", {"name": "x", "path": TINY.name, "quota_bytes": "abc"},
           param="quota_bytes"),
