@@ -124,13 +124,13 @@ async def test_whole_ladder_down_is_a_fast_503(engines):
 
 
 async def test_full_bulkhead_is_429_not_a_degrade(engines):
-    router = _router(engines, bulkhead=BulkheadConfig(max_num_requests=1))
+    router = _router(engines, bulkhead=BulkheadConfig(max_num_seqs=1))
     first = router.generate(GenerateRequest("a", "big", "x", SamplingParams(max_tokens=50, ignore_eos=True)))
     await anext(first)
-    with pytest.raises(AdmissionRejected, match="model 'big' is at capacity: 1 of 1 requests admitted"):
+    with pytest.raises(AdmissionRejected, match=r"model 'big' is at capacity: 1 \+ 1 sequences exceed 1"):
         await _run(router, 1)
     await first.aclose()
-    assert router.bulkhead("big").num_requests == 0
+    assert router.bulkhead("big").num_seqs == 0
 
 
 async def test_a_stream_that_stalls_after_its_first_token_is_not_retried(engines):
