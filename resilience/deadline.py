@@ -5,7 +5,8 @@
   An item late while the producer is busy with other work is queued, not stalled: the wait goes on.
 - first item: none by `first_item_deadline` (a time on the clock; queue time included when the
   caller counts it from the request's arrival) -> `DeadlineExceeded("first_token")`: too slow, not
-  broken; the caller moves the request to another model.
+  broken; the caller moves the request to another model. (`StallDetected` instead when the producer
+  has made no progress for the stall timeout by then.)
 - total: nothing after `total_deadline` (the request's own budget) -> `DeadlineExceeded("total")`.
 
 On a timeout the inner iterator is closed (`aclose`), so an engine stream sees GeneratorExit or
@@ -99,9 +100,10 @@ async def _next_item(iterator: AsyncIterator[T], timers: _Timers, is_first: bool
                 return pending.result()
             if which == "total":
                 raise DeadlineExceeded("total", at - started)
-            if which == "first_token":
-                raise DeadlineExceeded("first_token", at - started)
             idle_s = timers.producer_idle_s()
+            if which == "first_token":  # a producer silent all along is stalled, not slow
+                is_stalled = timers.alive_at is not None and idle_s >= timers.stall_timeout_s
+                raise (StallDetected if is_stalled else DeadlineExceeded)("first_token", at - started)
             if idle_s >= timers.stall_timeout_s:
                 raise StallDetected(stage, timers.stall_timeout_s)
             stall_check_at = timers.clock() + timers.stall_timeout_s - idle_s  # its last step + the timeout

@@ -190,6 +190,8 @@ class ModelRouter:
             with attempt:
                 number = attempt.retry_state.attempt_number
                 request_id = req.request_id if number == 1 else f"{req.request_id}-retry{number - 1}"
+                if error is not None:
+                    logger.warning("request %s: resubmitting to model %s after %r", req.request_id, name, error)
                 stream = self._attempt(name, req, request_id, first_token_deadline, has_next, is_retry=number > 1)
                 try:
                     first = await _first(stream)

@@ -208,3 +208,10 @@ async def test_busy_producer_is_checked_again_a_stall_timeout_after_its_last_ste
     with pytest.raises(StallDetected, match="deadline exceeded at first_token"):
         await collect(Source([], hang=True).stream(), 0.1, alive_at=alive_at)
     assert 0.19 <= loop.time() - started < 5.0
+
+
+async def test_at_the_first_item_deadline_a_producer_silent_all_along_is_stalled_not_slow():
+    silent_since = time.monotonic() - 1.0
+    with pytest.raises(StallDetected, match="deadline exceeded at first_token"):
+        await collect(Source([], hang=True).stream(), 0.5, first_item_deadline=time.monotonic() + 0.05,
+                      alive_at=lambda: silent_since)

@@ -141,6 +141,17 @@ async def test_a_stalled_loop_is_a_failure_and_fails_over():
     assert router.breaker("big").num_failed_calls == 1
 
 
+async def test_a_loop_silent_since_before_arrival_is_a_stall_at_the_first_token_deadline():
+    # the two timeouts are equal (as the service sets them): the first-token deadline, counted from
+    # arrival, fires first, and finds a loop that has not stepped for the whole stall timeout
+    engines = {"big": FakeEngine(ttft_s=60.0, is_stalled=True), "small": FakeEngine()}
+    engines["big"]._stalled_since -= 1.0
+    router = make_router(engines, stall_timeout_s=TIMEOUT_S)
+    assert (await serve(router))[0] == {"small"}
+    assert router.num_deadline_hits == {("big", "stall"): 1} and router.num_slow_calls == {}
+    assert router.breaker("big").num_failed_calls == 1
+
+
 async def test_sustained_slowness_opens_the_breaker_and_sheds_to_the_fallback():
     engines = {"big": FakeEngine(ttft_s=60.0), "small": FakeEngine()}
     router = make_router(engines)
