@@ -97,6 +97,10 @@ FIELD_CASES = [
     bad("model-300-chars", completion(model="m" * 300), "model"),
     bad("model-unknown", completion(model="gpt-9"), "model", status=404, code="model_not_found"),
     bad("model-path-like", completion(model="../../etc/passwd"), "model", status=404),
+    bad("model-dot-dot", completion(model=".."), "model", status=404),
+    bad("model-200-chars", completion(model="m" * 200), "model", status=404),
+    bad("model-nul", completion(model="a\u0000b"), "model", status=404),
+    bad("model-not-a-model-dir", completion(model="README.md"), "model", status=404),
     bad("max-tokens-zero", completion(max_tokens=0), "max_tokens"),
     bad("max-tokens-negative", completion(max_tokens=-1), "max_tokens"),
     bad("max-tokens-string", completion(max_tokens="5"), "max_tokens"),
@@ -485,8 +489,9 @@ class Tally:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     require_models(TINY)
+    # --models-dir: every model name below also goes through the on-demand loader's lookup first
     srv = launch(["--model", str(TINY), "--api-key", API_KEY, "--admin-key", ADMIN_KEY, "--enable-fault-injection",
-                  "--kv-cache-memory", "32MiB", "--max-num-seqs", "128"],
+                  "--kv-cache-memory", "32MiB", "--max-num-seqs", "128", "--models-dir", str(TINY.parent)],
                  tmp_path_factory.mktemp("bad-input") / "server.log")
     yield srv
     assert srv.stop() == 0, srv.log()[-3000:]
