@@ -422,7 +422,7 @@ REPLICAS = ("replica-1", "replica-2")
 
 def test_compose_runs_two_replicas_behind_nginx_and_prometheus(compose):
     services = compose["services"]
-    assert set(services) == {*REPLICAS, "nginx", "prometheus"}
+    assert set(services) == {*REPLICAS, "nginx", "prometheus", "grafana"}
     for name in REPLICAS:
         replica = services[name]
         assert replica["build"] == {"context": "..", "dockerfile": "Dockerfile"}
