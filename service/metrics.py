@@ -163,8 +163,24 @@ class ResilienceCollector(Collector):
         for name, bulkhead in getattr(router, "bulkheads", {}).items():
             rejected.add_metric([name], bulkhead.num_rejected)
             admitted.add_metric([name], bulkhead.num_seqs)
+        slow = CounterMetricFamily(f"{PREFIX}slow_calls", "Calls whose first token came after the first-token "
+                                   "deadline, or not by it", labels=["model_name"])
+        for name, count in getattr(router, "num_slow_calls", {}).items():
+            slow.add_metric([name], count)
+        hits = CounterMetricFamily(f"{PREFIX}deadline_hits", "Requests stopped by a deadline (first_token: moved "
+                                   "on; stall: the loop made no progress; total: the request's own budget)",
+                                   labels=["model_name", "kind"])
+        for (name, kind), count in getattr(router, "num_deadline_hits", {}).items():
+            hits.add_metric([name, kind], count)
+        retries = CounterMetricFamily(f"{PREFIX}same_model_retries", "Resubmits to the same model after a "
+                                      "transient engine error before any output", labels=["model_name"])
+        for name, count in getattr(router, "num_retries", {}).items():
+            retries.add_metric([name], count)
         yield breaker
         yield engine_requests
+        yield slow
+        yield hits
+        yield retries
         yield rejected
         yield admitted
         budget = getattr(router, "retry_budget", None)
