@@ -6,9 +6,11 @@ the router and turns ready. Meanwhile /health/live is 200, /health/ready and eve
 with Retry-After. A model that fails to load sets `state.fatal`: the CLI then exits non-zero so a
 supervisor sees it, instead of a replica that stays live but never ready.
 
-Shutdown: on_shutdown turns ready off (new generations get 503), lets in-flight generations finish
-for `shutdown_timeout` seconds, then cancels what is left (closing their streams aborts their engine
-requests); the cleanup_ctx then stops every engine."""
+Shutdown takes `shutdown_timeout` seconds in all, counted from its start (a Kubernetes grace period
+must hold it): drain turns ready off (new generations get 503 `draining`), lets in-flight generations
+finish until CLOSE_RESERVE_S before the end, then cancels what is left (an open stream ends with a
+`draining` error event and [DONE]; closing its iterators aborts its engine requests); the runner
+closes the connections and the cleanup_ctx stops every engine, each within what is left."""
 
 from __future__ import annotations
 
@@ -16,7 +18,9 @@ import asyncio
 import contextlib
 import functools
 import logging
+import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +68,7 @@ def create_app(config: ServerConfig, *, engine_factory: EngineFactory | None = N
     app[STATE_KEY] = state
     app[METRICS_KEY] = Metrics(lambda: state.engines, state)
     app[CONNECTIONS_KEY] = limit
+    app[SHUTDOWN_KEY] = Shutdown()
     app[ENGINE_FACTORY_KEY] = engine_factory or _real_engine
     state.registry = ModelRegistry(state, app[ENGINE_FACTORY_KEY], memory_budget_bytes=config.memory_budget_bytes,
                                    max_loaded_models=config.max_loaded_models, warmup=config.warmup,
@@ -146,11 +151,19 @@ def make_runner(app: web.Application) -> web.AppRunner:
     # aiohttp's parser errors (400 on a malformed request) are answered outside the app, where
     # on_response_prepare does not run: their Server header comes from this module constant
     web_response.SERVER_SOFTWARE = SERVER_NAME
-    return _Runner(app, handler_cancellation=True, access_log=None, shutdown_timeout=config.shutdown_timeout + 5,
+    return _Runner(app, handler_cancellation=True, access_log=None, shutdown_timeout=config.shutdown_timeout,
                    keepalive_timeout=config.keepalive_timeout_s)
 
 
 class _Runner(web.AppRunner):
+    async def shutdown(self) -> None:
+        """on_shutdown (the drain), then: what is left of the shutdown budget, less the engines'
+        share, is all the connections get. cleanup() reads `_shutdown_timeout` right after this; a
+        value <= 0 would mean no limit to aiohttp, hence the floor."""
+        await super().shutdown()
+        left_s = self.app[SHUTDOWN_KEY].seconds_left() - ENGINE_STOP_RESERVE_S
+        self._shutdown_timeout = max(MIN_STAGE_S, min(self._shutdown_timeout, left_s))
+
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
         limit = self.app[CONNECTIONS_KEY]
@@ -184,9 +197,15 @@ async def engines_ctx(app: web.Application) -> AsyncIterator[None]:
         loader.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await loader
-        for name, engine in reversed(list(state.engines.items())):
-            await asyncio.to_thread(engine.stop)
-            logger.info("model %s stopped", name)
+        await stop_engines(state.engines, app[SHUTDOWN_KEY].seconds_left())
+
+
+async def stop_engines(engines: dict[str, Any], timeout_s: float) -> None:
+    """All at once, each loop given `timeout_s` to finish its step (a stuck one is left behind: its
+    thread is a daemon, and its requests fail with EngineDeadError)."""
+    timeout_s = max(MIN_STAGE_S, timeout_s)
+    await asyncio.gather(*(asyncio.to_thread(engine.stop, timeout_s) for engine in engines.values()))
+    logger.info("models stopped: %s", ", ".join(engines) or "none")
 
 
 async def load_models(app: web.Application) -> None:
@@ -208,15 +227,50 @@ async def load_models(app: web.Application) -> None:
     logger.info("ready: serving %s", ", ".join(config.model_names))
 
 
+# The shutdown budget, --shutdown-timeout in all: streams get it less CLOSE_RESERVE_S, then are cancelled
+# (their error event and [DONE] take ms); the engines keep ENGINE_STOP_RESERVE_S of the reserve
+CLOSE_RESERVE_S = 2.0  # at most this, and at most a fifth of the budget
+ENGINE_STOP_RESERVE_S = 0.5
+MIN_STAGE_S = 0.05  # no stage gets less, even past the deadline: aiohttp reads 0 as "no limit"
+
+
+@dataclass
+class Shutdown:
+    """When the graceful stop must be over (time.monotonic()); set once, by its first stage."""
+
+    deadline: float | None = None
+
+    def start(self, timeout_s: float) -> float:
+        if self.deadline is None:
+            self.deadline = time.monotonic() + timeout_s
+        return self.deadline
+
+    def seconds_left(self, default_s: float = 10.0) -> float:
+        """`default_s` when no shutdown started (a cleanup without drain, as some tests do)."""
+        return default_s if self.deadline is None else self.deadline - time.monotonic()
+
+
+SHUTDOWN_KEY = web.AppKey("shutdown", Shutdown)
+
+
 async def drain(app: web.Application) -> None:
+    """Ready off and 503 `draining` for new work; in-flight generations finish until the close
+    reserve, then are cancelled. Safe to call twice (serve, then on_shutdown): the deadline holds."""
     config, state = app[CONFIG_KEY], app[STATE_KEY]
+    timeout_s = config.shutdown_timeout
+    deadline = app[SHUTDOWN_KEY].start(timeout_s)
     state.health.start_draining()
+    reserve_s = min(CLOSE_RESERVE_S, timeout_s / 5)
     pending = {t for t in state.generations if not t.done()}
-    if pending and config.shutdown_timeout > 0:
-        logger.info("draining %d in-flight generations for up to %.1f s", len(pending), config.shutdown_timeout)
-        _, pending = await asyncio.wait(pending, timeout=config.shutdown_timeout)
+    wait_s = deadline - reserve_s - time.monotonic()
+    if pending and wait_s > 0:
+        logger.info("draining %d in-flight generations for up to %.1f s", len(pending), wait_s)
+        _, pending = await asyncio.wait(pending, timeout=wait_s)
     for task in pending:
         task.cancel()  # its finally blocks close the stream's iterators: engine requests abort
     if pending:
         logger.info("cancelled %d generations still running at shutdown", len(pending))
-        await asyncio.wait(pending, timeout=5)
+        left_s = deadline - ENGINE_STOP_RESERVE_S - time.monotonic()
+        _, pending = await asyncio.wait(pending, timeout=max(MIN_STAGE_S, left_s))
+        if pending:
+            logger.warning("%d cancelled generations did not end in time; the runner closes them", len(pending))

@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -140,6 +141,9 @@ def _add_server_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models-dir", help="on-demand loading: a request for <dir>/<model> loads it first")
     p.add_argument("--max-loaded-models", type=int,
                    help="at most this many models loaded at once; LRU idle ones are unloaded (default: unlimited)")
+    p.add_argument("--allowed-origins", action="append", metavar="ORIGIN",
+                   help="browser origin allowed by CORS, e.g. https://app.example.com (repeatable; '*' = any); "
+                        "default none: no CORS headers, preflights refused")
     p.add_argument("--enable-fault-injection", action="store_true", default=None,
                    help="serve POST/DELETE /admin/faults (admin key required): for chaos tests only")
 
@@ -208,6 +212,7 @@ def build_config(args: argparse.Namespace, env: Mapping[str, str]) -> ServerConf
         "health_details_auth": args.health_details_auth, "max_connections": args.max_connections,
         "stream_write_timeout_s": args.stream_write_timeout_s, "body_read_timeout_s": args.body_read_timeout_s,
         "header_timeout_s": args.header_timeout_s, "keepalive_timeout_s": args.keepalive_timeout_s,
+        "allowed_origins": tuple(args.allowed_origins) if args.allowed_origins else None,
     }
     merged = {**base, **{k: v for k, v in overrides.items() if v is not None}, "models": models}
     try:
@@ -293,13 +298,32 @@ async def serve(config: ServerConfig) -> int:
         await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
         for waiter in waiters:
             waiter.cancel()
-        logger.info("shutting down")
+        logger.info("shutting down within %.1f s", config.shutdown_timeout)
+        start_backstop(app[STATE_KEY], config.shutdown_timeout + BACKSTOP_MARGIN_S)
         # drain while the port is still open: new work gets 503 (nginx passes it on), in-flight finishes
         await drain(app)
     finally:
-        await runner.cleanup()
+        await runner.cleanup()  # the connections and the engines, within what is left of the budget
     state = app[STATE_KEY]
     return 1 if state.fatal.is_set() else state.exit_code
+
+
+BACKSTOP_MARGIN_S = 1.0  # past --shutdown-timeout, a graceful stop still running is cut short
+
+
+def start_backstop(state: Any, seconds: float) -> None:
+    """Every stage of the stop is bounded by what is left of --shutdown-timeout, but a thread can
+    still hold the exit (a model load or a memory probe that hangs: asyncio.run waits for its worker
+    threads). Past `seconds` the process leaves anyway, with the code it meant to leave with."""
+
+    def cut_short() -> None:
+        code = 1 if state.fatal.is_set() else state.exit_code
+        logger.error("graceful stop still running %.1f s after SIGTERM: exiting now with code %d", seconds, code)
+        exit_now(code)
+
+    timer = threading.Timer(seconds, cut_short)
+    timer.daemon = True
+    timer.start()
 
 
 def generate(args: argparse.Namespace) -> int:
