@@ -3,7 +3,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-slow lint bench bench-resilience models clean nginx loadtest loadtest-step baseline
+.PHONY: run test test-slow lint bench bench-resilience models clean nginx loadtest loadtest-step baseline \
+	wheelhouse install-offline
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -13,6 +14,24 @@ $(STAMP): pyproject.toml | $(PY)
 	# torch first and pinned: the CPU build on local disk; an unpinned torch pulls a multi-GB CUDA build
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev,load]'
+	touch $(STAMP)
+
+# Offline install (deploy/README.md, "Offline install"): `make wheelhouse` where PyPI is reachable fills
+# wheelhouse/ with every wheel the venv needs (torch 2.13.0 CPU included: pip finds it where `pip install` does;
+# wheels only, so nothing has to be built without the network); copy the repo with it, then
+# `make install-offline` installs from it alone (--no-index). tests/deploy/test_offline_install.py, marked slow.
+WHEELHOUSE ?= wheelhouse
+OFFLINE_PIP = $(PY) -m pip install -q --no-index --find-links $(WHEELHOUSE)
+
+wheelhouse: $(PY)
+	$(PY) -m pip download -q --only-binary :all: -d $(WHEELHOUSE) torch==2.13.0 '.[dev,load]' pip setuptools wheel
+
+install-offline:
+	@test -d $(WHEELHOUSE) || { echo "no $(WHEELHOUSE)/: run 'make wheelhouse' where PyPI is reachable"; exit 1; }
+	python3 -m venv $(VENV)
+	$(OFFLINE_PIP) -U pip
+	$(OFFLINE_PIP) torch==2.13.0
+	$(OFFLINE_PIP) -e '.[dev,load]'
 	touch $(STAMP)
 
 nginx:
