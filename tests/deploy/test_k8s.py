@@ -26,7 +26,7 @@ OVERLAYS = ("cpu", "gpu")
 # the oldest release the manifests claim (PodDisruptionBudget.unhealthyPodEvictionPolicy is GA in 1.31)
 # and the newest schemas the package bundles
 K8S_VERSIONS = ("1.31.0", max(all_versions(), key=lambda v: tuple(map(int, v.split(".")))))
-DRAIN_CLEANUP_S = 20  # after the drain: 5 s cancelling what is left + ~15 s stopping the engines
+DRAIN_CLEANUP_S = 20  # margin past SHUTDOWN_TIMEOUT, as compose keeps (tests/deploy/test_docker_files.py)
 CRDS = {"monitoring.coreos.com/v1": {"ServiceMonitor"}}
 # strategic-merge keys of the lists the overlays patch; any other list is replaced whole
 MERGE_KEYS = {"containers": "name", "initContainers": "name", "env": "name", "volumes": "name",
