@@ -86,14 +86,16 @@ def real_config(models: TinyModels, engine_kwargs: dict | None = None, fallback_
 @pytest.fixture
 def start(aiohttp_client, tiny_models):
     """`await start(**config)` -> a Harness with a ready app on a test server (handler_cancellation on)."""
+    gates: list[threading.Event] = []
 
     async def make(engine_kwargs: dict | None = None, wait_ready: bool = True, router_factory=None,
-                   routes=None, load_gate: threading.Event | None = None, fallback_dir: Path | None = None,
+                   load_gate: threading.Event | None = None, fallback_dir: Path | None = None,
                    **config) -> Harness:
         """`engine_kwargs`: EngineConfig fields for both models; `load_gate`: loading blocks until it is
         set; `fallback_dir`: the fallback's model directory instead of the tiny Qwen2."""
         factory = None
         if load_gate is not None:
+            gates.append(load_gate)
             def factory(cfg: EngineConfig):
                 from engine import AsyncEngine
 
@@ -102,8 +104,6 @@ def start(aiohttp_client, tiny_models):
 
         app = create_app(real_config(tiny_models, engine_kwargs, fallback_dir, **config), engine_factory=factory,
                          router_factory=router_factory)
-        if routes:
-            app.router.add_routes(routes)
         client = await aiohttp_client(app, server_kwargs={"handler_cancellation": True})
         harness = Harness(client, app)
         if wait_ready:
@@ -111,7 +111,9 @@ def start(aiohttp_client, tiny_models):
             assert not harness.state.fatal.is_set(), harness.state.load_error
         return harness
 
-    return make
+    yield make
+    for gate in gates:  # a test that failed while holding a load must not leave it blocked at teardown
+        gate.set()
 
 
 async def until(predicate, timeout: float = 10.0, interval: float = 0.01) -> None:
