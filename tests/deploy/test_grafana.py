@@ -76,6 +76,13 @@ def test_every_query_names_metrics_the_server_exports(exported):
             "pagedserve:e2e_request_latency_seconds_bucket", "pagedserve:generation_tokens_total"} <= named
 
 
+def test_the_autoscalers_series_is_exported(exported):
+    values = yaml.safe_load((ROOT / "deploy/k8s/prometheus-adapter-values.yaml").read_text())
+    for rule in values["rules"]["custom"]:
+        [(name, selector)] = METRIC.findall(rule["seriesQuery"])
+        assert name in exported and "model_name" in exported[name]
+
+
 def test_the_metric_check_would_catch_a_wrong_name(exported):
     # what a dashboard written for vLLM's names, or a counter without its suffix, would use
     for wrong in ("pagedserve:generation_tokens", "pagedserve:gpu_cache_usage_perc",

@@ -286,8 +286,9 @@ def test_container_runs_the_images_server_with_known_flags(rendered):
     _, docs = rendered
     [container] = _containers(docs)
     assert container["command"] == ["pagedserve", "serve"]
-    cmd = re.search(r"^CMD (.*)$", (ROOT / "Dockerfile").read_text(), re.M).group(1)
-    assert "exec pagedserve serve" in cmd  # the image's own program, only with flags spelt out
+    for dockerfile in ("Dockerfile", "Dockerfile.cpu"):
+        cmd = re.search(r"^CMD (.*)$", (ROOT / dockerfile).read_text(), re.M).group(1)
+        assert "exec pagedserve serve" in cmd, dockerfile  # the image's own program, flags spelt out
     help_text = subprocess.run([sys.executable, "-m", "service", "serve", "--help"], cwd=ROOT, capture_output=True,
                                text=True, timeout=60, check=True).stdout
     for flag in (a for a in container["args"] if a.startswith("--")):
