@@ -95,6 +95,9 @@ class LLMEngine:
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise RequestRejectedError(f"stop_token_ids: {bad[0]} is outside the vocabulary (size {self.vocab_size})")
+        bad = [t for t in params.logit_bias if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestRejectedError(f"logit_bias: {bad[0]} is outside the vocabulary (size {self.vocab_size})")
         if params.n > self.config.max_num_seqs:
             raise RequestRejectedError(f"n is {params.n}, more than this engine runs at once "
                                        f"(max_num_seqs {self.config.max_num_seqs})")

@@ -49,6 +49,10 @@ class Sampler:
                 out = torch.tensor(seq.output_token_ids, dtype=torch.long, device=logits.device)
                 counts = torch.zeros_like(logits[i]).scatter_add_(0, out, torch.ones_like(out, dtype=logits.dtype))
                 logits[i] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+            if params.logit_bias:  # before the min_tokens ban: a bias must not lift a banned token
+                ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=logits.device)
+                logits[i, ids] += torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype,
+                                               device=logits.device)
             if seq.num_output_tokens < params.min_tokens:
                 banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(seq.eos_token_ids))
                 if banned:

@@ -11,6 +11,7 @@ INT64_MAX = 2**63 - 1
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1  # seeds are hashed: signed and unsigned 64-bit both work
 MAX_STOP = 64  # stop strings, and stop token ids, per request
 MAX_N = 128
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI
 
 
 @dataclass
@@ -31,12 +32,14 @@ class SamplingParams:
     max_tokens: int | None = 16  # None = up to the model's context
     logprobs: int | None = None  # top-N logprobs per sampled token, plus the sampled one
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, in [-100, 100]
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias or {})
         self._check_types()
         if self.top_k is not None and self.top_k <= 0:  # vLLM spells "off" as 0 or -1
             self.top_k = None
@@ -61,6 +64,10 @@ class SamplingParams:
             (len(self.stop_token_ids) <= MAX_STOP,
              f"stop_token_ids must hold at most {MAX_STOP} ids, got {len(self.stop_token_ids)}"),
             (all(0 <= t <= INT64_MAX for t in self.stop_token_ids), "stop_token_ids must be non-negative token ids"),
+            (len(self.logit_bias) <= MAX_LOGIT_BIAS,
+             f"logit_bias must hold at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}"),
+            (all(0 <= t <= INT64_MAX for t in self.logit_bias), "logit_bias keys must be non-negative token ids"),
+            (all(-100 <= b <= 100 for b in self.logit_bias.values()), "logit_bias values must be in [-100, 100]"),
             (self.seed is None or MIN_SEED <= self.seed <= MAX_SEED, f"seed must be in [-2**63, 2**64), got {self.seed}"),
         ]
         for ok, message in checks:
@@ -82,6 +89,11 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be integers")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.logit_bias):
+            raise ValueError("logit_bias keys must be integer token ids")
+        if not all(isinstance(b, int | float) and not isinstance(b, bool) and math.isfinite(b)
+                   for b in self.logit_bias.values()):
+            raise ValueError("logit_bias values must be finite numbers")
 
     @property
     def is_greedy(self) -> bool:

@@ -44,6 +44,8 @@ def sampling_params(vocab: int = VOCAB, max_n: int = 3) -> st.SearchStrategy[Sam
         stop_token_ids=st.lists(st.integers(0, vocab - 1), max_size=3),
         stop=st.lists(st.sampled_from(["a", "\n", "ab", "def"]), max_size=2),
         ignore_eos=st.booleans(),
+        logit_bias=st.dictionaries(st.integers(0, vocab - 1), st.sampled_from([-100, -2.5, 0, 1.5, 100]),
+                                   max_size=3),
     )
 
 
