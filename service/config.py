@@ -25,9 +25,10 @@ SERVER_OPTIONS = ("host", "port", "api_keys", "admin_key", "max_body_bytes", "au
                   "leak_action", "hang_timeout_s", "max_engine_rebuilds", "default_max_tokens", "breaker_open_s", "enable_fault_injection", "models",
                   "models_root", "memory_budget_bytes", "models_dir", "max_loaded_models", "health_details_auth",
                   "max_connections", "stream_write_timeout_s", "body_read_timeout_s", "header_timeout_s",
-                  "keepalive_timeout_s")
+                  "keepalive_timeout_s", "allowed_origins")
 LEAK_ACTIONS = ("recycle", "exit")
 MODEL_OPTIONS = ("path", "name", "fallback", *ENGINE_OPTIONS)
+_ORIGIN = re.compile(r"^https?://[^/\s]+$")  # scheme://host[:port], no path: what browsers send in Origin
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
           "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20, "gi": 2**30, "gib": 2**30, "ti": 2**40, "tib": 2**40}
@@ -85,6 +86,7 @@ class ServerConfig:
     body_read_timeout_s: float = 30.0  # a request body not received in this long is a 408
     header_timeout_s: float = 30.0  # a new connection without a whole request head in this long is closed
     keepalive_timeout_s: float = 75.0  # an idle keep-alive connection is closed after this long
+    allowed_origins: tuple[str, ...] = ()  # browser origins CORS lets in ("*": any); empty: no CORS headers
 
     def __post_init__(self) -> None:
         names = [m.name for m in self.models]
@@ -119,6 +121,8 @@ class ServerConfig:
         _check(self.max_connections >= 1, f"max_connections must be at least 1, got {self.max_connections}")
         for name in ("stream_write_timeout_s", "body_read_timeout_s", "header_timeout_s", "keepalive_timeout_s"):
             _check(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
+        _check(all(isinstance(o, str) and (o == "*" or _ORIGIN.match(o)) for o in self.allowed_origins),
+               f"allowed_origins must be '*' or origins like https://app.example.com:8080, got {self.allowed_origins}")
 
     @property
     def idle_timeout_s(self) -> float:
@@ -191,6 +195,8 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         out.setdefault("first_token_timeout_s", out.pop("idle_timeout_s"))
     if "api_keys" in out:
         out["api_keys"] = tuple(out["api_keys"])
+    if "allowed_origins" in out:
+        out["allowed_origins"] = tuple(out["allowed_origins"])
     for key in ("max_body_bytes", "memory_budget_bytes"):
         if key in out:
             out[key] = parse_size(out[key])
