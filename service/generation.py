@@ -164,6 +164,8 @@ class Generation:
         record = self.record
         self.metrics.observe_finished(record.served_model or self.model, time.monotonic() - record.start,
                                       self._queue_time, record.finish_reasons)
+        self.metrics.observe_request(record.served_model or self.model, self.num_prompt_tokens,
+                                     record.completion_tokens, self.params.n, self.params.max_tokens)
 
 
 async def merge(iterators: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:

@@ -21,6 +21,9 @@ ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
 REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                    50.0, 60.0, 120.0, 240.0, 480.0)
 LOAD_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+# tokens: vLLM's 1-2-5 series (it stops at max_model_len; one fixed series here, models come and go)
+TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(6) for m in (1, 2, 5))[:-1]  # 1 .. 200000
+N_BUCKETS = (1, 2, 5, 10, 20)  # request_params_n, as vLLM
 PREFIX = "pagedserve:"
 
 
@@ -50,6 +53,16 @@ class Metrics:
         self.request_queue_time = Histogram(f"{PREFIX}request_queue_time_seconds",
                                             "Time a request waited in the engine before its first step",
                                             model, buckets=REQUEST_BUCKETS, registry=self.registry)
+        self.request_prompt_tokens = Histogram(f"{PREFIX}request_prompt_tokens", "Prompt tokens per finished "
+                                               "request", model, buckets=TOKEN_BUCKETS, registry=self.registry)
+        self.request_generation_tokens = Histogram(f"{PREFIX}request_generation_tokens", "Generated tokens per "
+                                                   "finished request", model, buckets=TOKEN_BUCKETS,
+                                                   registry=self.registry)
+        self.request_params_n = Histogram(f"{PREFIX}request_params_n", "The n of finished requests", model,
+                                          buckets=N_BUCKETS, registry=self.registry)
+        self.request_params_max_tokens = Histogram(f"{PREFIX}request_params_max_tokens", "The max_tokens of "
+                                                   "finished requests", model, buckets=TOKEN_BUCKETS,
+                                                   registry=self.registry)
         self.model_changes = Counter(f"{PREFIX}model_changes", "Model loads and unloads by outcome",
                                      ["action", "outcome"], registry=self.registry)
         self.model_change_seconds = Histogram(f"{PREFIX}model_change_seconds", "Time to load (warm-up included) "
@@ -83,6 +96,18 @@ class Metrics:
             self.request_queue_time.labels(model).observe(queue_time)
         for reason in reasons:
             self.request_success.labels(model, reason).inc()
+
+
+    def observe_request(self, model: str, num_prompt_tokens: list[int], num_generation_tokens: int, n: int,
+                        max_tokens: int | None) -> None:
+        """One finished HTTP request: each of its prompts counts as one request, as in vLLM (one engine
+        request each); its generated tokens, all prompts and choices together, count once."""
+        for num_tokens in num_prompt_tokens:
+            self.request_prompt_tokens.labels(model).observe(num_tokens)
+            self.request_params_n.labels(model).observe(n)
+            if max_tokens is not None:
+                self.request_params_max_tokens.labels(model).observe(max_tokens)
+        self.request_generation_tokens.labels(model).observe(num_generation_tokens)
 
 
 class EngineCollector(Collector):
