@@ -13,38 +13,65 @@ from typing import Any
 from aiohttp import web
 
 from engine.sampling_params import SamplingParams
-from service.auth import holds_any_key
-from service.completions import create_chat_completion, create_completion
+from service.auth import KeyRing, bearer_token, holds_any_key
+from service.completions import create_chat_completion, create_completion, read_json
+from service.errors import (
+    AuthenticationError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    PermissionDeniedError,
+    UnavailableError,
+)
 from service.keys import CONFIG_KEY, METRICS_KEY, STATE_KEY
 from service.metrics import CONTENT_TYPE
+from service.schemas import MAX_MODEL_CHARS, parse_messages
 from service.supervision import WARMUP_PROMPT
+
+CORS_PATHS = ("/v1/", "/tokenize", "/detokenize")
+CORS_METHODS = "GET, POST, OPTIONS"
+CORS_HEADERS = "Authorization, Content-Type, X-Request-Id, x-pagedserve-timeout"
+CORS_EXPOSED = "X-Request-Id, x-pagedserve-served-model, x-pagedserve-degraded, Retry-After"
+CORS_MAX_AGE_S = 600
 
 
 def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/completions", create_completion)
     app.router.add_post("/v1/chat/completions", create_chat_completion)
     app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model_id:.+}", retrieve_model)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/health/live", live)
     app.router.add_get("/health/ready", ready)
     app.router.add_get("/health", ready)
     app.router.add_get("/health/generate", health_generate)
     app.router.add_get("/version", version)
+    add_cors(app)
 
 
 async def list_models(request: web.Request) -> web.Response:
     """The ready models: the start-up ones in configuration order (the primary first), then those
     loaded at run time in load order."""
-    config, state = request.app[CONFIG_KEY], request.app[STATE_KEY]
+    state = request.app[STATE_KEY]
     entries = state.registry.entries
-    data = []
-    for name in sorted(state.engines, key=list(entries).index):
-        engine, entry = state.engines[name], entries[name]
-        data.append({"id": name, "object": "model", "created": int(state.started), "owned_by": "pagedserve",
-                     "root": _shown_path(entry.path, config.models_root_path), "parent": None,
-                     "max_model_len": engine.max_model_len,
-                     "fallback": entry.fallback})
-    return web.json_response({"object": "list", "data": data})
+    names = sorted(state.engines, key=list(entries).index)
+    return web.json_response({"object": "list", "data": [_model_object(request, name) for name in names]})
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    """GET /v1/models/{id}: one ready model, in the shape of the list's items (`client.models.retrieve`)."""
+    name = request.match_info["model_id"]
+    _engine(request, {"model": name[:MAX_MODEL_CHARS + 1]})  # 404 unknown, 503 loading or being rebuilt
+    return web.json_response(_model_object(request, name))
+
+
+def _model_object(request: web.Request, name: str) -> dict[str, Any]:
+    config, state = request.app[CONFIG_KEY], request.app[STATE_KEY]
+    engine, entry = state.engines[name], state.registry.entries[name]
+    return {"id": name, "object": "model", "created": int(state.started), "owned_by": "pagedserve",
+            "root": _shown_path(entry.path, config.models_root_path), "parent": None,
+            "max_model_len": engine.max_model_len, "fallback": entry.fallback}
 
 
 def _shown_path(path: str, root: Path) -> str:
@@ -139,3 +166,112 @@ async def version(request: web.Request) -> web.Response:
     except importlib.metadata.PackageNotFoundError:
         number = "unknown"
     return web.json_response({"version": number})
+
+
+# --- tokenizer endpoints (vLLM's shape) ----------------------------------------------------------
+async def tokenize(request: web.Request) -> web.Response:
+    """{"model", "prompt"} or {"model", "messages"} -> {"tokens", "count", "max_model_len"}: the ids the
+    engine would see (a chat goes through the model's template, generation prompt included)."""
+    _require_api_key(request)
+    body = await read_json(request)
+    engine = _engine(request, body)
+    if "messages" in body and "prompt" in body:
+        raise InvalidRequestError("send either prompt or messages, not both", param="prompt")
+    if "messages" in body:
+        messages = parse_messages(body["messages"])
+        prompt = await asyncio.to_thread(engine.apply_chat_template, messages)
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise InvalidRequestError("prompt must be a string (or send messages)", param="prompt")
+    tokens = await asyncio.to_thread(engine.encode, prompt)
+    return web.json_response({"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    """{"model", "tokens"} -> {"prompt"}: the text of token ids of the model's vocabulary."""
+    _require_api_key(request)
+    body = await read_json(request)
+    engine = _engine(request, body)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise InvalidRequestError("tokens must be a list of integer token ids", param="tokens")
+    vocab_size = engine.engine.vocab_size
+    bad = [t for t in tokens if not 0 <= t < vocab_size]
+    if bad:
+        shown = bad[0] if abs(bad[0]) < 10**30 else "a huge number"
+        raise InvalidRequestError(f"tokens: {shown} is outside the vocabulary (size {vocab_size})", param="tokens")
+    text = await asyncio.to_thread(engine.tokenizer.decode, tokens)
+    return web.json_response({"prompt": text})
+
+
+def _engine(request: web.Request, body: Any) -> Any:
+    """The engine of body["model"] (None: the primary); 404 for a model not served, 503 while it loads."""
+    if not isinstance(body, dict):
+        raise InvalidRequestError("the request body must be a JSON object")
+    config, state = request.app[CONFIG_KEY], request.app[STATE_KEY]
+    name = body.get("model")
+    if name is not None and (not isinstance(name, str) or len(name) > MAX_MODEL_CHARS):
+        raise InvalidRequestError(f"model must be a string of at most {MAX_MODEL_CHARS} characters", param="model")
+    name = name or config.models[0].name
+    engine = state.engines.get(name)
+    if engine is None:
+        if config.model(name) is None and not state.has_model(name):
+            raise ModelNotFoundError(name)
+        message, code = state.why_unavailable(name)
+        raise UnavailableError(message, code=code, retry_after=config.retry_after_unavailable)
+    return engine
+
+
+def _require_api_key(request: web.Request) -> None:
+    """The tokenizer endpoints live outside /v1/ (as in vLLM) but are guarded like it."""
+    keys = request.app[CONFIG_KEY].api_keys
+    if not keys:
+        return
+    token = bearer_token(request)
+    if token is None:
+        raise AuthenticationError("missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+    if not KeyRing(keys).matches(token):
+        raise AuthenticationError("invalid API key", code="invalid_api_key")
+
+
+# --- CORS ------------------------------------------------------------------------------------------
+def add_cors(app: web.Application) -> None:
+    """With --allowed-origins: preflights for the API answered before auth (a browser sends them
+    without credentials), and the allowed origin named on every response, errors included (else the
+    page cannot read them). Without it nothing changes: no CORS header, and preflights are refused."""
+    auth_index = next((i for i, m in enumerate(app.middlewares) if m.__module__ == "service.auth"),
+                      len(app.middlewares))
+    app.middlewares.insert(auth_index, _preflight_middleware)
+    app.on_response_prepare.append(_cors_headers)
+
+
+@web.middleware
+async def _preflight_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    if request.method != "OPTIONS" or not request.path.startswith(CORS_PATHS):
+        return await handler(request)
+    origin = request.headers.get("Origin")
+    if origin is None:  # a plain OPTIONS, not a browser's preflight
+        return web.Response(status=204, headers={"Allow": CORS_METHODS})
+    if not _is_allowed(request, origin):
+        raise PermissionDeniedError(f"origin {origin[:100]!r} is not allowed (--allowed-origins)",
+                                    code="origin_not_allowed")
+    asked = request.headers.get("Access-Control-Request-Headers")
+    return web.Response(status=204, headers={
+        "Access-Control-Allow-Methods": CORS_METHODS, "Access-Control-Allow-Headers": asked or CORS_HEADERS,
+        "Access-Control-Max-Age": str(CORS_MAX_AGE_S)})
+
+
+async def _cors_headers(request: web.Request, response: web.StreamResponse) -> None:
+    origin = request.headers.get("Origin")
+    if origin is None or not request.path.startswith(CORS_PATHS) or not _is_allowed(request, origin):
+        return
+    response.headers["Access-Control-Allow-Origin"] = origin
+    response.headers["Vary"] = "Origin"  # the answer depends on the origin: caches must not share it
+    if request.method != "OPTIONS":
+        response.headers["Access-Control-Expose-Headers"] = CORS_EXPOSED
+
+
+def _is_allowed(request: web.Request, origin: str) -> bool:
+    allowed = request.app[CONFIG_KEY].allowed_origins
+    return "*" in allowed or origin.lower() in (o.lower() for o in allowed)
