@@ -37,7 +37,8 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     parsed = parse_completion(await read_json(request))
     gen = Generation(request, "cmpl", parsed.model, parsed.params, parsed.priority)
     await gen.check_prompts(parsed.prompts)
-    fmt = CompletionFormat(parsed.params.n, parsed.params.logprobs)
+    echo = await asyncio.to_thread(_prompt_texts, gen, parsed.prompts) if parsed.echo else None
+    fmt = CompletionFormat(parsed.params.n, parsed.params.logprobs, echo)
     if parsed.stream:
         return await stream(request, gen, fmt, parsed.include_usage)
     return await collect(gen, fmt)
@@ -51,6 +52,12 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     if parsed.stream:
         return await stream(request, gen, fmt, parsed.include_usage)
     return await collect(gen, fmt)
+
+
+def _prompt_texts(gen: Generation, prompts: list[str | list[int]]) -> list[str]:
+    """What `echo` prepends: a text prompt as sent, a token-id prompt decoded."""
+    tokenizer = gen.engine.tokenizer
+    return [p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
 
 
 async def read_json(request: web.Request) -> Any:
@@ -163,7 +170,7 @@ class _Choice:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     offset: int = 0  # completions text_offset: chars of token text so far
-    is_started: bool = False  # chat stream: the role delta was sent
+    is_started: bool = False  # stream: the chat role delta, or the echoed prompt, was sent
 
 
 class _Format:
@@ -212,11 +219,19 @@ class _Format:
 class CompletionFormat(_Format):
     chunk_kind = "text_completion"
 
+    def __init__(self, n: int, logprobs: int | None, echo: list[str] | None = None) -> None:
+        super().__init__(n, logprobs)
+        self.echo = echo  # per prompt: the text each of its choices starts with (None: no echo)
+
+    def _echo(self, index: int) -> str:
+        return self.echo[index // self.n] if self.echo else ""
+
     def error_choice(self, index: int) -> dict[str, Any]:
         return protocol.completion_choice(index, "", None, "error")
 
     def body(self, completion_id: str, created: int, model: str, usage: dict) -> dict[str, Any]:
-        choices = [protocol.completion_choice(i, "".join(c.text), c.logprobs, c.finish_reason, c.stop_reason)
+        choices = [protocol.completion_choice(i, self._echo(i) + "".join(c.text), c.logprobs, c.finish_reason,
+                                              c.stop_reason)
                    for i, c in self._sorted()]
         return protocol.completion_body(completion_id, created, model, choices, usage)
 
@@ -224,10 +239,15 @@ class CompletionFormat(_Format):
         chunks = []
         for out in output.outputs:
             index = prompt_index * self.n + out.index
-            logprobs = self._logprobs(out, self.choices[index], token_text)
+            choice = self.choices[index]
+            logprobs = self._logprobs(out, choice, token_text)
             self._finish(index, out)
-            if out.text or out.finish_reason or logprobs:
-                chunks.append([protocol.completion_choice(index, out.text, logprobs, out.finish_reason,
+            text = out.text
+            if not choice.is_started:  # the first chunk of a choice carries the echoed prompt
+                choice.is_started = True
+                text = self._echo(index) + text
+            if text or out.finish_reason or logprobs:
+                chunks.append([protocol.completion_choice(index, text, logprobs, out.finish_reason,
                                                           out.stop_reason)])
         return chunks
 

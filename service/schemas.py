@@ -37,8 +37,11 @@ _NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
 _BRACKETS = bytes.maketrans(b"{}", b"[]")
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # field -> value that means "not asked for"; anything else is refused with a clear 400
-UNSUPPORTED = {"suffix": None, "echo": False, "logit_bias": None, "tools": None, "functions": None,
-               "use_beam_search": False, "prompt_logprobs": None, "parallel_tool_calls": None}
+UNSUPPORTED = {"suffix": None, "tools": None, "functions": None, "use_beam_search": False, "prompt_logprobs": None,
+               "parallel_tool_calls": None, "guided_json": None, "guided_regex": None, "guided_choice": None,
+               "guided_grammar": None, "guided_decoding_backend": None, "guided_whitespace_pattern": None,
+               "structured_outputs": None, "truncate_prompt_tokens": None}
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI
 _MISSING = object()
 
 
@@ -50,6 +53,7 @@ class CompletionRequest:
     stream: bool = False
     include_usage: bool = False
     priority: int = 0
+    echo: bool = False  # each choice's text starts with its prompt's text
 
 
 @dataclass(frozen=True)
@@ -145,13 +149,19 @@ def parse_completion(body: Any) -> CompletionRequest:
         raise InvalidRequestError("prompt is required", param="prompt")
     prompts = parse_prompts(reader.raw("prompt"))
     logprobs = reader.int_("logprobs", None, 0, MAX_LOGPROBS)
+    echo = reader.bool_("echo", False)
+    if echo and logprobs is not None:  # the engine computes no prompt logprobs
+        raise InvalidRequestError("echo with logprobs is not supported (prompt logprobs are not computed); "
+                                  "drop one of them", param="echo")
     params = _sampling_params(reader, default_max_tokens=16, logprobs=logprobs)
     _check_choices(len(prompts), params.n)
-    return CompletionRequest(reader.model(), prompts, params, *reader.stream(), reader.priority())
+    return CompletionRequest(reader.model(), prompts, params, *reader.stream(), reader.priority(), echo)
 
 
 def parse_chat(body: Any) -> ChatRequest:
     reader = _Reader(body)
+    if reader.body.get("echo") not in (None, False):
+        raise InvalidRequestError("echo is not supported for chat completions", param="echo")
     messages = parse_messages(reader.raw("messages"))
     wants_logprobs = reader.bool_("logprobs", False)
     top_logprobs = reader.int_("top_logprobs", None, 0, MAX_LOGPROBS)
@@ -236,6 +246,7 @@ def _sampling_params(reader: _Reader, default_max_tokens: int | None, logprobs: 
         seed=reader.int_("seed", None, -(2**63), 2**64 - 1), stop=reader.stop(),
         stop_token_ids=reader.int_list("stop_token_ids"), ignore_eos=reader.bool_("ignore_eos", False),
         min_tokens=reader.int_("min_tokens", 0, 0), skip_special_tokens=reader.bool_("skip_special_tokens", True),
+        logit_bias=reader.logit_bias(),
     )
     reader.string("user")
     try:
@@ -314,6 +325,27 @@ class _Reader:
             raise InvalidRequestError(f"{name} may hold at most {MAX_NUM_STOP_TOKEN_IDS} ids, got {len(value)}",
                                       param=name)
         return value
+
+    def logit_bias(self) -> dict[int, float]:
+        """{"token id": bias}: JSON keys are strings; ids against the vocabulary are the engine's check."""
+        value = self._get("logit_bias", {})
+        if not isinstance(value, dict):
+            raise InvalidRequestError(f"logit_bias must be an object mapping token ids to biases, got "
+                                      f"{_json_type(value)}", param="logit_bias")
+        if len(value) > MAX_LOGIT_BIAS:
+            raise InvalidRequestError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(value)}",
+                                      param="logit_bias")
+        bias = {}
+        for key, number in value.items():
+            shown = key if len(key) <= 40 else f"{key[:20]}..."
+            if not (key.isascii() and key.isdigit() and len(key) <= 19 and int(key) <= INT64_MAX):
+                raise InvalidRequestError(f"logit_bias keys must be token ids (non-negative integers as strings), "
+                                          f"got {shown!r}", param="logit_bias")
+            if isinstance(number, bool) or not isinstance(number, int | float) or not -100 <= number <= 100:
+                raise InvalidRequestError(f"logit_bias[{shown!r}] must be a number in [-100, 100]",
+                                          param="logit_bias")
+            bias[int(key)] = float(number)
+        return bias
 
     def stop(self) -> list[str]:
         value = self._get("stop", [])

@@ -94,8 +94,10 @@ def test_bad_messages(messages, param):
     ("presence_penalty", 3), ("frequency_penalty", -2.5), ("repetition_penalty", 0), ("min_p", 2),
     ("logprobs", 21), ("logprobs", -1), ("seed", "x"), ("stop", 5), ("stop", [""]), ("stop", ["a", 1]),
     ("stop_token_ids", [-1]), ("stop_token_ids", "1"), ("ignore_eos", 1), ("stream", "yes"), ("priority", 1.5),
-    ("model", 5), ("min_tokens", -1), ("best_of", 3), ("echo", True), ("suffix", "x"),
-    ("logit_bias", {"1": 2}), ("stream_options", {"include_usage": True}),
+    ("model", 5), ("min_tokens", -1), ("best_of", 3), ("echo", "yes"), ("suffix", "x"),
+    ("logit_bias", {"x": 2}), ("logit_bias", {"1": 101}), ("guided_json", {"type": "object"}),
+    ("guided_choice", ["a"]), ("truncate_prompt_tokens", 5), ("structured_outputs", {"json": {}}),
+    ("stream_options", {"include_usage": True}),
 ])
 def test_bad_fields_name_their_param(field, value):
     _refused(parse_completion, {"prompt": "x", field: value}, field)
