@@ -33,6 +33,10 @@ from service.sse import EventStream
 logger = logging.getLogger(__name__)
 
 
+def _draining() -> UnavailableError:
+    return UnavailableError("the server is shutting down", code="draining")
+
+
 async def create_completion(request: web.Request) -> web.StreamResponse:
     parsed = parse_completion(await read_json(request))
     gen = Generation(request, "cmpl", parsed.model, parsed.params, parsed.priority)
@@ -85,10 +89,15 @@ def check_json_content_type(request: web.Request) -> None:
 
 async def collect(gen: Generation, fmt: _Format) -> web.Response:
     served: RoutedOutput | None = None
-    async with contextlib.aclosing(gen.outputs()) as outputs:
-        async for index, routed in outputs:
-            served = served or routed
-            fmt.accumulate(index, routed.output, gen.token_text(routed.served_model))
+    try:
+        async with contextlib.aclosing(gen.outputs()) as outputs:
+            async for index, routed in outputs:
+                served = served or routed
+                fmt.accumulate(index, routed.output, gen.token_text(routed.served_model))
+    except asyncio.CancelledError:
+        if gen.state.is_draining:  # shutdown ran out of drain time; the client is still there
+            raise _draining() from None
+        raise
     model = served.served_model if served else gen.model
     record = gen.record
     body = fmt.body(gen.id, gen.created, model, protocol.usage(record.prompt_tokens, record.completion_tokens))
@@ -120,9 +129,10 @@ async def stream(request: web.Request, gen: Generation, fmt: _Format, include_us
     except asyncio.CancelledError:
         # the client went away (handler_cancellation), or shutdown ran out of drain time: then the
         # client is still there and gets a proper end instead of a cut connection
-        if events is not None and gen.state.is_draining:
-            await _send_error(request, events, UnavailableError("the server is shutting down", code="draining"),
-                              _error_chunks(gen, fmt, model))
+        if gen.state.is_draining and events is None:  # nothing sent yet: a plain 503 another replica may take
+            raise _draining() from None
+        if gen.state.is_draining:
+            await _send_error(request, events, _draining(), _error_chunks(gen, fmt, model))
         raise
     except Exception as exc:
         if events is None:
