@@ -248,7 +248,8 @@ def add_cors(app: web.Application) -> None:
 
 @web.middleware
 async def _preflight_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
-    if request.method != "OPTIONS" or not request.path.startswith(CORS_PATHS):
+    missing = isinstance(request.match_info.http_exception, web.HTTPNotFound)
+    if request.method != "OPTIONS" or missing or not request.path.startswith(CORS_PATHS):
         return await handler(request)
     origin = request.headers.get("Origin")
     if origin is None:  # a plain OPTIONS, not a browser's preflight

@@ -366,7 +366,11 @@ METHOD_CASES = [
     Case("put-completions", 405, completion(), method="PUT"),
     Case("delete-completions", 405, method="DELETE"),
     Case("patch-completions", 405, completion(), method="PATCH"),
-    Case("options-completions", 405, method="OPTIONS"),
+    Case("options-completions", 204, method="OPTIONS"),  # a plain OPTIONS: Allow says the methods
+    Case("preflight-origin-not-allowed", 403, path="/v1/chat/completions", method="OPTIONS", auth=None,
+         headers={"Origin": "https://evil.example.com", "Access-Control-Request-Method": "POST"},
+         code="origin_not_allowed"),
+    Case("options-unknown-v1-route", 404, path="/v1/nothing", method="OPTIONS"),
     Case("get-chat", 405, path="/v1/chat/completions", method="GET"),
     Case("post-models", 405, completion(), path="/v1/models"),
     Case("delete-models", 405, path="/v1/models", method="DELETE"),
