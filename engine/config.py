@@ -1,7 +1,7 @@
 """`EngineConfig`: a frozen dataclass that validates itself (STYLE 3). Values found at run time
 (number of KV blocks, bytes per block) live in `KVCacheLayout`, never in the config."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -31,6 +31,7 @@ class EngineConfig:
     aging_seconds: float = 5.0  # hybrid: a waiting request gains one priority level per this many seconds
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
+    chat_template: str | None = field(default=None, repr=False)  # jinja text replacing the model's own
 
     def __post_init__(self) -> None:
         dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
@@ -57,6 +58,8 @@ class EngineConfig:
                f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         _check(self.swap_space >= 0, f"swap_space must be non-negative GiB, got {self.swap_space}")
         _check(self.aging_seconds > 0, f"aging_seconds must be positive, got {self.aging_seconds}")
+        _check(self.chat_template is None or (isinstance(self.chat_template, str) and bool(self.chat_template.strip())),
+               "chat_template must be non-empty jinja text")
         _check(self.max_prefill_tokens is None or self.max_prefill_tokens >= 1,
                f"max_prefill_tokens must be at least 1, got {self.max_prefill_tokens}")
 

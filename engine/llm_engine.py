@@ -49,7 +49,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         files = validate_model_dir(config.model)
-        self.chat_template = files.chat_template
+        self.chat_template = config.chat_template or files.chat_template
         self.tokenizer = AutoTokenizer.from_pretrained(files.path, local_files_only=True)
         self.model_runner = ModelRunner(config, files)
         layout = self.model_runner.layout

@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from service.config import (
@@ -164,6 +165,7 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--swap-space", type=float, help="GiB of host memory for swapped-out blocks")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--engine-seed", dest="seed_engine", type=int, help="seed for requests without one")
+    g.add_argument("--chat-template", help="jinja file that replaces every model's chat template")
     g.add_argument("--num-threads", type=int, help="torch threads on CPU")
 
 
@@ -177,6 +179,11 @@ def engine_options(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str
              "swap_space", "enable_prefix_caching", "num_threads")
     options = {n: getattr(args, n, None) for n in names}
     options["seed"] = getattr(args, "seed_engine", None)
+    if getattr(args, "chat_template", None):
+        try:
+            options["chat_template"] = Path(args.chat_template).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"--chat-template {args.chat_template}: {exc}") from exc
     if options["gpu_memory_utilization"] is None and env.get("MAX_GPU_MEMORY_UTILIZATION"):
         options["gpu_memory_utilization"] = _env_number(env, "MAX_GPU_MEMORY_UTILIZATION", float)
     return {k: v for k, v in options.items() if v is not None}

@@ -141,3 +141,17 @@ def test_help_lists_subcommands(capsys):
         main(["--help"])
     out = capsys.readouterr().out
     assert "serve" in out and "generate" in out
+
+
+def test_chat_template_file_replaces_every_models_template(tmp_path, random_model):
+    from engine import EngineConfig, LLMEngine
+
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}")
+    config = _config(["--model", "/m/a", "--fallback", "/m/b", "--chat-template", str(template)])
+    assert {m.engine.chat_template for m in config.models} == {template.read_text()}
+    with pytest.raises(ConfigError, match="--chat-template .*missing.jinja"):
+        _config(["--model", "/m/a", "--chat-template", str(tmp_path / "missing.jinja")])
+    engine = LLMEngine(EngineConfig(model=random_model("tiny-llama"), dtype="float32",
+                                    chat_template=template.read_text()))
+    assert engine.apply_chat_template([{"role": "user", "content": "hi"}]) == "<user>hi"
