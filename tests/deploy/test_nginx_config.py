@@ -365,6 +365,9 @@ async def test_health_routes_and_errors(replicas, nginx_factory, client):
             assert (r.status, r.headers["X-Replica"]) == (200, "healthy"), path
     async with client.get(f"{base}/health/live") as r:
         assert (r.status, json.loads(await r.text())) == (200, {"status": "live", "component": "nginx"})
+    for path in ("/tokenize", "/detokenize"):  # vLLM's tokenizer routes reach a replica too
+        async with client.post(base + path, json={"prompt": "hi"}) as r:
+            assert (r.status, r.headers["X-Replica"], (await r.json())["path"]) == (200, "healthy", path)
     async with client.get(f"{base}/admin/models") as r:
         assert r.status == 404
         assert (await r.json(content_type=None))["error"]["code"] == 404
