@@ -117,7 +117,10 @@ class ModelRouter:
 
     def bulkhead(self, model: str) -> Bulkhead:
         if model not in self.bulkheads:
-            self.bulkheads[model] = Bulkhead(model, self.config.bulkhead, clock=self.clock)
+            config = getattr(self.engines.get(model), "config", None)  # the engine's own capacity bounds it
+            capacity = config.max_num_seqs + config.max_num_waiting if config is not None else None
+            self.bulkheads[model] = Bulkhead(model, self.config.bulkhead, clock=self.clock,
+                                             engine_capacity=capacity)
         return self.bulkheads[model]
 
     def ladder(self, model: str) -> list[str]:
@@ -212,8 +215,8 @@ class ModelRouter:
     async def _attempt(self, name: str, req: GenerateRequest, request_id: str, first_token_deadline: float,
                        has_next: bool, is_retry: bool = False) -> AsyncIterator[RoutedOutput]:
         engine = self.engines[name]
-        num_tokens = req.num_prompt_tokens + (req.params.max_tokens or 0)
-        with self.bulkhead(name).try_acquire(num_tokens):
+        num_tokens = req.num_prompt_tokens + req.params.n * (req.params.max_tokens or 0)
+        with self.bulkhead(name).try_acquire(num_tokens, req.params.n):
             async with self.breaker(name).calling_async() as call:
                 self.num_engine_requests[name] += 1
                 if is_retry:

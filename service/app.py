@@ -27,6 +27,7 @@ from typing import Any
 from aiohttp import web, web_response
 
 from engine.config import EngineConfig
+from resilience.admission import BulkheadConfig
 from service.access import access_middleware
 from service.admin import add_admin_routes
 from service.auth import KeyRing, auth_middleware
@@ -74,8 +75,9 @@ def create_app(config: ServerConfig, *, engine_factory: EngineFactory | None = N
                                    max_loaded_models=config.max_loaded_models, warmup=config.warmup,
                                    drain_timeout_s=config.shutdown_timeout, metrics=app[METRICS_KEY])
     app[ROUTER_FACTORY_KEY] = router_factory or functools.partial(
-        make_router, idle_timeout_s=config.idle_timeout_s, breaker_open_s=config.breaker_open_s,
-        on_breaker_change=state.health.on_breaker_change)
+        make_router, first_token_timeout_s=config.first_token_timeout_s, breaker_open_s=config.breaker_open_s,
+        on_breaker_change=state.health.on_breaker_change,
+        bulkhead=BulkheadConfig(max_num_seqs=config.bulkhead_max_seqs, max_num_tokens=config.bulkhead_max_tokens))
     app.cleanup_ctx.append(engines_ctx)
     app.cleanup_ctx.append(supervision_ctx)
     app.on_shutdown.append(drain)

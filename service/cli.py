@@ -127,6 +127,11 @@ def _add_server_options(p: argparse.ArgumentParser) -> None:
                    help="on a confirmed leak: reload the engines in process (default) or exit with code 75")
     p.add_argument("--default-max-tokens", type=int,
                    help="max_tokens of a chat request that names none, capped by the context left (default 512)")
+    p.add_argument("--bulkhead-max-seqs", type=int,
+                   help="sequences (n counted) admitted per model at once; beyond it 429 "
+                        "(default: the engine's --max-num-seqs + --max-num-waiting)")
+    p.add_argument("--bulkhead-max-tokens", type=int,
+                   help="prompt + n x max_tokens admitted per model at once; beyond it 429 (default: no bound)")
     p.add_argument("--max-engine-rebuilds", type=int,
                    help="dead engine loops rebuilt in process within 10 minutes before the process exits 75 "
                         "for its supervisor (default 3; 0 = exit at the first death)")
@@ -212,6 +217,7 @@ def build_config(args: argparse.Namespace, env: Mapping[str, str]) -> ServerConf
         "heartbeat_interval_s": args.heartbeat_interval_s, "leak_min_growth_bytes": args.leak_min_growth_bytes,
         "leak_action": args.leak_action, "hang_timeout_s": args.hang_timeout_s,
         "max_engine_rebuilds": args.max_engine_rebuilds, "default_max_tokens": args.default_max_tokens,
+        "bulkhead_max_seqs": args.bulkhead_max_seqs, "bulkhead_max_tokens": args.bulkhead_max_tokens,
         "breaker_open_s": args.breaker_open_s, "models_root": args.models_root,
         "memory_budget_bytes": args.memory_budget_bytes, "models_dir": args.models_dir,
         "max_loaded_models": args.max_loaded_models,

@@ -22,7 +22,7 @@ MAX_SIZE_BYTES = 2**60  # an exabyte: any larger size is a typo or an attack
 ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name != "model")
 SERVER_OPTIONS = ("host", "port", "api_keys", "admin_key", "max_body_bytes", "auth_metrics", "warmup",
                   "shutdown_timeout", "first_token_timeout_s", "idle_timeout_s", "request_timeout_s", "heartbeat_interval_s", "leak_min_growth_bytes",
-                  "leak_action", "hang_timeout_s", "max_engine_rebuilds", "default_max_tokens", "breaker_open_s", "enable_fault_injection", "models",
+                  "leak_action", "hang_timeout_s", "max_engine_rebuilds", "default_max_tokens", "bulkhead_max_seqs", "bulkhead_max_tokens", "breaker_open_s", "enable_fault_injection", "models",
                   "models_root", "memory_budget_bytes", "models_dir", "max_loaded_models", "health_details_auth",
                   "max_connections", "stream_write_timeout_s", "body_read_timeout_s", "header_timeout_s",
                   "keepalive_timeout_s", "allowed_origins")
@@ -76,6 +76,8 @@ class ServerConfig:
     memory_budget_bytes: int | None = None  # weights + KV pools of all loaded models; None: unlimited
     models_dir: str | None = None  # on-demand: a request for <models_dir>/<name> loads it first (None: off)
     max_loaded_models: int | None = None  # more loaded models than this evicts the least recently used idle one
+    bulkhead_max_seqs: int | None = None  # sequences admitted per model (n counted); None: the engine's capacity
+    bulkhead_max_tokens: int | None = None  # prompt + n x max_tokens admitted per model; None: unbounded
     default_max_tokens: int = 512  # chat requests that name no max_tokens (completions keep OpenAI's 16)
     health_generate_skip_s: float = 5.0  # /health/generate skips its probe when a token came this recently
     retry_after_overload: int = 1  # seconds, on 429
@@ -111,6 +113,9 @@ class ServerConfig:
         _check(self.leak_action in LEAK_ACTIONS, f"leak_action must be one of {LEAK_ACTIONS}, got {self.leak_action!r}")
         _check(self.hang_timeout_s > 0, f"hang_timeout must be positive, got {self.hang_timeout_s}")
         _check(self.default_max_tokens >= 1, f"default_max_tokens must be at least 1, got {self.default_max_tokens}")
+        for name in ("bulkhead_max_seqs", "bulkhead_max_tokens"):
+            value = getattr(self, name)
+            _check(value is None or value >= 1, f"{name} must be at least 1, got {value}")
         _check(self.max_engine_rebuilds >= 0,
                f"max_engine_rebuilds must be non-negative, got {self.max_engine_rebuilds}")
         _check(self.breaker_open_s > 0, f"breaker_open_seconds must be positive, got {self.breaker_open_s}")

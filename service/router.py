@@ -8,22 +8,23 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from resilience.admission import BulkheadConfig
 from resilience.breaker import StateListener
 from resilience.router import GenerateRequest, ModelRouter, RoutedOutput, RouterConfig
 
 
 def make_router(engines: Mapping[str, Any], fallbacks: Mapping[str, str | None],
                 first_token_timeout_s: float = 10.0, breaker_open_s: float | None = None,
-                on_breaker_change: StateListener | None = None, *,
-                idle_timeout_s: float | None = None) -> ModelRouter:
+                on_breaker_change: StateListener | None = None,
+                bulkhead: BulkheadConfig | None = None) -> ModelRouter:
     """The default router factory: served name -> engine, served name -> fallback name.
     `first_token_timeout_s`: a request with no first token this long after its arrival moves to the
     next model of its ladder, and an engine loop without progress this long is stalled (the same
-    figure, as --first-token-timeout says); `idle_timeout_s`: its old name, wins when given;
-    `breaker_open_s`: the breakers' first open period (None: resilience's default);
-    `on_breaker_change`: told of every breaker's state changes (the health state listens)."""
-    timeout_s = idle_timeout_s if idle_timeout_s is not None else first_token_timeout_s
-    config = RouterConfig(first_token_timeout_s=timeout_s, stall_timeout_s=timeout_s)
+    figure, as --first-token-timeout says); `breaker_open_s`: the breakers' first open period (None:
+    resilience's default); `on_breaker_change`: told of every breaker's state changes (the health
+    state listens); `bulkhead`: per-model admission bounds (None: each engine's own capacity)."""
+    config = RouterConfig(first_token_timeout_s=first_token_timeout_s, stall_timeout_s=first_token_timeout_s,
+                          bulkhead=bulkhead or BulkheadConfig())
     if breaker_open_s is not None:
         breaker = config.breaker  # keep its other defaults (which errors count, the backoff)
         breaker = dataclasses.replace(breaker, open_s=breaker_open_s,

@@ -29,8 +29,12 @@ async def engines(random_model):
         engine.stop()
 
 
+OPEN_S = 3.0
+
+
 def _router(engines, **options) -> ModelRouter:
-    breaker = BreakerConfig(min_calls=4, window_s=60, open_s=0.5, max_open_s=2, jitter=0,
+    # open for 3 s: long enough that a loaded box still sees it open right after the requests that opened it
+    breaker = BreakerConfig(min_calls=4, window_s=60, open_s=OPEN_S, max_open_s=2 * OPEN_S, jitter=0,
                             ignored=RouterConfig().breaker.ignored)
     # 1 s without a step is a stall, and without a first token a slow call: a tiny model steps in
     # milliseconds, but a thread of a loaded 2-core box can wait hundreds of ms for a core
@@ -60,7 +64,7 @@ async def test_stalled_primary_degrades_then_breaker_opens_then_one_probe_closes
     assert (await _run(router, 100))[0] == "small"  # straight to the fallback
     assert router.num_engine_requests["big"] == before
     engines["big"].faults.clear()
-    await asyncio.sleep(0.6)  # the open period passes: half-open
+    await asyncio.sleep(OPEN_S + 0.1)  # the open period passes: half-open
     assert router.breaker("big").state == "half_open"
     results = await asyncio.gather(*[_run(router, 200 + i) for i in range(4)])
     assert sorted(s for s, _ in results).count("big") == 1  # exactly one probe
@@ -81,7 +85,7 @@ async def test_slow_primary_sheds_to_the_fallback_until_a_fast_probe_closes_its_
     assert (await _run(router, 100))[0] == "small"
     assert router.num_engine_requests["big"] == before  # shed at once, no deadline wait
     engines["big"].faults.clear()
-    await asyncio.sleep(2.5)  # the open period (0.5 s) and the loop's last 2 s sleep pass
+    await asyncio.sleep(max(OPEN_S, 2.0) + 0.5)  # the open period and the loop's last 2 s sleep pass
     results = await asyncio.gather(*[_run(router, 200 + i) for i in range(4)])
     assert sorted(s for s, _ in results).count("big") == 1  # one probe, fast again
     assert router.breaker("big").state == "closed"
