@@ -71,7 +71,7 @@ FLAGS = ["--model", str(SMALL), "--fallback", str(TINY), "--api-key", API_KEY, "
          str(FIRST_TOKEN_TIMEOUT_S), "--breaker-open-seconds", str(BREAKER_OPEN_S), "--shutdown-timeout", "5"]
 BREAKER_LINE = re.compile(r"breaker (\S+): (\w+) -> (\w+) \((.*)\)")
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # about 4 minutes: two 64-user runs of 30-40 s
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # 2-3 minutes: 64-user runs of 15, 45-60 and 30 s
 
 
 # --- load -------------------------------------------------------------------------------------------
