@@ -192,6 +192,7 @@ async def test_unloading_a_model_lets_its_streams_finish(server):
     assert states(server) == {"start": "ready"} and served(server) == ["start"]
 
 
+@pytest.mark.slow  # a latency figure: on a loaded 2-core box the loader's GIL-held C code stretches it
 def test_live_stays_fast_while_a_model_loads(server):
     """Loading runs in a worker thread; what the event loop still feels is the GIL held by C code of the
     loader (tokenizer parsing: ~20-30 ms on these 2 cores), so p99 is taken over three loads."""
