@@ -75,7 +75,8 @@ def create_app(config: ServerConfig, *, engine_factory: EngineFactory | None = N
                                    max_loaded_models=config.max_loaded_models, warmup=config.warmup,
                                    drain_timeout_s=config.shutdown_timeout, metrics=app[METRICS_KEY])
     app[ROUTER_FACTORY_KEY] = router_factory or functools.partial(
-        make_router, first_token_timeout_s=config.first_token_timeout_s, breaker_open_s=config.breaker_open_s,
+        make_router, first_token_timeout_s=config.first_token_timeout_s, stall_timeout_s=config.stall_timeout_s,
+        breaker_open_s=config.breaker_open_s,
         on_breaker_change=state.health.on_breaker_change,
         bulkhead=BulkheadConfig(max_num_seqs=config.bulkhead_max_seqs, max_num_tokens=config.bulkhead_max_tokens))
     app.cleanup_ctx.append(engines_ctx)

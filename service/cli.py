@@ -116,6 +116,9 @@ def _add_server_options(p: argparse.ArgumentParser) -> None:
                    help="seconds from a request's arrival (queue included) to its first token before it moves to "
                         "the next model of its ladder, counted as a slow call on the breaker; also how long an "
                         "engine loop may make no progress before it counts as stalled (default 10)")
+    p.add_argument("--stall-timeout", dest="stall_timeout_s", type=float,
+                   help="seconds an engine loop may go without progress before its requests count as stalled "
+                        "(default: the first-token timeout; raise it for models whose one step can be that long)")
     p.add_argument("--request-timeout", dest="request_timeout_s", type=float,
                    help="seconds any request may take in total, 504 deadline_exceeded after it; a client may ask for "
                         "less with the x-pagedserve-timeout header (default 600)")
@@ -213,7 +216,7 @@ def build_config(args: argparse.Namespace, env: Mapping[str, str]) -> ServerConf
         "max_body_bytes": args.max_body_bytes, "auth_metrics": args.auth_metrics, "warmup": args.warmup,
         "shutdown_timeout": args.shutdown_timeout if args.shutdown_timeout is not None else
         _env_number(env, "SHUTDOWN_TIMEOUT", float), "first_token_timeout_s": args.first_token_timeout_s,
-        "request_timeout_s": args.request_timeout_s,
+        "request_timeout_s": args.request_timeout_s, "stall_timeout_s": args.stall_timeout_s,
         "heartbeat_interval_s": args.heartbeat_interval_s, "leak_min_growth_bytes": args.leak_min_growth_bytes,
         "leak_action": args.leak_action, "hang_timeout_s": args.hang_timeout_s,
         "max_engine_rebuilds": args.max_engine_rebuilds, "default_max_tokens": args.default_max_tokens,

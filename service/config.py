@@ -21,7 +21,7 @@ DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 MAX_SIZE_BYTES = 2**60  # an exabyte: any larger size is a typo or an attack
 ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name != "model")
 SERVER_OPTIONS = ("host", "port", "api_keys", "admin_key", "max_body_bytes", "auth_metrics", "warmup",
-                  "shutdown_timeout", "first_token_timeout_s", "idle_timeout_s", "request_timeout_s", "heartbeat_interval_s", "leak_min_growth_bytes",
+                  "shutdown_timeout", "first_token_timeout_s", "idle_timeout_s", "stall_timeout_s", "request_timeout_s", "heartbeat_interval_s", "leak_min_growth_bytes",
                   "leak_action", "hang_timeout_s", "max_engine_rebuilds", "default_max_tokens", "bulkhead_max_seqs", "bulkhead_max_tokens", "breaker_open_s", "enable_fault_injection", "models",
                   "models_root", "memory_budget_bytes", "models_dir", "max_loaded_models", "health_details_auth",
                   "max_connections", "stream_write_timeout_s", "body_read_timeout_s", "header_timeout_s",
@@ -64,6 +64,7 @@ class ServerConfig:
     # no first token this long after arrival (queue included): next model of the ladder, a slow call on the
     # breaker; an engine loop without progress this long is stalled (a failure)
     first_token_timeout_s: float = 10.0
+    stall_timeout_s: float | None = None  # an engine loop with no progress this long is stalled; None: first-token
     request_timeout_s: float = 600.0  # any request, in total (a client may ask for less): 504 after it
     heartbeat_interval_s: float = 30.0  # memory probe and leak check period
     leak_min_growth_bytes: int = 64 * 1024 * 1024  # idle growth below this is never a leak
@@ -113,6 +114,8 @@ class ServerConfig:
         _check(self.leak_action in LEAK_ACTIONS, f"leak_action must be one of {LEAK_ACTIONS}, got {self.leak_action!r}")
         _check(self.hang_timeout_s > 0, f"hang_timeout must be positive, got {self.hang_timeout_s}")
         _check(self.default_max_tokens >= 1, f"default_max_tokens must be at least 1, got {self.default_max_tokens}")
+        _check(self.stall_timeout_s is None or (math.isfinite(self.stall_timeout_s) and self.stall_timeout_s > 0),
+               f"stall_timeout must be a positive number of seconds, got {self.stall_timeout_s}")
         for name in ("bulkhead_max_seqs", "bulkhead_max_tokens"):
             value = getattr(self, name)
             _check(value is None or value >= 1, f"{name} must be at least 1, got {value}")

@@ -16,14 +16,15 @@ from resilience.router import GenerateRequest, ModelRouter, RoutedOutput, Router
 def make_router(engines: Mapping[str, Any], fallbacks: Mapping[str, str | None],
                 first_token_timeout_s: float = 10.0, breaker_open_s: float | None = None,
                 on_breaker_change: StateListener | None = None,
-                bulkhead: BulkheadConfig | None = None) -> ModelRouter:
+                bulkhead: BulkheadConfig | None = None, stall_timeout_s: float | None = None) -> ModelRouter:
     """The default router factory: served name -> engine, served name -> fallback name.
     `first_token_timeout_s`: a request with no first token this long after its arrival moves to the
-    next model of its ladder, and an engine loop without progress this long is stalled (the same
-    figure, as --first-token-timeout says); `breaker_open_s`: the breakers' first open period (None:
+    next model of its ladder; `stall_timeout_s`: an engine loop without progress this long is stalled
+    (None: the first-token timeout, as --stall-timeout says); `breaker_open_s`: the breakers' first open period (None:
     resilience's default); `on_breaker_change`: told of every breaker's state changes (the health
     state listens); `bulkhead`: per-model admission bounds (None: each engine's own capacity)."""
-    config = RouterConfig(first_token_timeout_s=first_token_timeout_s, stall_timeout_s=first_token_timeout_s,
+    config = RouterConfig(first_token_timeout_s=first_token_timeout_s,
+                          stall_timeout_s=stall_timeout_s or first_token_timeout_s,
                           bulkhead=bulkhead or BulkheadConfig())
     if breaker_open_s is not None:
         breaker = config.breaker  # keep its other defaults (which errors count, the backoff)

@@ -105,3 +105,15 @@ async def test_the_request_timeout_ends_a_started_stream_with_an_error_event(sta
     assert 2 <= len(events) - 3 < 50  # some tokens went out, far from max_tokens
     h.primary.faults.clear()
     await until(h.idle)
+
+
+def test_stall_timeout_is_its_own_flag():
+    from service.cli import build_config, build_parser
+    from service.router import make_router
+
+    args = build_parser().parse_args(["serve", "--model", "/m/a", "--first-token-timeout", "4", "--stall-timeout", "30"])
+    config = build_config(args, {})
+    assert (config.first_token_timeout_s, config.stall_timeout_s) == (4.0, 30.0)
+    router = make_router({}, {}, first_token_timeout_s=4.0, stall_timeout_s=30.0)
+    assert (router.config.first_token_timeout_s, router.config.stall_timeout_s) == (4.0, 30.0)
+    assert make_router({}, {}, first_token_timeout_s=4.0).config.stall_timeout_s == 4.0  # the default
