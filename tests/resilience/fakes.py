@@ -12,3 +12,10 @@ class FakeClock:
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
+
+
+def kwargs_id(value: object) -> str | None:
+    """Test ids for `(kwargs, message)` cases: `ratio=1.5` rather than the message, which has spaces."""
+    if isinstance(value, dict):
+        return ",".join(f"{key}={item}" for key, item in value.items())
+    return "rejected" if isinstance(value, str) else None

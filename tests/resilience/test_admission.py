@@ -6,6 +6,7 @@ import pytest
 from engine.errors import RequestRejectedError
 from resilience.admission import Bulkhead, BulkheadConfig
 from resilience.errors import AdmissionRejected
+from tests.resilience.fakes import kwargs_id
 
 
 def make(clock, **kwargs) -> Bulkhead:
@@ -17,7 +18,7 @@ def make(clock, **kwargs) -> Bulkhead:
     ({"max_num_tokens": 0}, "max_num_tokens must be >= 1, got 0"),
     ({"min_retry_after_s": 0.0}, "need 0 < min_retry_after_s <= max_retry_after_s, got 0.0, 30.0"),
     ({"min_retry_after_s": 5.0, "max_retry_after_s": 2.0}, "need 0 < min_retry_after_s <= max_retry_after_s, got 5.0, 2.0"),
-])
+], ids=kwargs_id)
 def test_config_rejects_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         BulkheadConfig(**kwargs)

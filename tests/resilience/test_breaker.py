@@ -11,7 +11,7 @@ from engine.errors import EngineDeadError, RequestRejectedError
 from resilience.breaker import CLOSED, HALF_OPEN, OPEN, BreakerConfig, ModelBreaker
 from resilience.deadline import StallDetected
 from resilience.errors import BreakerOpenError, DeadlineExceeded
-from tests.resilience.fakes import FakeClock
+from tests.resilience.fakes import FakeClock, kwargs_id
 
 # no jitter: open periods are exact, so the fake clock can step right across them
 SMALL = BreakerConfig(min_calls=4, window_s=30.0, open_s=10.0, max_open_s=35.0, jitter=0.0)
@@ -63,7 +63,7 @@ async def trip(breaker: ModelBreaker) -> None:
     ({"backoff_factor": 0.5}, "backoff_factor must be >= 1, got 0.5"),
     ({"jitter": 1.0}, "jitter must be in [0, 1), got 1.0"),
     ({"success_threshold": 0}, "success_threshold must be >= 1, got 0"),
-])
+], ids=kwargs_id)
 def test_config_rejects_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         BreakerConfig(**kwargs)

@@ -8,6 +8,7 @@ from resilience.errors import ProbeError
 from resilience.heartbeat import DEFAULT_MAX_NUM_SEQS, MIN_BUSY_LOAD, Heartbeat, engine_load
 from resilience.leak_detector import MIB, LeakDetector, LeakDetectorConfig
 from resilience.probes import MemorySample
+from tests.resilience.fakes import kwargs_id
 
 NO_WARMUP = LeakDetectorConfig(warmup_s=0.0)
 
@@ -32,7 +33,7 @@ def make(clock, probe, **kwargs) -> Heartbeat:
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [({"interval_s": 0.0}, "interval_s must be > 0, got 0.0"),
-                                                 ({"probe_timeout_s": -1.0}, "probe_timeout_s must be > 0, got -1.0")])
+                                                 ({"probe_timeout_s": -1.0}, "probe_timeout_s must be > 0, got -1.0")], ids=kwargs_id)
 def test_rejects_bad_intervals(clock, kwargs, message):
     with pytest.raises(ValueError, match=message):
         make(clock, GrowingProbe(clock), **kwargs)

@@ -8,7 +8,7 @@ import pytest
 
 from resilience.leak_detector import MIB, LeakDetector, LeakDetectorConfig
 from resilience.probes import MemorySample
-from tests.resilience.fakes import FakeClock
+from tests.resilience.fakes import FakeClock, kwargs_id
 
 BEAT_S = 30.0
 NUM_BEATS = 21  # 0 .. 600 s
@@ -69,7 +69,7 @@ def feed(beats: list[Beat], config: LeakDetectorConfig | None = None, beat_s: fl
     ({"min_slope_bytes_per_s": -1.0}, "min_slope_bytes_per_s must be >= 0, got -1.0"),
     ({"min_samples": 5, "max_samples": 4}, "max_samples must be >= min_samples (5), got 4"),
     ({"load_tolerance": -0.1}, "load_tolerance must be >= 0, got -0.1"),
-])
+], ids=kwargs_id)
 def test_config_rejects_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         LeakDetectorConfig(**kwargs)

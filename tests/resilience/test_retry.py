@@ -7,7 +7,7 @@ import pytest
 from engine.errors import EngineOverloadedError
 from resilience.errors import AdmissionRejected, BreakerOpenError
 from resilience.retry import RetryBudget, RetryBudgetConfig, RetryConfig, retry_policy
-from tests.resilience.fakes import FakeClock
+from tests.resilience.fakes import FakeClock, kwargs_id
 
 
 class Op:
@@ -57,7 +57,7 @@ def test_budget_minimum_serves_low_traffic_and_window_refills(clock):
     ({"ratio": -0.1}, "ratio must be in [0, 1], got -0.1"),
     ({"window_s": 0.0}, "window_s must be > 0, got 0.0"),
     ({"min_retries": -1}, "min_retries must be >= 0, got -1"),
-])
+], ids=kwargs_id)
 def test_budget_config_rejects_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         RetryBudgetConfig(**kwargs)
@@ -67,7 +67,7 @@ def test_budget_config_rejects_bad_values(kwargs, message):
     ({"max_attempts": 0}, "max_attempts must be >= 1, got 0"),
     ({"initial_wait_s": 0.0}, "need 0 < initial_wait_s <= max_wait_s, got 0.0, 2.0"),
     ({"initial_wait_s": 3.0, "max_wait_s": 2.0}, "need 0 < initial_wait_s <= max_wait_s, got 3.0, 2.0"),
-])
+], ids=kwargs_id)
 def test_retry_config_rejects_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         RetryConfig(**kwargs)
