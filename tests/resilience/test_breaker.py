@@ -37,7 +37,7 @@ async def fail(breaker: ModelBreaker, exc: BaseException | None = None) -> None:
 
 async def slow(breaker: ModelBreaker, exc: BaseException | None = None) -> None:
     """A call whose first token came late; `exc`: the deadline that moved it on (excused: only slow)."""
-    with contextlib.nullcontext() if exc is None else pytest.raises(type(exc)):
+    with contextlib.nullcontext() if exc is None else pytest.raises(type(exc), match=re.escape(str(exc))):
         async with breaker.calling_async() as call:
             call.mark_slow()
             if exc is not None:
