@@ -51,8 +51,11 @@ class Generation:
         unloaded, the first engine of its ladder that serves (the router sends the request there)."""
         engine = self.state.find_engine(self.model)
         if engine is None:
-            engine = next(e for name in self.state.router.ladder(self.model)
-                          if (e := self.state.engines.get(name)) is not None)
+            engine = next((e for name in self.state.router.ladder(self.model)
+                           if (e := self.state.engines.get(name)) is not None), None)
+        if engine is None:  # the ladder emptied since _resolve (a recycle or an unload in between)
+            message, code = self.state.why_unavailable(self.model)
+            raise UnavailableError(message, code=code)
         return engine
 
     def _timeout_s(self) -> float:
