@@ -24,6 +24,7 @@ from engine.stats import EngineStats
 logger = logging.getLogger(__name__)
 
 MAX_PRIORITY = 2**31  # |priority|: the scheduler sorts on it as a float
+MODEL_FAILURE_STEPS = 3  # steps in a row that fail in every row: the model is broken, not the requests
 
 
 @dataclass
@@ -69,6 +70,7 @@ class LLMEngine:
         self.num_isolated_steps = 0  # steps that raised and were re-run in parts to find their cause
         self.num_failed_requests = 0  # requests finished with an error by isolation
         self._failed: dict[str, EngineError] = {}  # request id -> why, until this step's outputs say it
+        self._num_failed_steps_in_a_row = 0  # isolated steps in which every row failed, one after another
 
     # --- requests --------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -154,12 +156,14 @@ class LLMEngine:
     # --- poison isolation: a step that raises never stops the engine --------------------------------
     def _run(self, batch: SchedulerOutput) -> dict[int, list[SampledToken]]:
         try:
-            return self.model_runner.run(batch)
+            sampled = self.model_runner.run(batch)
         except Exception:  # noqa: BLE001 - whatever a request provokes, the others go on
             logger.exception("a step of %d sequences raised; re-running it in parts to find the cause",
                              len(batch.scheduled))
             self.num_isolated_steps += 1
             return self._isolate(batch.scheduled)
+        self._num_failed_steps_in_a_row = 0
+        return sampled
 
     def _isolate(self, items: list[ScheduledSeq]) -> dict[int, list[SampledToken]]:
         """Re-run the step's rows in halves until each failing row stands alone; those rows' requests
@@ -169,11 +173,13 @@ class LLMEngine:
         sampled: dict[int, list[SampledToken]] = {}
         failing: list[tuple[ScheduledSeq, Exception]] = []
         self._bisect(items, sampled, failing)
-        blame_model = len(items) > 1 and len(failing) == len(items)
+        all_failed = len(failing) == len(items)
+        self._num_failed_steps_in_a_row = self._num_failed_steps_in_a_row + 1 if all_failed else 0
+        # a one-row step cannot tell a poison request from a broken model; steps failing whole, one
+        # after another, can: the model is then blamed (its breaker counts it, the fallback is tried)
+        blame_model = all_failed and (len(items) > 1 or self._num_failed_steps_in_a_row >= MODEL_FAILURE_STEPS)
         for item, exc in failing:
-            error = (EngineStepError(f"the model failed this step: {exc!r}") if blame_model else
-                     RequestFailedError(f"this request made the engine step fail and was stopped: {exc!r}"))
-            self._fail_seq(item.seq, error)
+            self._fail_seq(item.seq, EngineStepError(f"the model failed this step: {exc!r}") if blame_model else exc)
         return sampled
 
     def _bisect(self, items: list[ScheduledSeq], sampled: dict, failing: list) -> None:
@@ -188,9 +194,12 @@ class LLMEngine:
             self._bisect(items[half:], sampled, failing)
 
     def _fail_seq(self, seq: Sequence, error: Exception) -> None:
+        """Finish seq now (postprocess skips it, so blocks its failed step wrote never enter the prefix
+        cache); its request ends with `error` in this step's outputs."""
         if not isinstance(error, EngineError):
             error = RequestFailedError(f"this request made the engine step fail and was stopped: {error!r}")
         logger.error("request %s failed in the engine: %s", seq.request_id, error)
+        self.scheduler.finish_seq(seq, SequenceStatus.FINISHED_ERROR)
         self._failed.setdefault(seq.request_id, error)
 
     def _fail_marked(self) -> list[RequestOutput]:

@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass, field
 
+from engine.errors import EngineError
+
 # token id -> logprob, the sampled token always included
 TokenLogprobs = dict[int, float]
 
@@ -32,4 +34,4 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)  # arrival/first_scheduled/first_token/finished (monotonic s)
-    error: str | None = None  # set on the final output of a request the engine failed (poison isolation)
+    error: EngineError | None = None  # on the final output of a request the engine failed (poison isolation)

@@ -140,3 +140,31 @@ def test_a_hostile_chat_template_is_stopped_and_the_engine_goes_on(random_model,
         engine.apply_chat_template([{"role": "user", "content": "hi"}])
     engine.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     assert engine.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi"
+
+
+def test_a_failed_rows_blocks_never_enter_the_prefix_cache(random_model):
+    engine = LLMEngine(_config(random_model, max_num_batched_tokens=8))
+    prompt = list(range(20, 44))  # 24 tokens: 6 full blocks of 4, prefilled in 3 chunks of 8
+    engine.add_request("bad", prompt, GREEDY)
+    engine.requests["bad"].seqs[0].is_poisoned = True  # raises where it samples: after its last chunk
+    while engine.has_unfinished_requests:
+        engine.step()
+    engine.add_request("again", prompt, GREEDY)
+    engine.step()
+    # the two chunks that ran clean are cached (16 tokens); the failed step's blocks are not (else 20)
+    assert engine.requests["again"].seqs[0].num_cached_tokens == 16
+    while engine.has_unfinished_requests:
+        engine.step()
+    assert _all_free(engine)
+
+
+def test_steps_that_fail_whole_one_after_another_blame_the_model(random_model):
+    engine = LLMEngine(_config(random_model))
+    errors = []
+    for i in range(4):  # one request at a time: each step has one row
+        engine.add_request(f"solo{i}", [5, 6, 7 + i], GREEDY)
+        engine.requests[f"solo{i}"].seqs[0].is_poisoned = True
+        while engine.has_unfinished_requests:
+            errors += [out.error for out in engine.step() if out.error is not None]
+    assert [type(e) for e in errors] == [RequestFailedError, RequestFailedError, EngineStepError, EngineStepError]
+    assert _all_free(engine)
