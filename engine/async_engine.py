@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
-from engine.errors import EngineDeadError, EngineError, EngineOverloadedError
+from engine.errors import EngineDeadError, EngineError, EngineNotRunningError, EngineOverloadedError
 from engine.faults import FaultInjector
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
@@ -134,9 +134,9 @@ class AsyncEngine:
 
     def _check_alive(self) -> None:
         if self.dead_error is not None:
-            raise EngineDeadError(f"the engine is dead: {self.dead_error}")
+            raise EngineNotRunningError(f"the engine is dead: {self.dead_error}")
         if not self._running:
-            raise EngineDeadError("the engine is not running")
+            raise EngineNotRunningError("the engine is not running")
 
     def _check_room(self) -> None:
         queued = self._stats.num_waiting + self._num_queued_adds

@@ -22,6 +22,10 @@ class EngineDeadError(EngineError):
     """The engine loop died; no request can be served until the engine is recreated."""
 
 
+class EngineNotRunningError(EngineDeadError):
+    """Refused at arrival, before any work: the engine is dead, stopped or being replaced."""
+
+
 class EngineStepError(EngineError):
     """The engine failed this request (the engine itself lives on); counts against the model's breaker."""
 

@@ -16,6 +16,7 @@ from aiohttp import web
 
 from engine.errors import (
     EngineDeadError,
+    EngineNotRunningError,
     EngineOverloadedError,
     EngineStepError,
     RequestFailedError,
@@ -155,11 +156,13 @@ def classify(exc: BaseException, retry_overload: int = 1,
     if isinstance(exc, EngineOverloadedError):
         return 429, str(exc) or "the server is overloaded; retry later", None, "overloaded", retry_overload
     if isinstance(exc, NoModelAvailable) and exc.__cause__ is not None:  # tried, and work was done
-        status, _, _, code, _ = classify(exc.__cause__)
-        return status, str(exc), None, code, None
+        status, _, _, code, retry = classify(exc.__cause__, retry_overload, retry_unavailable)
+        return status, str(exc), None, code, retry
     if isinstance(exc, RequestFailedError):
         return 500, str(exc), None, "request_failed", None
-    if isinstance(exc, EngineDeadError):  # died while serving it; one dead at arrival is skipped (503)
+    if isinstance(exc, EngineNotRunningError):  # refused at arrival: nothing was done, another replica may
+        return 503, str(exc), None, "engine_dead", retry_unavailable
+    if isinstance(exc, EngineDeadError):  # died while serving it
         return 500, str(exc) or "the engine died", None, "engine_dead", None
     if isinstance(exc, EngineStepError):
         return 500, str(exc) or "the model failed this request", None, "engine_error", None

@@ -78,11 +78,14 @@ async def _watch_engines(app: web.Application) -> None:
     state = app[STATE_KEY]
     await state.loaded.wait()
     deaths: deque[float] = deque()  # time.monotonic() of each death seen, within REBUILD_WINDOW_S
-    while True:
+    while state.exit_code != EXIT_CODE_REPLACE_ME:  # once given up, the stop is under way
         await asyncio.sleep(ENGINE_WATCH_S)
         for name, engine in list(state.engines.items()):
             if engine.is_dead and not state.is_draining:
-                await _heal(app, name, engine, deaths)
+                try:
+                    await _heal(app, name, engine, deaths)
+                except Exception:  # noqa: BLE001 - the watch must outlive any one heal
+                    logger.exception("healing the engine of %s failed", name)
 
 
 async def _heal(app: web.Application, name: str, engine: Any, deaths: deque[float]) -> None:

@@ -8,7 +8,13 @@ import threading
 
 import pytest
 
-from engine.errors import EngineDeadError, EngineOverloadedError, EngineStepError, RequestRejectedError
+from engine.errors import (
+    EngineDeadError,
+    EngineNotRunningError,
+    EngineOverloadedError,
+    EngineStepError,
+    RequestRejectedError,
+)
 from engine.faults import Fault
 from resilience.errors import AdmissionRejected, BreakerOpenError, DeadlineExceeded, NoModelAvailable
 from service.errors import ERROR_TYPES, InvalidRequestError, classify
@@ -220,6 +226,10 @@ def test_classify_families():
     assert classify(RequestRejectedError("too long"))[0] == 400
     assert classify(EngineOverloadedError("full"), 2, 7)[::4] == (429, 2)
     assert classify(EngineDeadError("dead"), 2, 7)[::3] == (500, "engine_dead")  # died while serving it
+    assert classify(EngineNotRunningError("stopped"), 2, 7)[::3] == (503, "engine_dead")  # refused at arrival
+    refused = NoModelAvailable("no model", 1.0)
+    refused.__cause__ = EngineNotRunningError("stopped")
+    assert classify(refused, 2, 7)[::3] + classify(refused, 2, 7)[4:] == (503, "engine_dead", 7)
     assert classify(EngineStepError("nan in logits"), 2, 7)[::3] == (500, "engine_error")
     assert classify(TimeoutError())[:2] == (500, "internal error")
 
