@@ -76,9 +76,7 @@ class Generation:
 
     def _resolve(self, model: str | None) -> str:
         name = model or self.config.models[0].name
-        # a start-up model is known while the replica loads; after that the registry says (unloaded: 404)
-        is_starting = self.config.model(name) is not None and not self.state.loaded.is_set()
-        if not is_starting and not self.state.has_model(name):
+        if not self.state.knows_model(name, self.config.model(name) is not None):
             raise ModelNotFoundError(name)
         if self.state.is_draining:
             raise UnavailableError("the server is shutting down", code="draining")

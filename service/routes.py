@@ -216,7 +216,7 @@ def _engine(request: web.Request, body: Any) -> Any:
     name = name or config.models[0].name
     engine = state.engines.get(name)
     if engine is None:
-        if config.model(name) is None and not state.has_model(name):
+        if not state.knows_model(name, config.model(name) is not None):
             raise ModelNotFoundError(name)
         message, code = state.why_unavailable(name)
         raise UnavailableError(message, code=code, retry_after=config.retry_after_unavailable)

@@ -60,6 +60,11 @@ class ServerState:
             engine = self.registry.find_engine(name)
         return engine
 
+    def knows_model(self, name: str, is_configured: bool) -> bool:
+        """Served, loading, draining or failed; a start-up model (`is_configured`) counts while the
+        replica starts, after that the registry says (one an admin unloaded is gone: 404)."""
+        return self.has_model(name) or (is_configured and not self.loaded.is_set())
+
     def has_model(self, name: str) -> bool:
         """Known to the registry in any state (loaded at run time, loading, draining, failed)."""
         return self.registry is not None and name in self.registry.entries

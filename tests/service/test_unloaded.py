@@ -30,3 +30,11 @@ async def test_new_requests_to_a_draining_model_go_to_its_fallback(start):
     assert late.headers["x-pagedserve-served-model"] == "fallback" and late.headers["x-pagedserve-degraded"] == "1"
     await running.read()
     await unloading
+
+
+async def test_the_tokenizer_and_model_routes_agree_an_unloaded_model_is_gone(start):
+    h = await start()
+    await h.state.registry.unload("fallback")
+    assert (await h.client.get("/v1/models/fallback")).status == 404
+    response = await h.client.post("/tokenize", json={"model": "fallback", "prompt": "hi"})
+    assert response.status == 404 and (await response.json())["error"]["code"] == "model_not_found"
