@@ -16,14 +16,13 @@ from engine.errors import EngineError, EngineStepError, RequestFailedError, Requ
 from engine.loader import validate_model_dir
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_PRIORITY, SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from engine.sequence import SampledToken, Sequence, SequenceStatus
 from engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 
-MAX_PRIORITY = 2**31  # |priority|: the scheduler sorts on it as a float
 MODEL_FAILURE_STEPS = 3  # steps in a row that fail in every row: the model is broken, not the requests
 
 

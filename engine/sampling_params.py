@@ -7,11 +7,15 @@ vocabulary are the engine's check: only it knows the vocabulary)."""
 import math
 from dataclasses import dataclass, field
 
-INT64_MAX = 2**63 - 1
+# the bounds the HTTP edge (service/schemas.py) enforces too, with 400s naming the field
+INT64_MAX = 2**63 - 1  # what the engine's tensors can hold
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1  # seeds are hashed: signed and unsigned 64-bit both work
-MAX_STOP = 64  # stop strings, and stop token ids, per request
+MAX_NUM_STOP = 16  # stop strings per request: each is searched in the text tail at every step
+MAX_NUM_STOP_TOKEN_IDS = 256
 MAX_N = 128
+MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI
+MAX_PRIORITY = 2**31  # |priority|: the scheduler sorts on it as a float
 
 
 @dataclass
@@ -58,11 +62,12 @@ class SamplingParams:
             (self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens,
              f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+             f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
-            (len(self.stop) <= MAX_STOP, f"stop must hold at most {MAX_STOP} strings, got {len(self.stop)}"),
-            (len(self.stop_token_ids) <= MAX_STOP,
-             f"stop_token_ids must hold at most {MAX_STOP} ids, got {len(self.stop_token_ids)}"),
+            (len(self.stop) <= MAX_NUM_STOP, f"stop must hold at most {MAX_NUM_STOP} strings, got {len(self.stop)}"),
+            (len(self.stop_token_ids) <= MAX_NUM_STOP_TOKEN_IDS,
+             f"stop_token_ids must hold at most {MAX_NUM_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}"),
             (all(0 <= t <= INT64_MAX for t in self.stop_token_ids), "stop_token_ids must be non-negative token ids"),
             (len(self.logit_bias) <= MAX_LOGIT_BIAS,
              f"logit_bias must hold at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}"),

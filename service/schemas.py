@@ -12,20 +12,22 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import (
+    INT64_MAX,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_NUM_STOP,
+    MAX_NUM_STOP_TOKEN_IDS,
+    MAX_PRIORITY,
+    SamplingParams,
+)
 from service.errors import InvalidRequestError
 
-MAX_N = 128
-MAX_LOGPROBS = 20
-INT64_MAX = 2**63 - 1  # what the engine's tensors and the scheduler's heap can hold
 INT32_MAX = 2**31 - 1
-MAX_PRIORITY = 2**31  # |priority|: an ordering key, never arithmetic on a bignum
-# one engine request per prompt, and the bulkhead admits 64 at a time: more could never run (429 forever)
-MAX_NUM_PROMPTS = 64
+MAX_NUM_PROMPTS = 64  # one engine request per prompt
 MAX_NUM_CHOICES = 256  # prompts * n: sequences one HTTP request may start
-MAX_NUM_STOP = 16
 MAX_STOP_CHARS = 256  # each stop string is searched in the text tail at every step
-MAX_NUM_STOP_TOKEN_IDS = 256
 MAX_NUM_MESSAGES = 1024
 MAX_MODEL_CHARS = 256
 MAX_JSON_DEPTH = 32  # the deepest body we take is messages[i].content[j].text (depth 4)
@@ -41,7 +43,6 @@ UNSUPPORTED = {"suffix": None, "tools": None, "functions": None, "use_beam_searc
                "parallel_tool_calls": None, "guided_json": None, "guided_regex": None, "guided_choice": None,
                "guided_grammar": None, "guided_decoding_backend": None, "guided_whitespace_pattern": None,
                "structured_outputs": None, "truncate_prompt_tokens": None}
-MAX_LOGIT_BIAS = 300  # entries, as OpenAI
 _MISSING = object()
 
 
