@@ -6,13 +6,11 @@ import asyncio
 import contextlib
 import importlib.metadata
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
-from engine.sampling_params import SamplingParams
 from service.auth import KeyRing, bearer_token, holds_any_key
 from service.completions import create_chat_completion, create_completion, read_json
 from service.errors import (
@@ -25,7 +23,7 @@ from service.errors import (
 from service.keys import CONFIG_KEY, METRICS_KEY, STATE_KEY
 from service.metrics import CONTENT_TYPE
 from service.schemas import MAX_MODEL_CHARS, parse_messages
-from service.supervision import WARMUP_PROMPT
+from service.supervision import warm_up
 
 CORS_PATHS = ("/v1/", "/tokenize", "/detokenize")
 CORS_METHODS = "GET, POST, OPTIONS"
@@ -136,23 +134,13 @@ async def health_generate(request: web.Request) -> web.Response:
             time.monotonic() - state.last_token_time < config.health_generate_skip_s:
         return web.json_response({"status": "ok", "skipped": "a token was produced recently"})
     try:
-        async with asyncio.timeout(config.idle_timeout_s):
+        async with asyncio.timeout(config.first_token_timeout_s):
             for name, engine in list(state.engines.items()):
-                await _probe(engine, name)
+                await warm_up(engine, name, purpose="health")
     except Exception as exc:  # noqa: BLE001 - any failure of the probe generation is the answer
         return _health(request, {"status": "failed", "reason": repr(exc)}, status=503)
     state.last_token_time = time.monotonic()
     return _health(request, {"status": "ok", "models": list(state.engines)})
-
-
-async def _probe(engine: Any, name: str) -> None:
-    """One greedy token, under a request id of its own: concurrent probes must not collide."""
-    prompt = engine.encode(WARMUP_PROMPT) or [0]
-    params = SamplingParams(max_tokens=1, temperature=0.0)
-    request_id = f"health-{name}-{uuid.uuid4().hex}"
-    async with contextlib.aclosing(engine.generate(prompt, params, request_id)) as outputs:
-        async for _ in outputs:
-            pass
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -191,11 +191,12 @@ async def recycle_engines(app: web.Application) -> None:
     logger.info("engines recycled; memory %s", state.last_recycle)
 
 
-async def warm_up(engine: Any, name: str) -> None:
-    """One greedy token end to end, so the first client does not pay for lazy initialization."""
+async def warm_up(engine: Any, name: str, purpose: str = "warmup") -> None:
+    """One greedy token end to end: before the first client (lazy initialization paid), or as a
+    health probe. Each call has a request id of its own: concurrent probes must not collide."""
     prompt = engine.encode(WARMUP_PROMPT) or [0]
     params = SamplingParams(max_tokens=1, temperature=0.0)
-    request_id = f"warmup-{name}-{uuid.uuid4().hex[:12]}"  # concurrent probes must not share an id
+    request_id = f"{purpose}-{name}-{uuid.uuid4().hex[:12]}"
     async with contextlib.aclosing(engine.generate(prompt, params, request_id)) as outputs:
         async for _ in outputs:
             pass
