@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 
 from engine.config import EngineConfig
@@ -114,6 +115,15 @@ def start(aiohttp_client, tiny_models):
     yield make
     for gate in gates:  # a test that failed while holding a load must not leave it blocked at teardown
         gate.set()
+
+
+@pytest.fixture
+async def sdk(start):
+    """(the official openai AsyncOpenAI client, its Harness) on an app that takes the API key "k"."""
+    h = await start(api_keys=("k",))
+    client = openai.AsyncOpenAI(base_url=str(h.client.make_url("/v1")), api_key="k", max_retries=0)
+    yield client, h
+    await client.close()
 
 
 async def until(predicate, timeout: float = 10.0, interval: float = 0.01) -> None:

@@ -11,14 +11,6 @@ from engine.faults import Fault
 from tests.service.conftest import until
 
 
-@pytest.fixture
-async def sdk(start):
-    h = await start(api_keys=("k",))
-    client = openai.AsyncOpenAI(base_url=str(h.client.make_url("/v1")), api_key="k", max_retries=0)
-    yield client, h
-    await client.close()
-
-
 async def test_completions(sdk):
     client, h = sdk
     expected = await h.greedy("hi", 3, ignore_eos=True)

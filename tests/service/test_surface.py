@@ -14,13 +14,6 @@ ORIGIN = "https://app.example.com"
 KEY = {"Authorization": "Bearer k"}
 
 
-@pytest.fixture
-async def sdk(start):
-    h = await start(api_keys=("k",))
-    client = openai.AsyncOpenAI(base_url=str(h.client.make_url("/v1")), api_key="k", max_retries=0)
-    yield client, h
-    await client.close()
-
 
 async def _post(h, path: str, body: dict, headers: dict | None = None) -> tuple[int, dict]:
     resp = await h.client.post(path, json=body, headers={**KEY, **(headers or {})})
