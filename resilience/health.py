@@ -1,42 +1,56 @@
-"""One object that says whether the replica is live, ready or degraded, and why; the health
-endpoints only read it, the heartbeat, breakers, model registry and shutdown write it.
+"""The replica's one health model: whether it is live, ready or degraded, why, and whether a request
+for a model can be taken now. `/health/live`, `/health/ready`, `/health/generate`, the generation and
+tokenizer handlers and `/metrics` all read it; nothing else computes health.
 
-- live: the process can still do work. False when an engine is dead, the device is lost, or an
-  engine is hung (busy with no progress for `hang_timeout_s`). The supervisor restarts it.
-- ready: live, not loading, not draining, no leak flagged, no engine being rebuilt after its loop
-  died, and some model with a breaker that is not open. False takes the replica out of rotation (nginx, Kubernetes) without killing streams.
+It reads its sources when asked, so a verdict is never older than the question:
+- `engines`: served name -> engine (`is_dead`, `dead_error`, `last_progress_time`, a time.monotonic()
+  stamp of its loop's last iteration, idle ticks included), the dict the router serves from;
+- `model_states`: every model the replica knows (start-up, admin- or on-demand-loaded) -> its
+  lifecycle state ("loading", "ready", "draining", "unloading", "failed");
+- `router`, once built: its breakers (their `state`) and ladders (`can_serve`);
+- `heartbeat`, once started: the last memory sample.
+The heartbeat, supervision, registry and shutdown write the rest (loading, draining, leak, rebuilds,
+a fatal reason, probe errors).
+
+- live: the process can still do work. False when something fatal happened (a rebuild that failed,
+  a lost device) or an engine loop is stuck in one iteration for `hang_timeout_s`. The supervisor
+  restarts it.
+- ready: live, not loading, not draining, no leak flagged, no engine dead or being rebuilt, and each
+  start-up model still served has some model of its fallback ladder that can take a call. False
+  takes the replica out of rotation (nginx, Kubernetes) without killing streams.
 - degraded: ready, but some breaker is open or half-open (fallbacks serve), or the memory probe is
   failing. Reported, not acted on.
-
-Times are on the injected clock: pass the engines' monotonic stamps (time.monotonic) and that clock.
 """
 
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
-from engine.stats import EngineStats
-from resilience.breaker import CLOSED, OPEN
+from resilience.breaker import CLOSED
 from resilience.clock import Clock
 
 DEFAULT_HANG_TIMEOUT_S = 60.0
-
-
-@dataclass
-class _Model:
-    breaker_state: str = CLOSED
-    is_busy: bool = False
-    last_progress_at: float | None = None  # last step, or when it turned busy if later
+LIFECYCLE_CODES = {"draining": "model_unloading", "unloading": "model_unloading", "failed": "model_failed"}
 
 
 class HealthState:
-    def __init__(self, *, clock: Clock, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S) -> None:
+    def __init__(self, *, clock: Clock, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
+                 engines: Mapping[str, Any] | None = None,
+                 model_states: Callable[[], Mapping[str, str]] = dict, required: Sequence[str] = ()) -> None:
         if not hang_timeout_s > 0:
             raise ValueError(f"hang_timeout_s must be > 0, got {hang_timeout_s}")
         self.hang_timeout_s = hang_timeout_s
         self._clock = clock
-        self._models: dict[str, _Model] = {}
-        self.is_loading = True  # until the first models are up
+        self.engines: Mapping[str, Any] = {} if engines is None else engines
+        self.model_states = model_states
+        self.required = list(required)  # the start-up models: readiness needs each one's ladder to serve
+        self.router: Any | None = None
+        self.heartbeat: Any | None = None
+        self.is_loading = True  # until the start-up models are up
+        self.load_error: str | None = None  # a start-up model failed to load: never ready
         self.is_draining = False
         self.leak: str | None = None
+        self.num_leaks = 0
+        self.last_recycle: dict[str, int | None] | None = None  # memory baseline/before/after the last recycle
         self.rebuilding: dict[str, str] = {}  # model -> why its engine is being rebuilt
         self.dead_reason: str | None = None
         self.probe_error: str | None = None
@@ -50,6 +64,9 @@ class HealthState:
         self.is_draining = True
 
     def set_leak(self, description: str | None) -> None:
+        """A confirmed leak (counted), or None once the engines are recycled."""
+        if description is not None and self.leak is None:
+            self.num_leaks += 1
         self.leak = description
 
     def set_rebuilding(self, model: str, reason: str | None) -> None:
@@ -60,36 +77,12 @@ class HealthState:
             self.rebuilding[model] = reason
 
     def mark_dead(self, reason: str) -> None:
-        """Unrecoverable (engine dead, device lost, probe hung): liveness fails from now on."""
+        """Unrecoverable (rebuild failed, device lost, probe hung): liveness fails from now on."""
         if self.dead_reason is None:
             self.dead_reason = reason
 
     def set_probe_error(self, message: str | None) -> None:
         self.probe_error = message
-
-    def set_breaker_state(self, model: str, state: str) -> None:
-        self._model(model).breaker_state = state
-
-    def on_breaker_change(self, model: str, old_state: str, new_state: str) -> None:
-        """A ModelBreaker listener: `breaker.add_listener(health.on_breaker_change)`."""
-        self.set_breaker_state(model, new_state)
-
-    def observe_engine(self, model: str, *, is_busy: bool, last_step_time: float | None) -> None:
-        """Call often (each scrape or heartbeat). A busy engine makes progress from the later of
-        its last step and the moment it was first seen busy, so a long idle spell is no hang."""
-        entry = self._model(model)
-        if is_busy and not entry.is_busy:
-            entry.last_progress_at = self._clock()
-        if last_step_time is not None and (entry.last_progress_at is None or last_step_time > entry.last_progress_at):
-            entry.last_progress_at = last_step_time
-        entry.is_busy = is_busy
-
-    def observe_stats(self, model: str, stats: EngineStats) -> None:
-        self.observe_engine(model, is_busy=stats.is_busy, last_step_time=stats.last_step_time)
-
-    def remove_model(self, model: str) -> None:
-        self._models.pop(model, None)
-        self.rebuilding.pop(model, None)
 
     # --- readers ----------------------------------------------------------------------------------
     def is_live(self) -> bool:
@@ -101,53 +94,92 @@ class HealthState:
     def is_degraded(self) -> bool:
         return self.is_ready() and bool(self._degraded_reasons())
 
+    def refusal(self, model: str) -> tuple[str, str] | None:
+        """(message, code) of the 503 a new request for `model` gets now, or None: take it. A model
+        that is not served itself is taken while its ladder can serve (its fallback answers)."""
+        if self.is_draining:
+            return "the server is shutting down", "draining"
+        if self.leak is not None:  # out of rotation until the engines are recycled
+            return "the replica is recycling after a memory leak", "recycling"
+        if self.router is None or (model not in self.engines and not self.router.can_serve(model)):
+            return self.why_unavailable(model)
+        return None
+
+    def why_unavailable(self, model: str) -> tuple[str, str]:
+        """(message, code) for a model that is known but has no engine to serve it now."""
+        if model in self.rebuilding:
+            return f"model {model!r} is being rebuilt: {self.rebuilding[model]}", "engine_rebuilding"
+        state = self.model_states().get(model, "loading")
+        if state in ("draining", "unloading"):
+            return f"model {model!r} is being unloaded", LIFECYCLE_CODES[state]
+        if state == "failed":
+            return f"model {model!r} failed to load", LIFECYCLE_CODES[state]
+        return f"model {model!r} is loading", "model_loading"
+
     def report(self) -> dict[str, object]:
-        """JSON-able: the verdicts, every reason behind them, and per-model detail."""
+        """JSON-able: the verdicts, every reason behind them, per-model detail and the last memory sample."""
         live, ready, degraded = self._live_reasons(), self._ready_reasons(), self._degraded_reasons()
-        status = "dead" if live else "not_ready" if ready else "degraded" if degraded else "ok"
+        status = "dead" if live else "not_ready" if ready else "degraded" if degraded else "ready"
+        sample = self.heartbeat.last_sample if self.heartbeat is not None else None
         return {
             "status": status, "live": not live, "ready": not live and not ready,
             "degraded": status == "degraded", "reasons": live + ready + degraded,
             "loading": self.is_loading, "draining": self.is_draining, "leak": self.leak,
-            "rebuilding": sorted(self.rebuilding),
-            "models": {name: self._model_report(entry) for name, entry in sorted(self._models.items())},
+            "num_leaks": self.num_leaks, "last_recycle": self.last_recycle, "rebuilding": sorted(self.rebuilding),
+            "models": self._models(), "breakers": self._breakers(),
+            "engines": {name: self._engine_report(engine) for name, engine in self.engines.items()},
+            "memory": sample.to_dict() if sample is not None else None,
         }
 
     def _live_reasons(self) -> list[str]:
         reasons = [] if self.dead_reason is None else [self.dead_reason]
-        for name, entry in sorted(self._models.items()):
-            stalled_s = self._stalled_s(entry)
-            if stalled_s is not None and stalled_s > self.hang_timeout_s:
-                reasons.append(f"engine {name!r} busy with no progress for {stalled_s:.0f} s")
+        for name, engine in list(self.engines.items()):
+            stuck_s = self._clock() - engine.last_progress_time
+            if stuck_s > self.hang_timeout_s and not engine.is_dead:
+                reasons.append(f"engine {name!r} stuck in one loop iteration for {stuck_s:.0f} s")
         return reasons
 
     def _ready_reasons(self) -> list[str]:
-        reasons = ["loading models"] * self.is_loading + ["draining"] * self.is_draining
+        if self.load_error is not None:
+            return [f"a model failed to load: {self.load_error}"]
+        if self.is_loading:
+            loading = [name for name in self.required if name not in self.engines]
+            return [f"models are loading: {loading}" if loading else "models are warming up"]
+        reasons = ["draining"] * self.is_draining
         if self.leak is not None:
             reasons.append(f"memory leak suspected: {self.leak}")
         reasons += [f"rebuilding engine of {name!r}: {why}" for name, why in sorted(self.rebuilding.items())]
-        if not self._models:
+        reasons += [f"engine of {name!r} died: {engine.dead_error!r}" for name, engine in list(self.engines.items())
+                    if engine.is_dead and name not in self.rebuilding]
+        if not self.engines:
             reasons.append("no model loaded")
-        elif all(entry.breaker_state == OPEN for entry in self._models.values()):
-            reasons.append("every model's breaker is open")
+        known = self.model_states()
+        stuck = [name for name in self.required if name in known and not self._can_serve(name)]
+        if stuck:  # a start-up model unloaded on purpose by an admin no longer counts
+            reasons.append(f"no model of the fallback ladder can serve: {stuck}")
         return reasons
 
     def _degraded_reasons(self) -> list[str]:
-        reasons = [f"breaker of {name!r} is {entry.breaker_state}"
-                   for name, entry in sorted(self._models.items()) if entry.breaker_state != CLOSED]
+        reasons = [f"breaker of {name!r} is {state}" for name, state in self._breakers().items() if state != CLOSED]
         if self.probe_error is not None:
             reasons.append(f"memory probe failing: {self.probe_error}")
         return reasons
 
-    def _stalled_s(self, entry: _Model) -> float | None:
-        if not entry.is_busy or entry.last_progress_at is None:
-            return None
-        return self._clock() - entry.last_progress_at
+    def _can_serve(self, model: str) -> bool:
+        return self.router is not None and self.router.can_serve(model)
 
-    def _model_report(self, entry: _Model) -> dict[str, object]:
-        stalled_s = self._stalled_s(entry)
-        return {"breaker": entry.breaker_state, "is_busy": entry.is_busy,
-                "seconds_since_progress": None if stalled_s is None else round(stalled_s, 3)}
+    def _models(self) -> dict[str, str]:
+        models = {name: "loading" for name in self.required} if self.is_loading else {}
+        models.update(self.model_states())
+        models.update({name: "dead" for name, engine in list(self.engines.items()) if engine.is_dead})
+        return dict(sorted(models.items()))
 
-    def _model(self, name: str) -> _Model:
-        return self._models.setdefault(name, _Model())
+    def _breakers(self) -> dict[str, str]:
+        """Breakers of the models the replica still knows (a breaker outlives its unloaded model)."""
+        if self.router is None:
+            return {}
+        known = self.model_states()
+        return {name: breaker.state for name, breaker in sorted(self.router.breakers.items()) if name in known}
+
+    def _engine_report(self, engine: Any) -> dict[str, object]:
+        return {"is_dead": engine.is_dead, "seconds_since_progress": round(self._clock() - engine.last_progress_time, 3)}

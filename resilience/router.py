@@ -39,7 +39,7 @@ from engine.errors import EngineDeadError, EngineOverloadedError, EngineStepErro
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from resilience.admission import Bulkhead, BulkheadConfig
-from resilience.breaker import IGNORED_EXCEPTIONS, BreakerCall, BreakerConfig, ModelBreaker, StateListener
+from resilience.breaker import IGNORED_EXCEPTIONS, BreakerCall, BreakerConfig, ModelBreaker
 from resilience.clock import Clock
 from resilience.deadline import StallDetected, progress_deadline
 from resilience.errors import DeadlineExceeded, NoModelAvailable, RetryLater
@@ -92,13 +92,11 @@ class RouterConfig:
 
 class ModelRouter:
     def __init__(self, engines: Mapping[str, Any], fallbacks: Mapping[str, str | None],
-                 config: RouterConfig | None = None, *, clock: Clock = time.monotonic,
-                 on_breaker_change: StateListener | None = None) -> None:
+                 config: RouterConfig | None = None, *, clock: Clock = time.monotonic) -> None:
         self.engines = engines  # served name -> AsyncEngine; may change at run time
         self.fallbacks = fallbacks
         self.config = config or RouterConfig()
         self.clock = clock
-        self.on_breaker_change = on_breaker_change
         self.breakers: dict[str, ModelBreaker] = {}
         self.bulkheads: dict[str, Bulkhead] = {}
         self.retry_budget = RetryBudget(self.config.retry_budget, clock=clock)
@@ -111,8 +109,7 @@ class ModelRouter:
 
     def breaker(self, model: str) -> ModelBreaker:
         if model not in self.breakers:
-            listeners = [self.on_breaker_change] if self.on_breaker_change else []
-            self.breakers[model] = ModelBreaker(model, self.config.breaker, clock=self.clock, listeners=listeners)
+            self.breakers[model] = ModelBreaker(model, self.config.breaker, clock=self.clock)
         return self.breakers[model]
 
     def bulkhead(self, model: str) -> Bulkhead:

@@ -64,7 +64,7 @@ def create_app(config: ServerConfig, *, engine_factory: EngineFactory | None = N
         options = {k: getattr(config.models[0].engine, k) for k in ENGINE_OPTIONS}
         middlewares.append(on_demand_middleware(Path(config.models_dir).expanduser().resolve(), options))
     app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
-    state = ServerState(config.hang_timeout_s)
+    state = ServerState(config.hang_timeout_s, config.model_names)
     app[CONFIG_KEY] = config
     app[STATE_KEY] = state
     app[METRICS_KEY] = Metrics(lambda: state.engines, state)
@@ -77,7 +77,6 @@ def create_app(config: ServerConfig, *, engine_factory: EngineFactory | None = N
     app[ROUTER_FACTORY_KEY] = router_factory or functools.partial(
         make_router, first_token_timeout_s=config.first_token_timeout_s, stall_timeout_s=config.stall_timeout_s,
         breaker_open_s=config.breaker_open_s,
-        on_breaker_change=state.health.on_breaker_change,
         bulkhead=BulkheadConfig(max_num_seqs=config.bulkhead_max_seqs, max_num_tokens=config.bulkhead_max_tokens))
     app.cleanup_ctx.append(engines_ctx)
     app.cleanup_ctx.append(supervision_ctx)
@@ -220,11 +219,11 @@ async def load_models(app: web.Application) -> None:
             await registry.load(spec.name, spec.engine, fallback=spec.fallback, is_pinned=True)
         except Exception as exc:  # noqa: BLE001 - any load failure makes this replica unservable
             entry = registry.entries.get(spec.name)
-            state.load_error = f"{spec.name}: {entry.error if entry and entry.error else exc}"
-            logger.error("model %s failed to load: %s", spec.name, state.load_error)
+            state.health.load_error = f"{spec.name}: {entry.error if entry and entry.error else exc}"
+            logger.error("model %s failed to load: %s", spec.name, state.health.load_error)
             state.fatal.set()
             return
-    state.router = app[ROUTER_FACTORY_KEY](state.engines, registry.fallbacks)
+    state.router = state.health.router = app[ROUTER_FACTORY_KEY](state.engines, registry.fallbacks)
     state.health.set_loading(False)
     state.loaded.set()
     logger.info("ready: serving %s", ", ".join(config.model_names))

@@ -54,7 +54,7 @@ class Generation:
             engine = next((e for name in self.state.router.ladder(self.model)
                            if (e := self.state.engines.get(name)) is not None), None)
         if engine is None:  # the ladder emptied since _resolve (a recycle or an unload in between)
-            message, code = self.state.why_unavailable(self.model)
+            message, code = self.state.health.why_unavailable(self.model)
             raise UnavailableError(message, code=code)
         return engine
 
@@ -78,13 +78,9 @@ class Generation:
         name = model or self.config.models[0].name
         if not self.state.knows_model(name, self.config.model(name) is not None):
             raise ModelNotFoundError(name)
-        if self.state.is_draining:
-            raise UnavailableError("the server is shutting down", code="draining")
-        if self.state.health.leak is not None:  # out of rotation until the engines are recycled
-            raise UnavailableError("the replica is recycling after a memory leak", code="recycling")
-        router = self.state.router
-        if router is None or (name not in self.state.engines and not router.can_serve(name)):
-            message, code = self.state.why_unavailable(name)  # else its fallback serves
+        refusal = self.state.health.refusal(name)
+        if refusal is not None:
+            message, code = refusal
             raise UnavailableError(message, code=code)
         return name
 

@@ -306,7 +306,6 @@ class ModelRegistry:
             await asyncio.to_thread(engine.stop)
         engines.clear()
         self.entries.pop(entry.name, None)
-        self.state.health.remove_model(entry.name)  # else its last progress ages into a "hang"
         await asyncio.to_thread(release_memory)  # gc, malloc_trim, empty_cache: RSS / device memory drop now
         self.num_unloads += 1
         seconds = self.clock() - start

@@ -9,20 +9,17 @@ from collections.abc import Mapping
 from typing import Any
 
 from resilience.admission import BulkheadConfig
-from resilience.breaker import StateListener
 from resilience.router import GenerateRequest, ModelRouter, RoutedOutput, RouterConfig
 
 
 def make_router(engines: Mapping[str, Any], fallbacks: Mapping[str, str | None],
                 first_token_timeout_s: float = 10.0, breaker_open_s: float | None = None,
-                on_breaker_change: StateListener | None = None,
                 bulkhead: BulkheadConfig | None = None, stall_timeout_s: float | None = None) -> ModelRouter:
     """The default router factory: served name -> engine, served name -> fallback name.
     `first_token_timeout_s`: a request with no first token this long after its arrival moves to the
     next model of its ladder; `stall_timeout_s`: an engine loop without progress this long is stalled
     (None: the first-token timeout, as --stall-timeout says); `breaker_open_s`: the breakers' first open period (None:
-    resilience's default); `on_breaker_change`: told of every breaker's state changes (the health
-    state listens); `bulkhead`: per-model admission bounds (None: each engine's own capacity)."""
+    resilience's default); `bulkhead`: per-model admission bounds (None: each engine's own capacity)."""
     config = RouterConfig(first_token_timeout_s=first_token_timeout_s,
                           stall_timeout_s=stall_timeout_s or first_token_timeout_s,
                           bulkhead=bulkhead or BulkheadConfig())
@@ -31,7 +28,7 @@ def make_router(engines: Mapping[str, Any], fallbacks: Mapping[str, str | None],
         breaker = dataclasses.replace(breaker, open_s=breaker_open_s,
                                       max_open_s=max(breaker.max_open_s, breaker_open_s))
         config = dataclasses.replace(config, breaker=breaker)
-    return ModelRouter(engines, fallbacks, config, on_breaker_change=on_breaker_change)
+    return ModelRouter(engines, fallbacks, config)
 
 
 __all__ = ["GenerateRequest", "ModelRouter", "RoutedOutput", "make_router"]

@@ -82,24 +82,22 @@ def _shown_path(path: str, root: Path) -> str:
 
 
 async def live(request: web.Request) -> web.Response:
-    """The event loop answers and no engine loop is dead or hung (busy or idle, stuck in one
-    iteration for hang_timeout): Kubernetes restarts the process when this fails."""
-    reason = request.app[STATE_KEY].not_live_reason()
-    if reason is not None:
-        return _health(request, {"status": "dead", "reason": reason}, status=503)
+    """The event loop answers, nothing fatal happened and no engine loop is stuck in one iteration
+    for hang_timeout: Kubernetes restarts the process when this fails."""
+    report = request.app[STATE_KEY].health.report()
+    if not report["live"]:
+        return _health(request, {"status": "dead", "reason": "; ".join(report["reasons"])}, status=503)
     return web.json_response({"status": "live"})
 
 
 async def ready(request: web.Request) -> web.Response:
-    """200 once every model is loaded and warmed, not draining, no leak flagged and some model of
-    each fallback ladder can serve; 503 otherwise. The body says why, with breaker states,
-    degradation and the last heartbeat."""
-    config, state = request.app[CONFIG_KEY], request.app[STATE_KEY]
-    reason = state.not_ready_reason(config.model_names)
-    body = _health_body(request)
-    if reason is not None:
-        return _health(request, {**body, "status": "not_ready", "reason": reason}, status=503)
-    return _health(request, {**body, "status": "degraded" if body["degraded"] else "ready"})
+    """200 once the start-up models are loaded and warmed, not draining, no leak flagged, no engine
+    dead, and some model of each fallback ladder can serve; 503 otherwise. The body is the health
+    model's report: why, breaker and model states, degradation and the last memory sample."""
+    report = request.app[STATE_KEY].health.report()
+    if not report["ready"]:
+        return _health(request, {**report, "status": "not_ready", "reason": "; ".join(report["reasons"])}, status=503)
+    return _health(request, report)
 
 
 def _health(request: web.Request, body: dict[str, Any], status: int = 200) -> web.Response:
@@ -111,26 +109,11 @@ def _health(request: web.Request, body: dict[str, Any], status: int = 200) -> we
     return web.json_response(body, status=status, headers=headers)
 
 
-def _health_body(request: web.Request) -> dict:
-    config, state = request.app[CONFIG_KEY], request.app[STATE_KEY]
-    router = state.router
-    breakers = {name: b.state for name, b in router.breakers.items()} if hasattr(router, "breakers") else {}
-    models = {name: str(entry.state) for name, entry in state.registry.entries.items()}
-    models.update({name: ("dead" if engine.is_dead else "ready") for name, engine in state.engines.items()})
-    models.update({name: "loading" for name in config.model_names if name not in models and not state.loaded.is_set()})
-    heartbeat = state.heartbeat
-    sample = heartbeat.last_sample if heartbeat else None
-    return {"models": models, "breakers": breakers, "draining": state.is_draining,
-            "degraded": any(s != "closed" for s in breakers.values()), "leak": state.health.leak,
-            "num_leaks": state.num_leaks, "last_recycle": state.last_recycle,
-            "memory": sample.to_dict() if sample else None}
-
-
 async def health_generate(request: web.Request) -> web.Response:
     """A real one-token generation on every model, skipped when a token was produced in the
     last few seconds: cheap under load, honest when idle."""
     config, state = request.app[CONFIG_KEY], request.app[STATE_KEY]
-    if state.not_ready_reason(config.model_names) is None and \
+    if state.health.is_ready() and \
             time.monotonic() - state.last_token_time < config.health_generate_skip_s:
         return web.json_response({"status": "ok", "skipped": "a token was produced recently"})
     try:
@@ -206,7 +189,7 @@ def _engine(request: web.Request, body: Any) -> Any:
     if engine is None:
         if not state.knows_model(name, config.model(name) is not None):
             raise ModelNotFoundError(name)
-        message, code = state.why_unavailable(name)
+        message, code = state.health.why_unavailable(name)
         raise UnavailableError(message, code=code, retry_after=config.retry_after_unavailable)
     return engine
 

@@ -62,7 +62,7 @@ async def supervision_ctx(app: web.Application) -> AsyncIterator[None]:
         make_probe(device), detector, clock=time.monotonic, interval_s=config.heartbeat_interval_s,
         load=lambda: engine_load(state.engines.values()),
         on_leak=lambda report: _on_leak(app, report), on_probe_error=lambda exc: _on_probe_error(app, exc))
-    state.heartbeat = heartbeat
+    state.heartbeat = state.health.heartbeat = heartbeat
     # memory is only worth watching once the models are in: loading is growth, not a leak
     starter = asyncio.create_task(_start_when_loaded(state, heartbeat), name="heartbeat-start")
     watch = asyncio.create_task(_watch_engines(app), name="engine-watch")
@@ -150,7 +150,6 @@ def _on_leak(app: web.Application, report: LeakReport) -> None:
     state = app[STATE_KEY]
     logger.error("memory leak confirmed, leaving rotation: %s", report.describe())
     state.health.set_leak(report.describe())
-    state.num_leaks += 1
     if state.recycling is None or state.recycling.done():
         state.recycling = asyncio.create_task(_handle_leak(app), name="leak-recycle")
 
@@ -184,11 +183,11 @@ async def recycle_engines(app: web.Application) -> None:
     heartbeat.reset_detector()
     after = await heartbeat.beat()
     heartbeat.start()
-    state.last_recycle = {"baseline_bytes": state.memory_baseline_bytes,
-                          "before_bytes": before.used_bytes if before else None,
-                          "after_bytes": after.used_bytes if after else None}
+    state.health.last_recycle = {"baseline_bytes": state.memory_baseline_bytes,
+                                 "before_bytes": before.used_bytes if before else None,
+                                 "after_bytes": after.used_bytes if after else None}
     state.health.set_leak(None)
-    logger.info("engines recycled; memory %s", state.last_recycle)
+    logger.info("engines recycled; memory %s", state.health.last_recycle)
 
 
 async def warm_up(engine: Any, name: str, purpose: str = "warmup") -> None:

@@ -1,20 +1,48 @@
+"""The one health model, read against a real router and real breakers. Engines are a record of the
+three things health reads from an AsyncEngine (the real ones are in tests/service/test_errors.py)."""
+
 import asyncio
 import json
+from dataclasses import dataclass
 
 import pytest
 
 from engine.errors import EngineDeadError
-from engine.stats import EngineStats
-from resilience.breaker import BreakerConfig, ModelBreaker
+from resilience.breaker import BreakerConfig
 from resilience.health import HealthState
+from resilience.router import ModelRouter, RouterConfig
 
 
-def serving(clock, *models: str) -> HealthState:
-    health = HealthState(clock=clock, hang_timeout_s=60.0)
-    for model in models:
-        health.observe_engine(model, is_busy=False, last_step_time=None)
-    health.set_loading(False)
-    return health
+@dataclass
+class Loop:
+    last_progress_time: float
+    dead_error: BaseException | None = None
+
+    @property
+    def is_dead(self) -> bool:
+        return self.dead_error is not None
+
+
+class Replica:
+    """Engines, registry states and a router wired to one HealthState, as ServerState does."""
+
+    def __init__(self, clock, *models: str, fallbacks: dict[str, str] | None = None) -> None:
+        self.clock = clock
+        self.engines = {name: Loop(clock.now) for name in models}
+        self.states = {name: "ready" for name in models}
+        self.fallbacks = {name: (fallbacks or {}).get(name) for name in models}
+        config = RouterConfig(breaker=BreakerConfig(min_calls=1, jitter=0.0, open_s=30.0))
+        self.router = ModelRouter(self.engines, self.fallbacks, config, clock=clock)
+        self.health = HealthState(clock=clock, hang_timeout_s=60.0, engines=self.engines,
+                                  model_states=lambda: self.states, required=models)
+        self.health.router = self.router
+        self.health.set_loading(False)
+
+    async def fail_call(self, model: str) -> None:
+        with pytest.raises(EngineDeadError, match="boom"):
+            async with self.router.breaker(model).calling_async():
+                await asyncio.sleep(0)
+                raise EngineDeadError("boom")
 
 
 def test_rejects_bad_hang_timeout(clock):
@@ -22,110 +50,125 @@ def test_rejects_bad_hang_timeout(clock):
         HealthState(clock=clock, hang_timeout_s=0.0)
 
 
-def test_starts_loading_then_ok(clock):
-    health = HealthState(clock=clock)
+def test_starts_loading_then_ready(clock):
+    engines: dict[str, Loop] = {}
+    health = HealthState(clock=clock, engines=engines, model_states=lambda: {}, required=["primary"])
     assert (health.is_live(), health.is_ready()) == (True, False)
-    assert health.report()["reasons"] == ["loading models", "no model loaded"]
-    health.observe_engine("primary", is_busy=False, last_step_time=None)
-    health.set_loading(False)
-    report = health.report()
-    assert report == {"status": "ok", "live": True, "ready": True, "degraded": False, "reasons": [],
-                      "loading": False, "draining": False, "leak": None, "rebuilding": [],
-                      "models": {"primary": {"breaker": "closed", "is_busy": False, "seconds_since_progress": None}}}
+    assert health.report()["reasons"] == ["models are loading: ['primary']"]
+    assert health.report()["models"] == {"primary": "loading"}
+    assert health.refusal("primary") == ("model 'primary' is loading", "model_loading")
+    engines["primary"] = Loop(clock.now)
+    assert health.report()["reasons"] == ["models are warming up"]
+    replica = Replica(clock, "primary")
+    report = replica.health.report()
+    assert report == {"status": "ready", "live": True, "ready": True, "degraded": False, "reasons": [],
+                      "loading": False, "draining": False, "leak": None, "num_leaks": 0, "last_recycle": None,
+                      "rebuilding": [], "models": {"primary": "ready"}, "breakers": {"primary": "closed"},
+                      "engines": {"primary": {"is_dead": False, "seconds_since_progress": 0.0}}, "memory": None}
     assert json.loads(json.dumps(report)) == report
+    assert replica.health.refusal("primary") is None
 
 
-def test_draining_and_leak_take_it_out_of_rotation_but_keep_it_live(clock):
-    health = serving(clock, "primary")
-    health.start_draining()
-    health.set_leak("cpu: +192 MiB over 60 s")
-    assert (health.is_live(), health.is_ready()) == (True, False)
-    assert health.report()["reasons"] == ["draining", "memory leak suspected: cpu: +192 MiB over 60 s"]
-    assert health.report()["status"] == "not_ready"
+def test_a_load_error_is_never_ready(clock):
+    replica = Replica(clock, "primary")
+    replica.health.load_error = "fallback: no config.json"
+    assert replica.health.report()["reasons"] == ["a model failed to load: fallback: no config.json"]
+    assert replica.health.is_live() and not replica.health.is_ready()
 
 
-def test_dead_engine_fails_liveness_with_the_first_reason(clock):
-    health = serving(clock, "primary")
-    health.mark_dead("engine 'primary' died: CUDA error")
+def test_draining_and_leak_take_it_out_of_rotation_and_refuse_requests_but_keep_it_live(clock):
+    replica = Replica(clock, "primary")
+    replica.health.set_leak("cpu: +192 MiB over 60 s")
+    assert replica.health.refusal("primary") == ("the replica is recycling after a memory leak", "recycling")
+    replica.health.start_draining()
+    assert (replica.health.is_live(), replica.health.is_ready()) == (True, False)
+    assert replica.health.report()["reasons"] == ["draining", "memory leak suspected: cpu: +192 MiB over 60 s"]
+    assert replica.health.report()["status"] == "not_ready"
+    assert replica.health.refusal("primary") == ("the server is shutting down", "draining")
+
+
+def test_leaks_are_counted_once_each(clock):
+    health = Replica(clock, "primary").health
+    health.set_leak("+1 GiB")
+    health.set_leak("+1.5 GiB")  # the same leak, described again
+    health.set_leak(None)
+    health.set_leak("+1 GiB")
+    assert health.num_leaks == 2
+
+
+def test_a_fatal_reason_fails_liveness_with_the_first_reason(clock):
+    health = Replica(clock, "primary").health
+    health.mark_dead("rebuilding 'primary' failed: CUDA error")
     health.mark_dead("NVML: GPU is lost")
     assert (health.is_live(), health.is_ready(), health.report()["status"]) == (False, False, "dead")
-    assert health.report()["reasons"] == ["engine 'primary' died: CUDA error"]
+    assert health.report()["reasons"] == ["rebuilding 'primary' failed: CUDA error"]
 
 
-def test_busy_engine_without_steps_is_hung(clock):
-    health = serving(clock, "primary")
-    health.observe_engine("primary", is_busy=False, last_step_time=clock.now - 3600)  # idle for an hour
-    health.observe_engine("primary", is_busy=True, last_step_time=clock.now - 3600)  # work arrives
-    assert health.is_live()  # an idle spell is no hang: progress counts from turning busy
-    clock.advance(30.0)
-    health.observe_engine("primary", is_busy=True, last_step_time=clock.now - 1.0)  # stepping
-    clock.advance(60.5)
-    health.observe_engine("primary", is_busy=True, last_step_time=clock.now - 61.5)  # stuck since
-    assert not health.is_live()
-    assert health.report()["reasons"] == ["engine 'primary' busy with no progress for 62 s"]
-    assert health.report()["models"]["primary"]["seconds_since_progress"] == 61.5
-    health.observe_engine("primary", is_busy=False, last_step_time=clock.now - 61.5)
-    assert health.is_live()
+def test_a_loop_stuck_in_one_iteration_is_not_live(clock):
+    replica = Replica(clock, "primary")
+    clock.advance(59.0)
+    replica.engines["primary"].last_progress_time = clock.now  # idle ticks count as progress
+    clock.advance(59.0)
+    assert replica.health.is_live()
+    clock.advance(2.5)
+    assert not replica.health.is_live()
+    assert replica.health.report()["reasons"] == ["engine 'primary' stuck in one loop iteration for 62 s"]
+    assert replica.health.report()["engines"]["primary"]["seconds_since_progress"] == 61.5
 
 
-def test_observe_stats_reads_engine_stats(clock):
-    health = serving(clock)
-    stats = EngineStats(num_running=1, num_waiting=0, num_swapped=0, num_total_blocks=8, num_free_blocks=4,
-                        kv_cache_usage=0.5, kv_waste=0.0, prefix_cache_queries=0, prefix_cache_hits=0,
-                        num_preemptions=0, num_steps=3, num_prompt_tokens=4, num_generation_tokens=2,
-                        last_step_time=clock.now, is_busy=True)
-    health.observe_stats("primary", stats)
-    clock.advance(61.0)
-    assert not health.is_live()
+def test_a_dead_loop_is_not_ready_until_rebuilt_and_its_model_falls_back(clock):
+    replica = Replica(clock, "primary", "fallback", fallbacks={"primary": "fallback"})
+    replica.engines["primary"].dead_error = RuntimeError("x")
+    clock.advance(120.0)  # a dead loop does not tick: it is dead, not hung
+    replica.engines["fallback"].last_progress_time = clock.now
+    assert (replica.health.is_live(), replica.health.is_ready()) == (True, False)
+    assert replica.health.report()["reasons"] == ["engine of 'primary' died: RuntimeError('x')"]
+    assert replica.health.report()["models"] == {"fallback": "ready", "primary": "dead"}
+    replica.health.set_rebuilding("primary", "its loop died: RuntimeError('x')")
+    del replica.engines["primary"]  # the registry takes it out while it rebuilds
+    assert replica.health.report()["reasons"] == ["rebuilding engine of 'primary': its loop died: RuntimeError('x')"]
+    assert replica.health.refusal("primary") is None  # the fallback answers
+    assert replica.health.why_unavailable("primary")[1] == "engine_rebuilding"
+    replica.engines["primary"] = Loop(clock.now)
+    replica.health.set_rebuilding("primary", None)
+    assert replica.health.is_ready()
 
 
-def test_open_breakers_degrade_then_all_open_is_not_ready(clock):
-    health = serving(clock, "primary", "fallback")
-    health.on_breaker_change("primary", "closed", "open")
-    assert (health.is_ready(), health.is_degraded()) == (True, True)
-    assert health.report()["reasons"] == ["breaker of 'primary' is open"]
-    health.set_breaker_state("fallback", "open")
-    assert (health.is_live(), health.is_ready(), health.is_degraded()) == (True, False, False)
-    assert health.report()["reasons"][0] == "every model's breaker is open"
-    health.set_breaker_state("fallback", "half_open")
-    assert health.is_ready() and health.report()["status"] == "degraded"
+async def test_open_breakers_degrade_and_a_ladder_that_cannot_serve_is_not_ready(clock):
+    replica = Replica(clock, "primary", "fallback", fallbacks={"primary": "fallback"})
+    await replica.fail_call("primary")
+    assert (replica.health.is_ready(), replica.health.is_degraded()) == (True, True)
+    assert replica.health.report()["reasons"] == ["breaker of 'primary' is open"]
+    await replica.fail_call("fallback")
+    assert (replica.health.is_live(), replica.health.is_ready()) == (True, False)
+    assert replica.health.report()["reasons"] == [
+        "no model of the fallback ladder can serve: ['primary', 'fallback']",
+        "breaker of 'fallback' is open", "breaker of 'primary' is open"]
+    clock.advance(31.0)  # the open periods end: each breaker lets its probe in, the replica is back in rotation
+    assert replica.health.is_ready() and replica.health.report()["status"] == "degraded"
+    assert replica.health.report()["breakers"] == {"fallback": "half_open", "primary": "half_open"}
+
+
+async def test_a_model_the_registry_forgot_no_longer_counts(clock):
+    replica = Replica(clock, "primary", "extra")
+    await replica.fail_call("extra")
+    del replica.engines["extra"], replica.states["extra"]  # unloaded by an admin
+    assert replica.health.report()["models"] == {"primary": "ready"}
+    assert replica.health.report()["breakers"] == {"primary": "closed"}
+    assert replica.health.is_ready() and not replica.health.is_degraded()
+
+
+def test_unloading_and_failed_models_say_so(clock):
+    replica = Replica(clock, "primary")
+    replica.states["old"] = "draining"
+    replica.states["broken"] = "failed"
+    assert replica.health.refusal("old") == ("model 'old' is being unloaded", "model_unloading")
+    assert replica.health.why_unavailable("broken")[1] == "model_failed"
 
 
 def test_probe_errors_degrade(clock):
-    health = serving(clock, "primary")
+    health = Replica(clock, "primary").health
     health.set_probe_error("memory probe did not answer within 30 s")
     assert health.is_degraded()
     health.set_probe_error(None)
     assert not health.is_degraded()
-
-
-def test_removed_model_is_forgotten(clock):
-    health = serving(clock, "primary", "fallback")
-    health.set_breaker_state("fallback", "open")
-    health.remove_model("fallback")
-    assert health.report()["models"].keys() == {"primary"}
-    assert not health.is_degraded()
-
-
-async def test_follows_a_real_breaker_through_its_listener(clock):
-    health = serving(clock, "primary")
-    breaker = ModelBreaker("primary", BreakerConfig(min_calls=1, jitter=0.0), clock=clock,
-                           listeners=[health.on_breaker_change])
-    with pytest.raises(EngineDeadError, match="boom"):
-        async with breaker.calling_async():
-            await asyncio.sleep(0)
-            raise EngineDeadError("boom")
-    assert health.report()["models"]["primary"]["breaker"] == "open"
-    assert not health.is_ready()
-
-
-def test_an_engine_being_rebuilt_is_not_ready_but_live(clock):
-    health = HealthState(clock=clock)
-    health.observe_engine("primary", is_busy=False, last_step_time=None)
-    health.set_loading(False)
-    health.set_rebuilding("primary", "its loop died: RuntimeError('x')")
-    assert (health.is_live(), health.is_ready()) == (True, False)
-    assert health.report()["reasons"] == ["rebuilding engine of 'primary': its loop died: RuntimeError('x')"]
-    assert health.report()["rebuilding"] == ["primary"]
-    health.set_rebuilding("primary", None)
-    assert health.is_ready()

@@ -109,7 +109,7 @@ def start(aiohttp_client, tiny_models):
         harness = Harness(client, app)
         if wait_ready:
             await until(lambda: harness.state.is_ready or harness.state.fatal.is_set(), timeout=60)
-            assert not harness.state.fatal.is_set(), harness.state.load_error
+            assert not harness.state.fatal.is_set(), harness.state.health.load_error
         return harness
 
     yield make

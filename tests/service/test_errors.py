@@ -131,7 +131,7 @@ async def test_a_crashed_engine_heals_in_process(start):
     assert ready.status == 503 and "rebuilding engine of 'primary'" in (await ready.json())["reason"]
     assert (await h.client.get("/health/live")).status == 200  # rebuilding in process: no restart wanted
     gate.set()
-    await until(lambda: h.state.not_ready_reason(["primary", "fallback"]) is None, timeout=60)
+    await until(h.state.health.is_ready, timeout=60)
     assert h.engines["primary"].inner is not primary.inner and not h.primary.is_dead
     assert (await h.client.get("/health/ready")).status == 200
     metrics = await (await h.client.get("/metrics")).text()
