@@ -19,7 +19,7 @@ from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import MAX_PRIORITY, SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from engine.sequence import SampledToken, Sequence, SequenceStatus
-from engine.stats import EngineStats
+from engine.stats import ITERATION_TOKEN_BUCKETS, CacheInfo, Distribution, EngineStats, PhaseTimes
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +63,11 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self._rng = random.Random(config.seed)
         self.num_steps = self.num_prompt_tokens = self.num_generation_tokens = 0
+        self.iteration_tokens = Distribution(ITERATION_TOKEN_BUCKETS)
+        self.phase_times = PhaseTimes()
+        self.cache_info = CacheInfo(layout.block_size, layout.num_blocks, layout.num_swap_blocks,
+                                    str(self.model_runner.dtype).removeprefix("torch."),
+                                    config.enable_prefix_caching, config.swap_space, config.gpu_memory_utilization)
         self.last_step_time: float | None = None
         self.peak_used_blocks = 0
         self.kv_waste_at_peak = 0.0
@@ -149,7 +154,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         sampled = self._run(batch)
         updated = self.scheduler.postprocess(batch, sampled, on_error=self._fail_seq)
-        self._account(len(updated))
+        self._account(batch.num_batched_tokens, len(updated))
         return self._fail_marked() + self._outputs(updated)
 
     # --- poison isolation: a step that raises never stops the engine --------------------------------
@@ -219,8 +224,10 @@ class LLMEngine:
         self._failed.clear()
         return outputs
 
-    def _account(self, num_sampled: int) -> None:
+    def _account(self, num_batched: int, num_sampled: int) -> None:
         self.num_steps += 1
+        if num_batched:  # a step that ran the model
+            self.iteration_tokens = self.iteration_tokens.observe(num_batched)
         self.num_generation_tokens += num_sampled
         self.last_step_time = time.monotonic()
         used = self.block_manager.num_blocks - self.block_manager.num_free_blocks
@@ -244,15 +251,23 @@ class LLMEngine:
     def _output(self, request: _Request, seqs: list[Sequence]) -> RequestOutput:
         """A delta: what each of seqs produced since its last output."""
         finished = request.is_finished
+        first = request.seqs[0]
         if finished:
             del self.requests[request.request_id]
-        first = request.seqs[0]
+            if not request.is_aborted:
+                self._observe_phases(first)
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
                              [self._delta(request, seq) for seq in sorted(seqs, key=lambda s: s.index)],
                              finished, first.num_cached_tokens,
                              {"arrival_time": request.arrival_time,
                               "first_scheduled_time": first.first_scheduled_time or 0.0,
                               "first_token_time": first.first_token_time or 0.0}, request.error)
+
+    def _observe_phases(self, first: Sequence) -> None:
+        """A request that finished on its own this step: its last token came now."""
+        if first.first_scheduled_time is not None and first.first_token_time is not None:
+            self.phase_times = self.phase_times.observe(first.first_scheduled_time, first.first_token_time,
+                                                        self.scheduler.clock())
 
     def _delta(self, request: _Request, seq: Sequence) -> CompletionOutput:
         i = seq.index
@@ -280,7 +295,8 @@ class LLMEngine:
             num_preemptions=sched.num_preemptions, num_steps=self.num_steps,
             num_prompt_tokens=self.num_prompt_tokens, num_generation_tokens=self.num_generation_tokens,
             last_step_time=self.last_step_time, is_busy=sched.has_unfinished,
-            num_isolated_steps=self.num_isolated_steps, num_failed_requests=self.num_failed_requests)
+            num_isolated_steps=self.num_isolated_steps, num_failed_requests=self.num_failed_requests,
+            iteration_tokens=self.iteration_tokens, phase_times=self.phase_times, cache=self.cache_info)
 
 
 def _live_usage(bm: BlockManager, sched: Scheduler) -> float:

@@ -1,16 +1,21 @@
 """Prometheus metrics with vLLM's names (prefix `pagedserve:`, label `model_name`) so existing
 dashboards port. One registry per app, no module globals. Engine figures (queue lengths, KV usage,
 token and preemption counts) are read from `engine.stats()` at scrape time by a custom collector;
-latencies are observed by the request path as outputs arrive."""
+latencies are observed by the request path as outputs arrive; the engine keeps the distributions
+only it sees (tokens per step, time per request phase) and they are exported as they stand."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from engine.stats import SECONDS_BUCKETS, CacheInfo, Distribution
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # seconds; vLLM's buckets, trimmed at the long end
@@ -18,8 +23,7 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
                7.5, 10.0, 20.0)
-REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
-                   50.0, 60.0, 120.0, 240.0, 480.0)
+REQUEST_BUCKETS = SECONDS_BUCKETS  # the engine's phase times use them too, as vLLM shares one set
 LOAD_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 # tokens: vLLM's 1-2-5 series (it stops at max_model_len; one fixed series here, models come and go)
 TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(6) for m in (1, 2, 5))[:-1]  # 1 .. 200000
@@ -97,7 +101,6 @@ class Metrics:
         for reason in reasons:
             self.request_success.labels(model, reason).inc()
 
-
     def observe_request(self, model: str, num_prompt_tokens: list[int], num_generation_tokens: int, n: int,
                         max_tokens: int | None) -> None:
         """One finished HTTP request: each of its prompts counts as one request, as in vLLM (one engine
@@ -111,44 +114,55 @@ class Metrics:
 
 
 class EngineCollector(Collector):
-    """Gauges and counters read from every loaded engine's `stats()` when Prometheus scrapes."""
+    """Gauges, counters and histograms read from every loaded engine's `stats()` when Prometheus scrapes."""
 
     def __init__(self, engines: Callable[[], Mapping[str, Any]]) -> None:
         self.engines = engines
 
     def collect(self) -> Iterator[Metric]:
-        labels = ["model_name"]
-        families = {
-            "num_requests_running": GaugeMetricFamily(f"{PREFIX}num_requests_running",
-                                                      "Requests in model execution batches", labels=labels),
-            "num_requests_waiting": GaugeMetricFamily(f"{PREFIX}num_requests_waiting",
-                                                      "Requests waiting to be scheduled", labels=labels),
-            "num_requests_swapped": GaugeMetricFamily(f"{PREFIX}num_requests_swapped",
-                                                      "Requests swapped out to host memory", labels=labels),
-            "kv_cache_usage_perc": GaugeMetricFamily(f"{PREFIX}kv_cache_usage_perc",
-                                                     "KV-cache usage, 1 means 100 percent", labels=labels),
-            "prefix_cache_queries": CounterMetricFamily(f"{PREFIX}prefix_cache_queries",
-                                                        "Prompt tokens looked up in the prefix cache",
-                                                        labels=labels),
-            "prefix_cache_hits": CounterMetricFamily(f"{PREFIX}prefix_cache_hits",
-                                                     "Prompt tokens found in the prefix cache", labels=labels),
-            "num_preemptions": CounterMetricFamily(f"{PREFIX}num_preemptions", "Cumulative preemptions",
-                                                   labels=labels),
-            "prompt_tokens": CounterMetricFamily(f"{PREFIX}prompt_tokens", "Prefill tokens processed",
-                                                 labels=labels),
-            "generation_tokens": CounterMetricFamily(f"{PREFIX}generation_tokens", "Generation tokens processed",
-                                                     labels=labels),
-            "isolated_steps": CounterMetricFamily(f"{PREFIX}isolated_steps", "Engine steps that raised and were "
-                                                  "re-run in parts to isolate the request that caused it",
-                                                  labels=labels),
-            "requests_failed_in_engine": CounterMetricFamily(
-                f"{PREFIX}requests_failed_in_engine", "Requests the engine ended with an error after "
-                "isolating them as the cause of a failed step", labels=labels),
-        }
+        families, histograms = _families(), _histograms()
+        cache = GaugeMetricFamily(f"{PREFIX}cache_config_info", "Information of the engine's KV cache "
+                                  "(always 1)", labels=["model_name", *CACHE_LABELS])
         for name, engine in list(self.engines().items()):
-            for key, value in _figures(engine.stats()).items():
+            stats = engine.stats()
+            for key, value in _figures(stats).items():
                 families[key].add_metric([name], value)
+            for key, distribution in _distributions(stats).items():
+                histograms[key].add_metric([name], _buckets(distribution), distribution.total)
+            if stats.cache is not None:
+                cache.add_metric([name, *_cache_labels(stats.cache)], 1)
         yield from families.values()
+        yield from histograms.values()
+        yield cache
+
+
+def _families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
+    labels = ["model_name"]
+    return {
+        "num_requests_running": GaugeMetricFamily(f"{PREFIX}num_requests_running",
+                                                  "Requests in model execution batches", labels=labels),
+        "num_requests_waiting": GaugeMetricFamily(f"{PREFIX}num_requests_waiting",
+                                                  "Requests waiting to be scheduled", labels=labels),
+        "num_requests_swapped": GaugeMetricFamily(f"{PREFIX}num_requests_swapped",
+                                                  "Requests swapped out to host memory", labels=labels),
+        "kv_cache_usage_perc": GaugeMetricFamily(f"{PREFIX}kv_cache_usage_perc",
+                                                 "KV-cache usage, 1 means 100 percent", labels=labels),
+        "prefix_cache_queries": CounterMetricFamily(f"{PREFIX}prefix_cache_queries",
+                                                    "Prompt tokens looked up in the prefix cache", labels=labels),
+        "prefix_cache_hits": CounterMetricFamily(f"{PREFIX}prefix_cache_hits",
+                                                 "Prompt tokens found in the prefix cache", labels=labels),
+        "num_preemptions": CounterMetricFamily(f"{PREFIX}num_preemptions", "Cumulative preemptions",
+                                               labels=labels),
+        "prompt_tokens": CounterMetricFamily(f"{PREFIX}prompt_tokens", "Prefill tokens processed", labels=labels),
+        "generation_tokens": CounterMetricFamily(f"{PREFIX}generation_tokens", "Generation tokens processed",
+                                                 labels=labels),
+        "isolated_steps": CounterMetricFamily(f"{PREFIX}isolated_steps", "Engine steps that raised and were "
+                                              "re-run in parts to isolate the request that caused it",
+                                              labels=labels),
+        "requests_failed_in_engine": CounterMetricFamily(
+            f"{PREFIX}requests_failed_in_engine", "Requests the engine ended with an error after "
+            "isolating them as the cause of a failed step", labels=labels),
+    }
 
 
 def _figures(stats: Any) -> dict[str, float]:
@@ -160,6 +174,45 @@ def _figures(stats: Any) -> dict[str, float]:
         "generation_tokens": stats.num_generation_tokens, "isolated_steps": stats.num_isolated_steps,
         "requests_failed_in_engine": stats.num_failed_requests,
     }
+
+
+def _histograms() -> dict[str, HistogramMetricFamily]:
+    """vLLM's engine-side histograms; the phase times count requests that finished on their own
+    (not aborted, not failed), warm-up generations included, as the token counters do."""
+    labels = ["model_name"]
+    return {
+        "iteration_tokens": HistogramMetricFamily(f"{PREFIX}iteration_tokens_total", "Tokens per engine step "
+                                                  "(prefill chunks and decodes of the whole batch)", labels=labels),
+        "inference_time": HistogramMetricFamily(f"{PREFIX}request_inference_time_seconds", "Time a request "
+                                                "spent running: from its first schedule to its last token",
+                                                labels=labels),
+        "prefill_time": HistogramMetricFamily(f"{PREFIX}request_prefill_time_seconds", "Time from a request's "
+                                              "first schedule to its first token", labels=labels),
+        "decode_time": HistogramMetricFamily(f"{PREFIX}request_decode_time_seconds", "Time from a request's "
+                                             "first token to its last", labels=labels),
+    }
+
+
+def _distributions(stats: Any) -> dict[str, Distribution]:
+    phases = stats.phase_times
+    return {"iteration_tokens": stats.iteration_tokens, "inference_time": phases.inference,
+            "prefill_time": phases.prefill, "decode_time": phases.decode}
+
+
+def _buckets(distribution: Distribution) -> list[tuple[str, float]]:
+    """Prometheus' cumulative `le` buckets, +Inf last, bounds written as prometheus_client writes them."""
+    buckets, below = [], 0
+    for bound, count in zip((*distribution.bounds, float("inf")), distribution.counts, strict=True):
+        below += count
+        buckets.append((floatToGoString(bound), below))
+    return buckets
+
+
+CACHE_LABELS = tuple(f.name for f in dataclasses.fields(CacheInfo))  # vLLM's names for what we have
+
+
+def _cache_labels(cache: CacheInfo) -> list[str]:
+    return [str(value) for value in dataclasses.astuple(cache)]
 
 
 BREAKER_STATES = {"closed": 0, "half_open": 1, "open": 2}
@@ -219,7 +272,7 @@ class ResilienceCollector(Collector):
         yield GaugeMetricFamily(f"{PREFIX}leak_suspected", "1 while a memory leak is flagged",
                                 value=int(state.health.leak is not None))
         yield CounterMetricFamily(f"{PREFIX}leaks_detected", "Leaks confirmed by the heartbeat",
-                                  value=state.health.num_leaks)
+                                  value=state.num_leaks)
         yield CounterMetricFamily(f"{PREFIX}engine_deaths", "Engine loops that died", value=state.num_engine_deaths)
         yield CounterMetricFamily(f"{PREFIX}engine_rebuilds", "Dead engines rebuilt in process",
                                   value=state.num_engine_rebuilds)
