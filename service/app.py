@@ -62,7 +62,9 @@ def create_app(config: ServerConfig, *, engine_factory: EngineFactory | None = N
                                    config.auth_metrics)]
     if config.models_dir:  # innermost: after auth, before the handler reads the same body
         options = {k: getattr(config.models[0].engine, k) for k in ENGINE_OPTIONS}
-        middlewares.append(on_demand_middleware(Path(config.models_dir).expanduser().resolve(), options))
+        middlewares.append(on_demand_middleware(Path(config.models_dir).expanduser().resolve(), options,
+                                                config.on_demand_fallback or config.models[0].name,
+                                                config.first_token_timeout_s))
     app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
     state = ServerState(config.hang_timeout_s, config.model_names)
     app[CONFIG_KEY] = config

@@ -148,6 +148,9 @@ def _add_server_options(p: argparse.ArgumentParser) -> None:
                    help="bytes all loaded models may hold (weights + KV pools), e.g. 8GiB; a load beyond it "
                         "unloads idle models, least recently used first (default: unlimited)")
     p.add_argument("--models-dir", help="on-demand loading: a request for <dir>/<model> loads it first")
+    p.add_argument("--on-demand-fallback", metavar="MODEL",
+                   help="served model that answers (x-pagedserve-degraded: 1) a request for a model still loading on "
+                        "demand after the first-token timeout (default: the first --model)")
     p.add_argument("--max-loaded-models", type=int,
                    help="at most this many models loaded at once; LRU idle ones are unloaded (default: unlimited)")
     p.add_argument("--allowed-origins", action="append", metavar="ORIGIN",
@@ -223,6 +226,7 @@ def build_config(args: argparse.Namespace, env: Mapping[str, str]) -> ServerConf
         "bulkhead_max_seqs": args.bulkhead_max_seqs, "bulkhead_max_tokens": args.bulkhead_max_tokens,
         "breaker_open_s": args.breaker_open_s, "models_root": args.models_root,
         "memory_budget_bytes": args.memory_budget_bytes, "models_dir": args.models_dir,
+        "on_demand_fallback": args.on_demand_fallback,
         "max_loaded_models": args.max_loaded_models,
         "enable_fault_injection": args.enable_fault_injection,
         "health_details_auth": args.health_details_auth, "max_connections": args.max_connections,

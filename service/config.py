@@ -23,7 +23,7 @@ ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.nam
 SERVER_OPTIONS = ("host", "port", "api_keys", "admin_key", "max_body_bytes", "auth_metrics", "warmup",
                   "shutdown_timeout", "first_token_timeout_s", "idle_timeout_s", "stall_timeout_s", "request_timeout_s", "heartbeat_interval_s", "leak_min_growth_bytes",
                   "leak_action", "hang_timeout_s", "max_engine_rebuilds", "default_max_tokens", "bulkhead_max_seqs", "bulkhead_max_tokens", "breaker_open_s", "enable_fault_injection", "models",
-                  "models_root", "memory_budget_bytes", "models_dir", "max_loaded_models", "health_details_auth",
+                  "models_root", "memory_budget_bytes", "models_dir", "on_demand_fallback", "max_loaded_models", "health_details_auth",
                   "max_connections", "stream_write_timeout_s", "body_read_timeout_s", "header_timeout_s",
                   "keepalive_timeout_s", "allowed_origins")
 LEAK_ACTIONS = ("recycle", "exit")
@@ -76,6 +76,7 @@ class ServerConfig:
     models_root: str | None = None  # POST /admin/models/load only reads directories under it (None: MODELS_ROOT)
     memory_budget_bytes: int | None = None  # weights + KV pools of all loaded models; None: unlimited
     models_dir: str | None = None  # on-demand: a request for <models_dir>/<name> loads it first (None: off)
+    on_demand_fallback: str | None = None  # serves requests for a model still loading on demand (None: the primary)
     max_loaded_models: int | None = None  # more loaded models than this evicts the least recently used idle one
     bulkhead_max_seqs: int | None = None  # sequences admitted per model (n counted); None: the engine's capacity
     bulkhead_max_tokens: int | None = None  # prompt + n x max_tokens admitted per model; None: unbounded
@@ -100,6 +101,8 @@ class ServerConfig:
             _check(spec.fallback is None or spec.fallback in names,
                    f"model {spec.name!r} falls back to {spec.fallback!r}, which is not served (served: {names})")
         _check_no_fallback_cycle(self.models)
+        _check(self.on_demand_fallback is None or self.on_demand_fallback in names,
+               f"on_demand_fallback {self.on_demand_fallback!r} is not served (served: {names})")
         _check(0 <= self.port <= 65535, f"port must be in 0..65535, got {self.port}")
         _check(self.max_body_bytes >= 1024, f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
         _check(all(isinstance(k, str) and k for k in self.api_keys), "API keys must be non-empty strings")

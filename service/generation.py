@@ -126,7 +126,8 @@ class Generation:
         task = asyncio.current_task()
         self.state.generations.add(task)
         requests = [GenerateRequest(f"{self.id}-{i}", self.model, prompt, self.params, self.priority,
-                                    deadline=self.deadline, num_prompt_tokens=num_tokens, arrival=self.record.start)
+                                    deadline=self.deadline, num_prompt_tokens=num_tokens,
+                                    arrival=self.record.start + self.record.load_wait_s)
                     for i, (prompt, num_tokens) in enumerate(zip(self.prompts, self.num_prompt_tokens, strict=True))]
         try:
             async for index, routed in merge([self.state.router.generate(r) for r in requests]):

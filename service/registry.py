@@ -33,14 +33,14 @@ from engine.config import EngineConfig
 from engine.errors import ModelValidationError
 from engine.loader import ModelFiles, validate_model_dir
 from service.errors import InvalidRequestError, ServiceError
-from service.keys import STATE_KEY
+from service.keys import RECORD_KEY, STATE_KEY
 from service.schemas import parse_json
 from service.supervision import release_memory, warm_up
 
 logger = logging.getLogger(__name__)
 
 DRAIN_POLL_S = 0.05
-ON_DEMAND_TIMEOUT_S = 60.0  # a request waits this long for its model to load, then 503 (the load goes on)
+ON_DEMAND_TIMEOUT_S = 60.0  # with no fallback, a request waits this long for its model to load, then 503
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
@@ -167,6 +167,7 @@ class ModelRegistry:
             await self._make_room(entry)
             self.entries.pop(name, None)
             self.entries[name] = entry
+            self.fallbacks[name] = fallback  # while it loads (or if it fails), its fallback answers for it
             engine = await self._build(entry, config)
             await self._settle(entry, engine)
             self._publish(entry, engine)
@@ -275,6 +276,7 @@ class ModelRegistry:
             raise InvalidRequestError(f"model {name!r} is not loaded", param="name", code="model_not_found")
         if entry.state == ModelState.FAILED:
             self.entries.pop(name)
+            self.fallbacks.pop(name, None)
             return {"name": name, "state": "unloaded", "memory_bytes": 0}
         if entry.state != ModelState.READY:
             raise ConflictError(f"model {name!r} is {entry.state}", code="model_busy")
@@ -319,10 +321,12 @@ class ModelRegistry:
                 await asyncio.to_thread(entry.engine.inner.stop)
                 logger.info("model %s stopped", entry.name)
 
-    async def ensure_loaded(self, name: str, models_dir: Path, options: dict[str, Any],
-                            timeout_s: float = ON_DEMAND_TIMEOUT_S) -> None:
+    async def ensure_loaded(self, name: str, models_dir: Path, options: dict[str, Any], *,
+                            fallback: str | None = None, timeout_s: float = ON_DEMAND_TIMEOUT_S) -> None:
         """On-demand: load <models_dir>/<name> unless the name is known already (or names no model
-        directory: the request then gets its usual 404). Concurrent requests share one load."""
+        directory: the request then gets its usual 404). Concurrent requests share one load; each
+        waits up to `timeout_s`, then goes on: `fallback` answers while the load goes on (without
+        one, the request gets 503 model_loading). A load that fails is the request's error."""
         if name in self.entries or name in self.state.engines or "/" in name or name.startswith("."):
             return
         task = self._on_demand.get(name)
@@ -333,7 +337,7 @@ class ModelRegistry:
                 return
             weight_bytes = sum(f.stat().st_size for f in files.weight_files)
             config = EngineConfig(model=str(files.path), **options)
-            task = asyncio.create_task(self.load(name, config, estimate_bytes=weight_bytes +
+            task = asyncio.create_task(self.load(name, config, fallback=fallback, estimate_bytes=weight_bytes +
                                                  (config.kv_cache_memory or 0)), name=f"load-{name}")
             self._on_demand[name] = task
             task.add_done_callback(lambda _: self._on_demand.pop(name, None))
@@ -341,7 +345,8 @@ class ModelRegistry:
             async with asyncio.timeout(timeout_s):
                 await asyncio.shield(task)
         except TimeoutError:
-            logger.warning("model %s still loading after %.0f s; the request gets 503", name, timeout_s)
+            answer = f"model {fallback} answers it" if fallback else "the request gets 503"
+            logger.warning("model %s still loading after %.1f s; %s", name, timeout_s, answer)
 
     def _after_change(self) -> None:
         heartbeat = self.state.heartbeat
@@ -353,16 +358,20 @@ class ModelRegistry:
             self.metrics.observe_model_change(kind, name, seconds, ok)
 
 
-def on_demand_middleware(models_dir: Path, options: dict[str, Any]) -> Callable:
+def on_demand_middleware(models_dir: Path, options: dict[str, Any], fallback: str, wait_s: float) -> Callable:
     """Before a generation names a model that is not loaded but is a directory of `models_dir`,
-    load it (evicting LRU idle models as any load does); the request waits, then goes on as usual."""
+    load it (evicting LRU idle models as any load does); the request waits up to `wait_s` (the
+    first-token timeout), then goes on as usual: to the model if it is up, else to `fallback`, whose
+    first-token window starts after the wait (the record's `load_wait_s`)."""
     @web.middleware
     async def middleware(request: web.Request, handler: Callable) -> web.StreamResponse:
         if request.method == "POST" and request.path in GENERATION_PATHS:
             name = await _asked_model(request)
             state = request.app[STATE_KEY]
             if name is not None and state.registry is not None:
-                await state.registry.ensure_loaded(name, models_dir, options)
+                start = time.monotonic()
+                await state.registry.ensure_loaded(name, models_dir, options, fallback=fallback, timeout_s=wait_s)
+                request[RECORD_KEY].load_wait_s = time.monotonic() - start
         return await handler(request)
 
     return middleware

@@ -74,6 +74,7 @@ class RequestRecord:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     first_token: float | None = None  # time.monotonic()
+    load_wait_s: float = 0.0  # waited for an on-demand load: the first-token window starts after it
     finish_reasons: list[str] = field(default_factory=list)
     note: str | None = None  # how it ended when the status cannot say (client_gone, error_503 mid-stream)
 

@@ -100,6 +100,7 @@ max_num_seqs = 2
     ("[[models]]\npath = '/a'\nblock_size = 12", "block_size must be a power of two"),
     ("[[models]]\npath = '/a'\nwat = 1", "unknown keys ['wat']"),
     ("[[models]]\npath = '/a'\nfallback = 'nope'", "falls back to 'nope', which is not served"),
+    ("on_demand_fallback = 'b'\n[[models]]\npath = '/a'", "on_demand_fallback 'b' is not served (served: ['a'])"),
     ("[[models]]\npath = '/a'\nfallback = 'b'\n[[models]]\npath = '/b'\nfallback = 'a'", "cycle: a -> b -> a"),
     ("[[models]]\npath = '/a'\n[[models]]\npath = '/x/a'", "unique, repeated: ['a']"),
     ("port = [", "invalid TOML"),
