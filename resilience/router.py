@@ -10,6 +10,8 @@ down the degrade ladder (a model's fallback, then its fallback's) when a model c
           asked model, queue time included; the        gets its own first_token_timeout_s); on the last
           moment it moved for the next ones)           model that can serve there is no such deadline:
                                                        a late first token is only counted slow
+        a later token more than first_token_timeout_s -> a slow call too (the stream goes on): a half-open
+          after the one before it                      probe is judged on its whole call, not its first token
         a transient engine error (EngineStepError)  -> resubmitted once to the same model (tenacity),
           before the first token                       within the retry budget and the deadlines
         a failure before the first token (stalled   -> counted on the breaker; resubmit to the next
@@ -103,7 +105,7 @@ class ModelRouter:
         # counters for metrics, per served model
         self.num_engine_requests: Counter[str] = Counter()  # submissions, retries included
         self.num_retries: Counter[str] = Counter()  # resubmits to the same model after a transient error
-        self.num_slow_calls: Counter[str] = Counter()  # first token after the first-token deadline, or none by it
+        self.num_slow_calls: Counter[str] = Counter()  # first token after its deadline (or none), or a later gap as long
         self.num_deadline_hits: Counter[tuple[str, str]] = Counter()  # (model, one of DEADLINE_KINDS)
         self.num_failovers = 0
 
@@ -222,14 +224,16 @@ class ModelRouter:
                                            self.config.stall_timeout_s, req.deadline,
                                            first_item_deadline=first_token_deadline if has_next else None,
                                            clock=self.clock, alive_at=lambda: engine.last_progress_time)
-                is_first = True
+                is_first, slow_after = True, first_token_deadline
                 try:
                     async with contextlib.aclosing(stream):
                         async for output in stream:
-                            if is_first and self.clock() > first_token_deadline:
+                            if self.clock() > slow_after and not call.is_slow:
                                 self._slow(name, call)
                             is_first = False
                             yield RoutedOutput(output, name, name != req.model)
+                            # from when the consumer asks again: a slow client is not a slow model
+                            slow_after = self.clock() + self.config.first_token_timeout_s
                 except DeadlineExceeded as exc:
                     self._on_deadline(name, call, exc, is_first and self.clock() >= first_token_deadline)
                     raise

@@ -91,6 +91,27 @@ async def test_slow_primary_sheds_to_the_fallback_until_a_fast_probe_closes_its_
     assert router.breaker("big").state == "closed"
 
 
+async def test_a_probe_with_a_fast_first_token_and_slow_later_ones_reopens_the_breaker(engines):
+    router = _router(engines, stall_timeout_s=10.0)
+    engines["big"].faults.inject(Fault("slow", delay_ms=2000))
+    await asyncio.gather(*[_run(router, i) for i in range(4)])
+    assert router.breaker("big").state == "open"
+    engines["big"].faults.clear()
+    await asyncio.sleep(max(OPEN_S, 2.0) + 0.5)
+    assert router.breaker("big").state == "half_open"
+    served = []
+    try:
+        async for routed in router.generate(GenerateRequest("probe", "big", "def f(x):", PARAMS, num_prompt_tokens=5)):
+            served.append(routed.served_model)
+            if len(served) == 1:  # the probe's first token came fast; now each step takes 2.5 s (> 1 s)
+                engines["big"].faults.inject(Fault("slow", delay_ms=2500))
+    finally:
+        engines["big"].faults.clear()
+    assert set(served) == {"big"} and len(served) > 1  # the stream itself goes on to the end
+    assert router.breaker("big").state == "open"  # judged on the whole call, not on its first token
+    assert router.num_slow_calls["big"] == 5
+
+
 async def test_error_fault_fails_over_within_the_retry_budget(engines):
     # 30 requests: the budget allows max(min_retries 2, 20% of 30) = 6 resubmits after a fast failure, to
     # the same model (at most 3: the 4th failure opens the breaker) or to the fallback
