@@ -3,6 +3,8 @@ token and parameter histograms, the phase times) say exactly what a real tiny en
 requests. Each test reads the difference between a scrape after start-up (the warm-up generation) and
 one after its requests, so only what they did counts."""
 
+from itertools import pairwise
+
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.faults import Fault
@@ -87,7 +89,7 @@ def _check_phases(before: dict, after: dict, num_decode_steps: int) -> None:
     for phase in (prefill, decode, inference, _delta(before, after, "request_queue_time_seconds")):
         assert phase["count"] == phase["+Inf"] == 2
         assert list(phase) == [*(str(b) for b in SECONDS_BUCKETS), "+Inf", "count", "sum"]
-        assert all(phase[str(a)] <= phase[str(b)] for a, b in zip(SECONDS_BUCKETS, SECONDS_BUCKETS[1:]))
+        assert all(phase[str(a)] <= phase[str(b)] for a, b in pairwise(SECONDS_BUCKETS))  # cumulative
     assert abs(prefill["sum"] + decode["sum"] - inference["sum"]) < 1e-9
     assert inference["sum"] <= _delta(before, after, "e2e_request_latency_seconds")["sum"]
     assert prefill["sum"] <= _delta(before, after, "time_to_first_token_seconds")["sum"]
