@@ -18,6 +18,7 @@ import math
 import random
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 from locust import FastHttpUser, constant, events, task
@@ -52,6 +53,7 @@ class _RunState:
         self.requests: dict[str, list[dict]] = {}
         self.counters = {kind: itertools.count() for kind in KINDS}
         self.peak_users = 0
+        self.summarize: Callable[..., dict] | None = None  # what --summary-json holds; None: summarize()
 
     def next_body(self, kind: str) -> dict:
         prepared = self.requests[kind]
@@ -107,7 +109,8 @@ def _on_init(environment, **_kwargs) -> None:
     if not 1 <= o.min_output_tokens <= o.max_output_tokens:
         raise ValueError(f"need 1 <= --min-output-tokens <= --max-output-tokens, got "
                          f"{o.min_output_tokens} and {o.max_output_tokens}")
-    RUN.requests = prepare_requests(o.seed, o.min_output_tokens, o.max_output_tokens, o.long_prompt_words)
+    if any(cls.__module__ == __name__ for cls in environment.user_classes):  # open_loop.py's user needs none
+        RUN.requests = prepare_requests(o.seed, o.min_output_tokens, o.max_output_tokens, o.long_prompt_words)
     RUN.model = o.model
 
 
@@ -181,13 +184,14 @@ class _OpenAIUser(FastHttpUser):
         self._fire("E2E", kind, (time.perf_counter() - start) * 1000, num_tokens)
 
 
-def _read_sse(response) -> tuple[list[float], int]:
-    """perf_counter() of every non-empty delta, and the output tokens (usage if sent, else deltas).
+def _read_sse(response, delta_times: list[float] | None = None) -> tuple[list[float], int]:
+    """perf_counter() of every non-empty delta (appended to `delta_times` as they come, if given, so a
+    caller sees a stream cut midway), and the output tokens (usage if sent, else deltas).
 
     Reads line by line from geventhttpclient's response: Locust's iter_lines() reads 1024-byte blocks
     and would hold the first token back until a kilobyte of stream has arrived."""
     raw = response._response
-    delta_times, usage_tokens = [], None
+    delta_times, usage_tokens = [] if delta_times is None else delta_times, None
     while line := raw.readline(b"\n"):
         if not line.startswith(b"data:"):
             continue  # blank separators, comments (keep-alives), event: lines
@@ -293,5 +297,5 @@ def _write_summary(environment, **_kwargs) -> None:
         return
     path = Path(o.summary_json)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(summarize(environment), indent=2) + "\n")
+    path.write_text(json.dumps((RUN.summarize or summarize)(environment), indent=2) + "\n")
     logger.info("summary written to %s", path)
