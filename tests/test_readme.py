@@ -1,0 +1,93 @@
+"""Every code block of README.md runs as written against a real server started as `make run` starts
+it (the shipped models, default options, plus an admin key for the multi-model block), so the README
+cannot rot. Blocks say what they are: ```bash and ```python run, ```text is output shown. The
+Quick start's `make run` / `make test` lines are the set-up commands themselves: CI runs `make test`
+(`.ci/run`) and the server here is `make run`'s command line."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.service.server import REPO, SMALL, TINY, Server, launch, require_models
+
+README = REPO / "README.md"
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.MULTILINE | re.DOTALL)
+LANGUAGES = ("bash", "python", "text")
+ADMIN_KEY = "readme-admin-key"
+SETUP_COMMANDS = ("make run", "make test")
+BLOCK_TIMEOUT_S = 120
+
+
+def blocks() -> list[tuple[int, str, str]]:
+    """(line, language, code) of every fenced block."""
+    text = README.read_text()
+    return [(text[:m.start()].count("\n") + 1, m.group(1), m.group(2)) for m in FENCE.finditer(text)]
+
+
+def runnable() -> list[tuple[int, str, str]]:
+    return [(line, lang, code) for line, lang, code in blocks() if lang != "text"]
+
+
+def test_every_block_says_what_it_is():
+    found = blocks()
+    assert len(found) >= 6, found  # the fence pattern still matches the README's blocks
+    unlabelled = [line for line, lang, _ in found if lang not in LANGUAGES]
+    assert not unlabelled, f"README blocks at lines {unlabelled} need a language among {LANGUAGES}"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> Server:
+    require_models(SMALL, TINY)
+    srv = launch(["--admin-key", ADMIN_KEY], tmp_path_factory.mktemp("readme") / "server.log")
+    yield srv
+    assert srv.stop() == 0, srv.log()[-3000:]
+
+
+def _on(code: str, server: Server) -> str:
+    return code.replace("localhost:8000", f"127.0.0.1:{server.port}").replace("127.0.0.1:8000", f"127.0.0.1:{server.port}")
+
+
+def _json_values(out: str) -> list:
+    """The JSON documents printed one after the other (curl prints no newline between them)."""
+    decoder, values, at = json.JSONDecoder(), [], 0
+    while (at := _skip_space(out, at)) < len(out):
+        value, at = decoder.raw_decode(out, at)
+        values.append(value)
+    return values
+
+
+def _skip_space(text: str, at: int) -> int:
+    while at < len(text) and text[at].isspace():
+        at += 1
+    return at
+
+
+@pytest.mark.parametrize(("line", "lang", "code"), runnable(), ids=[f"line{b[0]}" for b in runnable()])
+def test_block_runs(server, line, lang, code):
+    env = {**os.environ, "ADMIN_KEY": ADMIN_KEY, "PYTHONPATH": str(REPO)}
+    if lang == "python":
+        result = subprocess.run([sys.executable, "-c", _on(code, server)], cwd=REPO, env=env, capture_output=True,
+                                text=True, timeout=BLOCK_TIMEOUT_S)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert result.stdout.strip(), f"the block at line {line} printed nothing"
+        if "LLM(" in code:  # the offline API prints a completion, then its finish reason
+            assert result.stdout.rstrip().endswith(("length", "stop")), result.stdout
+        return
+    commands = [c for c in code.splitlines() if not c.startswith(SETUP_COMMANDS)]
+    if not commands:
+        assert all(c.split("#")[0].strip() in SETUP_COMMANDS for c in code.splitlines()), code
+        return
+    script = "set -euo pipefail\n" + _on("\n".join(commands), server)
+    result = subprocess.run(["bash", "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=BLOCK_TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-3000:]
+    values = _json_values(result.stdout)
+    assert values, f"the block at line {line} printed no JSON: {result.stdout[:500]!r}"
+    errors = [v for v in values if isinstance(v, dict) and isinstance(v.get("error"), dict)]  # OpenAI-shaped
+    assert not errors, errors
