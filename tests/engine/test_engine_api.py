@@ -155,7 +155,8 @@ async def test_dead_loop_fails_every_waiter_at_once(async_engine):
         async for _ in async_engine.generate("x", LONG, f"dead{i}"):
             pass
     results = await asyncio.wait_for(asyncio.gather(*[one(i) for i in range(3)], return_exceptions=True), 30)
-    assert [type(r) for r in results] == [EngineDeadError] * 3, results
+    # a request that arrives after the loop died is refused with its subclass EngineNotRunningError
+    assert all(isinstance(r, EngineDeadError) for r in results), results
     assert all("simulated kernel crash" in str(r) for r in results), results
     assert async_engine.is_dead
     with pytest.raises(EngineDeadError, match="the engine is dead: .*simulated kernel crash"):
