@@ -1,22 +1,28 @@
-"""Tail latency under load: pagedserve vs the static-batching baseline, same model, same Locust run.
+"""Tail latency under open-loop load: pagedserve vs the static FIFO baseline at the same arrival rates.
 
-    python benchmarks/tail_latency.py                     # models/pagedserve-coder-small, 64 users, 60 s a side
-    python benchmarks/tail_latency.py --model DIR --users 64 --duration 60s --baseline-max-batch 32
+    python benchmarks/tail_latency.py                      # the shipped models: about an hour, at most 2
+    python benchmarks/tail_latency.py --model models/pagedserve-coder-tiny --fallback "" --long-output-tokens 64 \\
+        --duration 30s --drain 30s --calibrate-duration 60s --tag small-scale     # about 10 minutes
 
-Each server is started here on a free 127.0.0.1 port, alone (one side after the other, so they never
-share the CPU), and stopped when its run ends:
-  pagedserve  `python -m service serve --model DIR --dtype float32 --idle-timeout 120` (continuous
-              batching, paged KV; the deadline is explained at --pagedserve-args)
-  baseline    `python benchmarks/baseline_server.py --model DIR --dtype float32` (HF generate in static
-              FIFO batches of up to --baseline-max-batch)
-The load is `python -m loadtests.run` as a subprocess (Locust is never imported here): the same users,
-seed, workload and duration against each side.
+Each server is started here on a free 127.0.0.1 port, alone (one after the other, so they never share
+the CPU), and stopped when its runs end:
+  baseline    `benchmarks/baseline_server.py --model M --dtype D --max-batch B` (HF generate in static
+              FIFO batches: a batch runs until its longest request is done, then the next one starts)
+  pagedserve  `pagedserve serve --model M --fallback F --dtype D` (continuous batching, paged KV, its
+              resilience defaults: 10 s first-token deadline, breaker, fallback, bulkhead)
+First the baseline's capacity is measured (loadtests/calibrate.py: Little's law at --calibrate-concurrency
+requests always in flight), then both servers get Poisson arrivals (loadtests/open_loop.py, one Locust
+process per run) at the same rates, --fractions of that capacity, with a mixed workload (short chat
+turns, chat under one shared system prompt, long completions). pagedserve's own capacity is measured too,
+and one more run at --overload x that shows what it does past it (shed with 429/503, degrade to the
+fallback, or queue without bound). Every run is bounded (arrivals for --duration, then --drain for what
+is in flight; the rest counts as unfinished, at its age) and the whole benchmark stops by itself before
+--max-minutes, skipping the runs that would not fit.
 
-Writes benchmarks/results/tail_latency.json (p50/p90/p99 TTFT, ITL and end-to-end, errors and
-throughput per side, the p99 end-to-end ratio and whether the target holds: pagedserve's p99 at
-least 90% lower, with zero errors) and tail_latency.png: TTFT and end-to-end CDFs from Locust's own
-response-time histograms (its --json-file, passed through loadtests.run; every request, times rounded
-by Locust to 2 significant digits above 100 ms), kept in the JSON too. Prints one summary line.
+Writes benchmarks/results/tail_latency[-TAG].json (per side and rate: p50/p90/p99/p99.9 of TTFT, ITL and
+end-to-end, shares of 200/429/503/unfinished/other, the degraded share, requests in flight; the p99
+ratios per rate and whether pagedserve's are >= 90% lower; the load average around each run), and two
+PNGs: tail_latency[-TAG]-cdf.png and tail_latency[-TAG]-vs-rate.png. Prints one summary line.
 """
 
 import argparse
@@ -31,53 +37,68 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections import Counter
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))  # loadtests/ (no Locust import: it runs as its own process)
+
+from benchmarks.tail_plots import plot_cdf, plot_vs_rate  # noqa: E402
+from loadtests.calibrate import Load, capacity, run_load  # noqa: E402
+from loadtests.run import parse_duration  # noqa: E402
+
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
-DEFAULT_MODEL = REPO_ROOT / "models" / "pagedserve-coder-small"
-SIDES = ("pagedserve", "baseline")
-TARGET_P99_E2E_REDUCTION = 0.9  # pagedserve's p99 end-to-end at least 90% below the baseline's
+MODELS = REPO_ROOT / "models"
+SIDES = ("baseline", "pagedserve")  # the baseline first: its capacity sets every rate
+TARGET_REDUCTION = 0.9  # the seed's claim: p99 >= 90% lower than FIFO
 READY_TIMEOUT_S = 300.0
+STOP_SPARE_S = 120.0  # stopping a server, writing results: kept out of the run budget
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="model directory both sides serve")
-    p.add_argument("--users", type=int, default=64)
-    p.add_argument("--duration", default="60s", help="Locust run time per side, e.g. 60s, 2m")
-    p.add_argument("--stop-timeout", type=int, default=180,
-                   help="seconds Locust lets requests in flight at the end finish (a cut request is an error)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", type=Path, default=MODELS / "pagedserve-coder-small", help="both sides serve it")
+    p.add_argument("--fallback", default=str(MODELS / "pagedserve-coder-tiny"),
+                   help="pagedserve's fallback model directory; '' for none")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                   help="both sides (the checkpoint's bfloat16 is 2-3x slower than float32 on most CPUs)")
+                   help="both sides (bfloat16 checkpoints run 2-3x slower than float32 on most CPUs)")
     p.add_argument("--baseline-max-batch", type=int, default=32)
-    # A 120 s progress deadline: with the default 10 s, requests queued behind 63 others on a busy CPU
-    # can miss their first token in time, the breaker opens and the run turns into fast 503s (measured
-    # at load average ~10: 8307 of 8405 requests; at ~6: none, but p99 TTFT 9.6 s, at the edge).
-    # --pagedserve-args "" measures the defaults.
-    p.add_argument("--pagedserve-args", default="--idle-timeout 120",
-                   help="extra `pagedserve serve` flags, one string (default: %(default)s)")
-    p.add_argument("--sides", default=",".join(SIDES), help="comma-separated subset of " + ",".join(SIDES))
+    p.add_argument("--pagedserve-args", default="", help="extra `pagedserve serve` flags, one string")
+    p.add_argument("--fractions", default="0.5,0.8,1.0,1.2", help="rates, as fractions of the FIFO capacity")
+    p.add_argument("--overload", type=float, default=1.2, help="x pagedserve's own capacity; 0: no such run")
+    p.add_argument("--duration", type=parse_duration, default=parse_duration("300s"), help="arrivals per run")
+    p.add_argument("--drain", type=parse_duration, default=parse_duration("120s"),
+                   help="after the arrivals, how long requests in flight get")
+    p.add_argument("--calibrate-duration", type=parse_duration, default=parse_duration("180s"),
+                   help="at least 4 static batches: its first quarter is left out as the ramp")
+    p.add_argument("--calibrate-concurrency", type=int, default=64)
+    p.add_argument("--long-output-tokens", type=int, default=256, help="max_tokens of a long completion")
+    p.add_argument("--max-minutes", type=float, default=120.0, help="the whole benchmark stops before this")
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     p.add_argument("--tag", default="", help="suffix of the result files: tail_latency-TAG.json")
-    return p.parse_args()
+    args = p.parse_args()
+    args.fractions = [float(f) for f in args.fractions.split(",") if f]
+    if not args.fractions or min(args.fractions) <= 0 or args.overload < 0:
+        p.error("--fractions must be positive numbers and --overload not negative")
+    if not (args.model / "config.json").is_file():
+        p.error(f"no model in {args.model} (run `make models`)")
+    return args
+
+
+def server_command(side: str, args: argparse.Namespace, port: int) -> list[str]:
+    address = ["--host", "127.0.0.1", "--port", str(port)]
+    if side == "pagedserve":
+        fallback = ["--fallback", args.fallback] if args.fallback else []
+        return [str(Path(sys.executable).with_name("pagedserve")), "serve", *address, "--model", str(args.model),
+                *fallback, "--dtype", args.dtype, *args.pagedserve_args.split()]
+    return [sys.executable, str(REPO_ROOT / "benchmarks" / "baseline_server.py"), *address, "--model",
+            str(args.model), "--dtype", args.dtype, "--max-batch", str(args.baseline_max_batch)]
 
 
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def server_command(side: str, args: argparse.Namespace, port: int) -> list[str]:
-    address = ["--host", "127.0.0.1", "--port", str(port)]
-    if side == "pagedserve":
-        return [sys.executable, "-m", "service", "serve", *address, "--model", str(args.model), "--dtype",
-                args.dtype, *args.pagedserve_args.split()]
-    return [sys.executable, str(REPO_ROOT / "benchmarks" / "baseline_server.py"), *address, "--model",
-            str(args.model), "--dtype", args.dtype, "--max-batch", str(args.baseline_max_batch)]
 
 
 @contextlib.contextmanager
@@ -119,145 +140,110 @@ def wait_ready(process: subprocess.Popen, url: str, log_path: Path) -> None:
     raise RuntimeError(f"server not ready within {READY_TIMEOUT_S:.0f} s: {log_path.read_text()[-2000:]}")
 
 
-def run_load(url: str, args: argparse.Namespace, results_dir: Path) -> tuple[int, dict, list[dict]]:
-    """loadtests.run's exit status, its summary, and Locust's final stats entries (with their
-    response-time histograms: Locust's --json-file, written after the last request finished)."""
-    stats_stem = results_dir / "locust_final"
-    cmd = [sys.executable, "-m", "loadtests.run", "--host", url, "--users", str(args.users), "--duration",
-           args.duration, "--seed", str(args.seed), "--stop-timeout", str(args.stop_timeout),
-           "--max-error-rate", "0", "--results-dir", str(results_dir), "--", "--json-file", str(stats_stem)]
-    rc = subprocess.run(cmd, cwd=REPO_ROOT).returncode
-    runs = sorted(results_dir.glob("*/summary.json"))
-    if not runs:
-        raise RuntimeError(f"loadtests.run exited with {rc} and wrote no summary under {results_dir}")
-    return rc, json.loads(runs[-1].read_text()), json.loads(stats_stem.with_suffix(".json").read_text())
+def one_run(url: str, load: Load, out: Path, fraction: float, of: str) -> dict:
+    """The figures of one open-loop run, with the raw TTFT and e2e the CDFs are drawn from."""
+    before = os.getloadavg()
+    rc, summary, records = run_load(url, load, out)
+    timed = [r for r in records if r["status"] in (200, None)]
+    return {"label": f"{fraction:g}x {of}", "fraction": fraction, "of": of, "rate": round(load.rate, 4),
+            "locust_exit_code": rc,
+            **{k: summary[k] for k in ("model", "requests", "completed", "failures", "requests_per_s",
+                                       "output_tokens_per_s", "ttft_ms", "itl_ms", "e2e_ms", "shares",
+                                       "degraded_share", "in_flight", "errors")},
+            "load_average": {"before": [round(x, 2) for x in before], "after": [round(x, 2) for x in os.getloadavg()]},
+            "ttft_ms_all": sorted(round(r["ttft_ms"], 1) for r in timed if r["ttft_ms"] is not None),
+            "e2e_ms_all": sorted(round(r["e2e_ms"], 1) for r in timed)}
 
 
-def measure(side: str, args: argparse.Namespace, work_dir: Path) -> dict:
-    port = free_port()
-    cmd = server_command(side, args, port)
+def measure_side(side: str, args: argparse.Namespace, fifo_rps: float | None, deadline: float, work: Path) -> dict:
+    """Calibrate, then the runs at the fractions of the FIFO capacity (this side's, for the baseline)."""
+    port, options = free_port(), {"seed": args.seed, "long_output_tokens": args.long_output_tokens}
+    url, cmd = f"http://127.0.0.1:{port}", server_command(side, args, port)
     print(f"[{side}] $ {' '.join(cmd)}", flush=True)
-    load_before = os.getloadavg()
-    with running_server(cmd, port, work_dir / f"{side}.log"):
-        rc, summary, entries = run_load(f"http://127.0.0.1:{port}", args, work_dir / side)
-    histograms = {metric: histogram(entries, metric) for metric in ("TTFT", "E2E")}
-    for metric, counts in histograms.items():  # the histograms and the summary count the same requests
-        if sum(counts.values()) != summary[f"{metric.lower()}_ms"]["count"]:
-            raise RuntimeError(f"{side}: {metric} histogram has {sum(counts.values())} samples, the summary "
-                               f"{summary[f'{metric.lower()}_ms']['count']}")
-    return {
-        "command": " ".join(cmd[1:]),
-        "loadtests_exit_code": rc,
-        **{k: summary[k] for k in ("model", "users", "duration_s", "requests", "failures", "error_rate",
-                                   "requests_per_s", "output_tokens", "output_tokens_per_s")},
-        **{name: {q: summary[name][q] for q in ("count", "p50", "p90", "p99", "max")}
-           for name in ("ttft_ms", "itl_ms", "e2e_ms")},
-        "errors": summary["errors"],
-        "load_average_before": [round(x, 2) for x in load_before],
-        "load_average_after": [round(x, 2) for x in os.getloadavg()],
-        # what the CDFs are drawn from: {ms: requests}, every request kind merged (Locust rounds times
-        # to 2 significant digits above 100 ms)
-        "histograms": histograms,
-    }
+    result: dict = {"command": " ".join(cmd), "runs": [], "skipped": []}
+    calibration = Load(args.calibrate_duration, args.calibrate_duration, closed_loop=args.calibrate_concurrency)
+    if time.monotonic() + calibration.max_seconds + READY_TIMEOUT_S > deadline:
+        result["skipped"].append({"label": "calibration", "why": "past --max-minutes"})
+        return result
+    try:
+        with running_server(cmd, port, work / f"{side}.log"):
+            result["calibration"] = capacity(url, work / side / "calibrate", args.calibrate_concurrency,
+                                             args.calibrate_duration, **options)
+            own_rps = result["calibration"]["capacity_rps"]
+            plan = [(f, "FIFO", f * (fifo_rps or own_rps)) for f in args.fractions]
+            if side == "pagedserve" and args.overload:
+                plan.append((args.overload, "own", args.overload * own_rps))
+            for fraction, of, rate in plan:
+                load = Load(args.duration, args.drain, rate=rate, **options)
+                if time.monotonic() + load.max_seconds > deadline:
+                    result["skipped"].append({"label": f"{fraction:g}x {of}", "rate": round(rate, 4),
+                                              "why": "past --max-minutes"})
+                    continue
+                print(f"[{side}] {fraction:g}x {of} capacity: {rate:.3f} req/s", flush=True)
+                result["runs"].append(one_run(url, load, work / side / f"{fraction:g}x-{of}", fraction, of))
+    except (RuntimeError, subprocess.TimeoutExpired) as e:  # keep what was measured; say what stopped it
+        print(f"[{side}] stopped: {e}", file=sys.stderr, flush=True)
+        result["error"] = str(e)
+    return result
 
 
-def histogram(entries: list[dict], request_type: str) -> dict[str, int]:
-    """{milliseconds: requests} over every request kind of one event type (TTFT, E2E)."""
-    merged: Counter[int] = Counter()
-    for entry in entries:
-        if entry["method"] == request_type:
-            merged.update({int(ms): n for ms, n in entry["response_times"].items()})
-    return {str(ms): merged[ms] for ms in sorted(merged)}
+def compare(results: dict) -> list[dict]:
+    """Per FIFO fraction both sides ran: the p99 ratios (pagedserve / baseline) and the target."""
+    theirs = {r["label"]: r for r in results.get("baseline", {}).get("runs", [])}
+    rows = []
+    for ours in results.get("pagedserve", {}).get("runs", []):
+        base = theirs.get(ours["label"])
+        if base is None:
+            continue
+        ratios = {f"p99_{m}_ratio": _ratio(ours[f"{m}_ms"]["p99"], base[f"{m}_ms"]["p99"]) for m in ("ttft", "e2e")}
+        rows.append({"label": ours["label"], "rate": ours["rate"], **ratios,
+                     "in_flight_max": {"pagedserve": ours["in_flight"]["max"], "baseline": base["in_flight"]["max"]},
+                     "target_met": all(r is not None and 1 - r >= TARGET_REDUCTION for r in ratios.values())
+                     and ours["failures"] == 0})
+    return rows
 
 
-def cdf(counts: dict[str, int]) -> tuple[list[float], list[float]]:
-    """Seconds, and the fraction of requests at or below each."""
-    xs, ys, total, seen = [], [], sum(counts.values()), 0
-    for ms, n in counts.items():
-        seen += n
-        xs.append(int(ms) / 1000)
-        ys.append(seen / total)
-    return xs, ys
+def overload(results: dict) -> dict:
+    """What each side did in its runs past capacity: shed, degraded, or queued (in flight growing)."""
+    def figures(run: dict) -> dict:
+        return {"label": run["label"], "rate": run["rate"], "shares": run["shares"],
+                "degraded_share": run["degraded_share"], "in_flight": run["in_flight"],
+                "p99_ttft_ms": run["ttft_ms"]["p99"], "p99_e2e_ms": run["e2e_ms"]["p99"]}
+    return {side: [figures(run) for run in results.get(side, {}).get("runs", []) if run["fraction"] > 1]
+            for side in SIDES}
 
 
-def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, metric, title in zip(axes, ("TTFT", "E2E"), ("time to first token", "end-to-end latency"),
-                                 strict=True):
-        for side, color in zip(SIDES, ("tab:blue", "tab:red"), strict=True):
-            counts = results.get(side, {}).get("histograms", {}).get(metric)
-            if not counts:
-                continue
-            xs, ys = cdf(counts)
-            p99 = results[side][f"{metric.lower()}_ms"]["p99"]
-            ax.step(xs, ys, where="post", color=color,
-                    label=f"{side} (p99 {p99 / 1000:.1f} s)" if p99 is not None else side)
-        ax.axhline(0.99, color="grey", lw=0.6, ls=":")
-        ax.set_xscale("log")
-        ax.set_xlabel("seconds (log)")
-        ax.set_ylabel("fraction of requests")
-        ax.set_title(title)
-        ax.set_ylim(0, 1.01)
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(loc="lower right")
-    first = next(iter(results[s] for s in SIDES if s in results))
-    fig.suptitle(f"{first['model']}, {first['users']} Locust users, every request kind")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def compare(results: dict) -> dict:
-    if not all(side in results for side in SIDES):
-        return {}
-    ours, theirs = results["pagedserve"]["e2e_ms"]["p99"], results["baseline"]["e2e_ms"]["p99"]
-    if not ours or not theirs:
-        return {"p99_e2e_ratio": None, "target_met": False}
-    ratio = ours / theirs
-    return {"p99_e2e_ratio": round(ratio, 4), "p99_e2e_reduction": round(1 - ratio, 4),
-            "p99_ttft_ratio": _ratio(results, "ttft_ms"),
-            "target": f"pagedserve p99 e2e >= {TARGET_P99_E2E_REDUCTION:.0%} lower, zero errors",
-            "target_met": 1 - ratio >= TARGET_P99_E2E_REDUCTION and results["pagedserve"]["failures"] == 0}
-
-
-def _ratio(results: dict, name: str) -> float | None:
-    ours, theirs = results["pagedserve"][name]["p99"], results["baseline"][name]["p99"]
+def _ratio(ours: float | None, theirs: float | None) -> float | None:
     return round(ours / theirs, 4) if ours and theirs else None
 
 
 def main() -> int:
     args = parse_args()
-    sides = [s for s in args.sides.split(",") if s]
-    if not set(sides) <= set(SIDES) or not sides:
-        raise SystemExit(f"--sides must name some of {SIDES}, got {args.sides!r}")
-    if not (args.model / "config.json").is_file():
-        raise SystemExit(f"no model in {args.model} (run `make models`)")
     args.model = args.model.resolve()
+    deadline = time.monotonic() + args.max_minutes * 60 - STOP_SPARE_S
     results: dict = {}
     with tempfile.TemporaryDirectory(prefix="tail-latency-") as tmp:
-        for side in sides:
-            results[side] = measure(side, args, Path(tmp))
+        results["baseline"] = measure_side("baseline", args, None, deadline, Path(tmp))
+        if "calibration" not in results["baseline"]:
+            raise SystemExit(f"no FIFO capacity, so no rates: {results['baseline']}")
+        fifo_rps = results["baseline"]["calibration"]["capacity_rps"]
+        results["pagedserve"] = measure_side("pagedserve", args, fifo_rps, deadline, Path(tmp))
     stem = "tail_latency" + (f"-{args.tag}" if args.tag else "")
-    report = {"workload": {"users": args.users, "duration": args.duration, "seed": args.seed,
-                           "stop_timeout_s": args.stop_timeout, "dtype": args.dtype, "baseline_max_batch": args.baseline_max_batch,
-                           "pagedserve_args": args.pagedserve_args, "loadtests": "python -m loadtests.run",
-                           "omp_wait_policy": server_env()["OMP_WAIT_POLICY"]},
+    report = {"workload": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+              "omp_wait_policy": server_env()["OMP_WAIT_POLICY"],
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
-              **results, "comparison": compare(results)}
+              "fifo_capacity_rps": results["baseline"]["calibration"]["capacity_rps"],
+              **results, "comparison": compare(results), "overload": overload(results)}
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
-    plot(results, args.out_dir / f"{stem}.png")
-    line = "; ".join(f"{s}: p99 ttft {results[s]['ttft_ms']['p99']} ms, p99 e2e {results[s]['e2e_ms']['p99']} ms, "
-                     f"{results[s]['failures']} errors / {results[s]['requests']}" for s in sides)
-    cmp = report["comparison"]
-    if cmp:
-        line += f"; p99 e2e ratio {cmp['p99_e2e_ratio']} (target met: {cmp['target_met']})"
-    print(f"{line} -> {args.out_dir / stem}.json, .png")
+    (args.out_dir / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
+    plot_cdf(report, args.out_dir / f"{stem}-cdf.png")
+    plot_vs_rate(report, args.out_dir / f"{stem}-vs-rate.png")
+    line = "; ".join(f"{row['label']}: p99 ttft x{row['p99_ttft_ratio']}, p99 e2e x{row['p99_e2e_ratio']}, "
+                     f"in flight {row['in_flight_max']}" for row in report["comparison"])
+    past = "; ".join(f"{side} {o['label']}: shares {o['shares']}, degraded {o['degraded_share']}, in flight "
+                     f"+{o['in_flight']['growth_per_s']}/s" for side, runs in report["overload"].items() for o in runs)
+    print(f"FIFO capacity {report['fifo_capacity_rps']} req/s; {line}; past capacity: {past} -> "
+          f"{args.out_dir / stem}.json, -cdf.png, -vs-rate.png")
     return 0
 
 
