@@ -95,20 +95,21 @@ class AsyncEngine:
         self.engine.check_request(prompt_token_ids, params)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Yield output deltas until the request finishes. Leaving early aborts it."""
+                       priority: int = 0, prompt_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield output deltas until the request finishes. Leaving early aborts it. `prompt_token_ids`:
+        the prompt already encoded by this engine's tokenizer (checked again, never encoded twice)."""
         self._check_alive()
-        prompt_token_ids = self.encode(prompt)
+        if prompt_token_ids is None:
+            prompt_token_ids = self.encode(prompt)
         self.check_request(prompt_token_ids, params)
         self._check_room()
         if request_id in self._waiters:
             raise EngineError(f"request id {request_id!r} is already in use")
         waiter = _Waiter(asyncio.get_running_loop(), asyncio.Queue())
         self._waiters[request_id] = waiter
-        prompt_arg = prompt if isinstance(prompt, str) else prompt_token_ids
         with self._adds_lock:
             self._num_queued_adds += 1
-        self._commands.append(("add", (request_id, prompt_arg, params, priority, time.monotonic())))
+        self._commands.append(("add", (request_id, prompt, params, priority, time.monotonic(), prompt_token_ids)))
         self._wake.set()
         finished = False
         try:

@@ -114,12 +114,16 @@ class LLMEngine:
                 f"{num_prompt + max_tokens} ({num_prompt} in the prompt, {max_tokens} to generate)")
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    priority: int = 0, arrival_time: float | None = None) -> None:
+                    priority: int = 0, arrival_time: float | None = None,
+                    prompt_token_ids: list[int] | None = None) -> None:
+        """`prompt_token_ids`: `prompt` already encoded by this engine's tokenizer (it is checked
+        like any prompt; the text is kept for the output)."""
         if request_id in self.requests:
             raise RequestRejectedError(f"request id {request_id!r} is already in use")
         if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) > MAX_PRIORITY:
             raise RequestRejectedError(f"priority must be an integer in [-2**31, 2**31], got {priority!r}")
-        prompt_token_ids = self.encode(prompt)
+        if prompt_token_ids is None:
+            prompt_token_ids = self.encode(prompt)
         self.check_request(prompt_token_ids, params)
         now = time.monotonic() if arrival_time is None else arrival_time
         seq = Sequence(request_id, prompt_token_ids, params, priority=priority, arrival_time=now,

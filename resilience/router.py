@@ -63,6 +63,10 @@ class GenerateRequest:
     priority: int = 0
     deadline: float | None = None  # on the router's clock: the request's own budget ends (504 after it)
     num_prompt_tokens: int = 0  # for the token bulkhead (prompt + max_tokens)
+    # `prompt` encoded once, by the tokenizer of the served model `encoded_by`: that model's engine
+    # takes the ids as they are; any other model of the ladder encodes `prompt` with its own tokenizer
+    prompt_token_ids: list[int] | None = None
+    encoded_by: str | None = None
     arrival: float | None = None  # on the router's clock (None: when the router sees it)
 
 
@@ -220,7 +224,8 @@ class ModelRouter:
                 self.num_engine_requests[name] += 1
                 if is_retry:
                     self.num_retries[name] += 1
-                stream = progress_deadline(engine.generate(req.prompt, req.params, request_id, req.priority),
+                token_ids = req.prompt_token_ids if req.encoded_by == name else None
+                stream = progress_deadline(engine.generate(req.prompt, req.params, request_id, req.priority, token_ids),
                                            self.config.stall_timeout_s, req.deadline,
                                            first_item_deadline=first_token_deadline if has_next else None,
                                            clock=self.clock, alive_at=lambda: engine.last_progress_time)

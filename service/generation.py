@@ -40,23 +40,28 @@ class Generation:
         self.model = self._resolve(model)
         self.record.model = self.model
         self.prompts: list[str | list[int]] = []
-        self.num_prompt_tokens: list[int] = []  # per prompt, as the asked model tokenizes it
+        self.prompt_token_ids: list[list[int]] = []  # per prompt, encoded once by `encoded_by`'s tokenizer
+        self.num_prompt_tokens: list[int] = []
+        self.encoded_by: str | None = None
         self._last_token: float | None = None
         self._queue_time: float | None = None
         self._seen: set[int] = set()  # prompt indices with an output already
 
     @property
     def engine(self) -> Any:
-        """The asked model's engine for tokenizing and checking; while it is being rebuilt or
-        unloaded, the first engine of its ladder that serves (the router sends the request there)."""
+        return self._encoder()[1]
+
+    def _encoder(self) -> tuple[str, Any]:
+        """(served name, engine) that tokenizes and checks: the asked model's; while it is being rebuilt
+        or unloaded, the first engine of its ladder that serves (the router sends the request there)."""
         engine = self.state.find_engine(self.model)
-        if engine is None:
-            engine = next((e for name in self.state.router.ladder(self.model)
-                           if (e := self.state.engines.get(name)) is not None), None)
-        if engine is None:  # the ladder emptied since _resolve (a recycle or an unload in between)
-            message, code = self.state.health.why_unavailable(self.model)
-            raise UnavailableError(message, code=code)
-        return engine
+        if engine is not None:
+            return self.model, engine
+        for name in self.state.router.ladder(self.model):
+            if (engine := self.state.engines.get(name)) is not None:
+                return name, engine
+        message, code = self.state.health.why_unavailable(self.model)  # the ladder emptied since _resolve
+        raise UnavailableError(message, code=code)
 
     def _timeout_s(self) -> float:
         """--request-timeout, or less when the client asks for less (a positive finite number of seconds)."""
@@ -87,7 +92,9 @@ class Generation:
     async def check_prompts(self, prompts: list[str | list[int]]) -> None:
         """Tokenize and check every prompt in a worker thread (a 4 MiB prompt must not stall the loop);
         a prompt too long for the context is a 400 that says the numbers."""
-        self.num_prompt_tokens = await asyncio.to_thread(self._check_all, prompts)
+        self.encoded_by, engine = self._encoder()
+        self.prompt_token_ids = await asyncio.to_thread(self._check_all, engine, prompts)
+        self.num_prompt_tokens = [len(ids) for ids in self.prompt_token_ids]
         self.prompts = prompts
         if self.params.max_tokens is None:  # not asked for (chat): the default, within the context left
             room = self.engine.max_model_len - max(self.num_prompt_tokens)
@@ -101,13 +108,13 @@ class Generation:
         prompt = await asyncio.to_thread(self.engine.apply_chat_template, messages)
         await self.check_prompts([prompt])
 
-    def _check_all(self, prompts: list[str | list[int]]) -> list[int]:
-        counts = []
+    def _check_all(self, engine: Any, prompts: list[str | list[int]]) -> list[list[int]]:
+        encoded = []
         for prompt in prompts:
-            token_ids = self.engine.encode(prompt)
-            self.engine.check_request(token_ids, self.params)
-            counts.append(len(token_ids))
-        return counts
+            token_ids = engine.encode(prompt)
+            engine.check_request(token_ids, self.params)
+            encoded.append(token_ids)
+        return encoded
 
     def token_text(self, served_model: str) -> Any:
         tokenizer = self.state.find_engine(served_model).tokenizer  # a draining model still streams
@@ -126,9 +133,10 @@ class Generation:
         task = asyncio.current_task()
         self.state.generations.add(task)
         requests = [GenerateRequest(f"{self.id}-{i}", self.model, prompt, self.params, self.priority,
-                                    deadline=self.deadline, num_prompt_tokens=num_tokens,
-                                    arrival=self.record.start + self.record.load_wait_s)
-                    for i, (prompt, num_tokens) in enumerate(zip(self.prompts, self.num_prompt_tokens, strict=True))]
+                                    deadline=self.deadline, num_prompt_tokens=len(token_ids),
+                                    arrival=self.record.start + self.record.load_wait_s,
+                                    prompt_token_ids=token_ids, encoded_by=self.encoded_by)
+                    for i, (prompt, token_ids) in enumerate(zip(self.prompts, self.prompt_token_ids, strict=True))]
         try:
             async for index, routed in merge([self.state.router.generate(r) for r in requests]):
                 self._observe(index, routed)

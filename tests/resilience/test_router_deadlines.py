@@ -39,7 +39,7 @@ class FakeEngine:
     def last_progress_time(self) -> float:
         return self._stalled_since if self.is_stalled else time.monotonic()  # busy: always stepping
 
-    async def generate(self, prompt, params, request_id, priority=0):
+    async def generate(self, prompt, params, request_id, priority=0, prompt_token_ids=None):
         self.request_ids.append(request_id)
         if self.errors:
             raise self.errors.pop(0)
@@ -218,7 +218,7 @@ async def test_no_retry_and_no_failover_once_the_budget_is_spent():
 
 async def test_an_error_after_the_first_output_is_never_retried():
     class FailsMidStream(FakeEngine):
-        async def generate(self, prompt, params, request_id, priority=0):
+        async def generate(self, prompt, params, request_id, priority=0, prompt_token_ids=None):
             self.request_ids.append(request_id)
             yield f"{request_id}:0"
             raise EngineStepError("mid-stream")
