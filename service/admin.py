@@ -15,7 +15,7 @@ from service.completions import read_json
 from service.config import ENGINE_OPTIONS, ConfigError, engine_config, parse_size
 from service.errors import InvalidRequestError, ModelNotFoundError
 from service.keys import CONFIG_KEY, STATE_KEY
-from service.registry import resolve_model_path
+from service.model_files import resolve_model_path
 
 FAULT_FIELDS = {"model", "kind", "seconds", "bytes_per_step", "delay_ms", "marker"}
 LOAD_FIELDS = {"name", "path", "fallback", "quota_bytes", *ENGINE_OPTIONS}

@@ -43,7 +43,8 @@ from service.keys import (
     RouterFactory,
 )
 from service.metrics import Metrics
-from service.registry import ModelRegistry, on_demand_middleware
+from service.on_demand import on_demand_middleware
+from service.registry import ModelRegistry
 from service.router import make_router
 from service.routes import add_routes
 from service.state import ServerState

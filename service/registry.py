@@ -24,24 +24,16 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from aiohttp import web
-
 from engine.config import EngineConfig
-from engine.errors import ModelValidationError
-from engine.loader import ModelFiles, validate_model_dir
 from service.errors import InvalidRequestError, ServiceError
-from service.keys import RECORD_KEY, STATE_KEY
-from service.schemas import parse_json
+from service.model_files import measure
 from service.supervision import release_memory, warm_up
 
 logger = logging.getLogger(__name__)
 
 DRAIN_POLL_S = 0.05
-ON_DEMAND_TIMEOUT_S = 60.0  # with no fallback, a request waits this long for its model to load, then 503
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 class ModelState(enum.StrEnum):
@@ -130,7 +122,7 @@ class ModelRegistry:
         self.num_unloads = 0
         self.num_evictions = 0
         self._lock = asyncio.Lock()
-        self._on_demand: dict[str, asyncio.Task] = {}  # name -> its load, shared by every request waiting
+        self.on_demand_loads: dict[str, asyncio.Task] = {}  # name -> its load, shared by every request waiting
 
     # --- reading -----------------------------------------------------------------------------------
     @property
@@ -321,33 +313,6 @@ class ModelRegistry:
                 await asyncio.to_thread(entry.engine.inner.stop)
                 logger.info("model %s stopped", entry.name)
 
-    async def ensure_loaded(self, name: str, models_dir: Path, options: dict[str, Any], *,
-                            fallback: str | None = None, timeout_s: float = ON_DEMAND_TIMEOUT_S) -> None:
-        """On-demand: load <models_dir>/<name> unless the name is known already (or names no model
-        directory: the request then gets its usual 404). Concurrent requests share one load; each
-        waits up to `timeout_s`, then goes on: `fallback` answers while the load goes on (without
-        one, the request gets 503 model_loading). A load that fails is the request's error."""
-        if name in self.entries or name in self.state.engines or "/" in name or name.startswith("."):
-            return
-        task = self._on_demand.get(name)
-        if task is None:
-            try:
-                files = await asyncio.to_thread(resolve_model_path, name, models_dir)
-            except InvalidRequestError:
-                return
-            weight_bytes = sum(f.stat().st_size for f in files.weight_files)
-            config = EngineConfig(model=str(files.path), **options)
-            task = asyncio.create_task(self.load(name, config, fallback=fallback, estimate_bytes=weight_bytes +
-                                                 (config.kv_cache_memory or 0)), name=f"load-{name}")
-            self._on_demand[name] = task
-            task.add_done_callback(lambda _: self._on_demand.pop(name, None))
-        try:
-            async with asyncio.timeout(timeout_s):
-                await asyncio.shield(task)
-        except TimeoutError:
-            answer = f"model {fallback} answers it" if fallback else "the request gets 503"
-            logger.warning("model %s still loading after %.1f s; %s", name, timeout_s, answer)
-
     def _after_change(self) -> None:
         heartbeat = self.state.heartbeat
         if heartbeat is not None:
@@ -358,67 +323,8 @@ class ModelRegistry:
             self.metrics.observe_model_change(kind, name, seconds, ok)
 
 
-def on_demand_middleware(models_dir: Path, options: dict[str, Any], fallback: str, wait_s: float) -> Callable:
-    """Before a generation names a model that is not loaded but is a directory of `models_dir`,
-    load it (evicting LRU idle models as any load does); the request waits up to `wait_s` (the
-    first-token timeout), then goes on as usual: to the model if it is up, else to `fallback`, whose
-    first-token window starts after the wait (the record's `load_wait_s`)."""
-    @web.middleware
-    async def middleware(request: web.Request, handler: Callable) -> web.StreamResponse:
-        if request.method == "POST" and request.path in GENERATION_PATHS:
-            name = await _asked_model(request)
-            state = request.app[STATE_KEY]
-            if name is not None and state.registry is not None:
-                start = time.monotonic()
-                await state.registry.ensure_loaded(name, models_dir, options, fallback=fallback, timeout_s=wait_s)
-                request[RECORD_KEY].load_wait_s = time.monotonic() - start
-        return await handler(request)
-
-    return middleware
-
-
-async def _asked_model(request: web.Request) -> str | None:
-    raw = await request.read()  # kept by aiohttp: the handler reads the same bytes again
-    try:  # parse_json: depth-bounded and surrogate-free, like the handler's (a RecursionError here was a 500)
-        model = parse_json(raw).get("model")
-    except (InvalidRequestError, AttributeError):
-        return None  # the handler says what is wrong with the body
-    return model if isinstance(model, str) and model else None
-
-
-def measure(engine: Any) -> tuple[int | None, int | None]:
-    """(weight bytes, KV pool bytes) of an AsyncEngine; (None, None) for engines that cannot say."""
-    runner = getattr(getattr(engine, "engine", None), "model_runner", None)
-    if runner is None:
-        return None, None
-    layout = getattr(runner, "layout", None)
-    return int(runner.weight_bytes), (int(layout.total_bytes) if layout is not None else None)
-
-
-def resolve_model_path(raw: Any, models_root: Path) -> ModelFiles:
-    """A model directory confined to `models_root`: absolute or relative to the root, symlinks
-    resolved before the check; then validated. Anything else is a 400 that says why."""
-    if not isinstance(raw, str) or not raw.strip() or "\x00" in raw:  # NUL: os.stat raises ValueError (a 500)
-        raise InvalidRequestError("'path' must be a non-empty string (a directory under the models root)",
-                                  param="path")
-    try:  # OSError: a name too long for the file system, a symlink loop, no permission (was a 500)
-        root = models_root.resolve()
-        path = Path(raw).expanduser()
-        real = (path if path.is_absolute() else root / path).resolve()
-        if not real.is_relative_to(root):
-            raise InvalidRequestError(f"model path {raw!r} is outside the models root {str(root)!r}",
-                                      param="path", code="path_outside_models_root")
-        return validate_model_dir(real)
-    except ModelValidationError as exc:
-        raise InvalidRequestError(f"model path {raw!r}: {exc}", param="path", code="invalid_model") from exc
-    except (OSError, RuntimeError) as exc:
-        raise InvalidRequestError(f"model path {raw[:200]!r} cannot be read: {exc.__class__.__name__}",
-                                  param="path", code="invalid_model") from exc
-
-
 def _inner(engine: Any | None) -> Any | None:
     return engine.inner if isinstance(engine, TrackedEngine) else engine
 
 
-__all__ = ["ModelRegistry", "ModelEntry", "ModelState", "TrackedEngine", "ConflictError", "MemoryBudgetError",
-           "measure", "on_demand_middleware", "resolve_model_path"]
+__all__ = ["ModelRegistry", "ModelEntry", "ModelState", "TrackedEngine", "ConflictError", "MemoryBudgetError"]

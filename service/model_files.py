@@ -1,0 +1,42 @@
+"""What a model directory is and what a loaded model costs: paths confined to the models root,
+validated before anything loads; weights and KV pool measured once an engine holds them."""
+
+from pathlib import Path
+from typing import Any
+
+from engine.errors import ModelValidationError
+from engine.loader import ModelFiles, validate_model_dir
+from service.errors import InvalidRequestError
+
+
+def measure(engine: Any) -> tuple[int | None, int | None]:
+    """(weight bytes, KV pool bytes) of an AsyncEngine; (None, None) for engines that cannot say."""
+    runner = getattr(getattr(engine, "engine", None), "model_runner", None)
+    if runner is None:
+        return None, None
+    layout = getattr(runner, "layout", None)
+    return int(runner.weight_bytes), (int(layout.total_bytes) if layout is not None else None)
+
+
+def resolve_model_path(raw: Any, models_root: Path) -> ModelFiles:
+    """A model directory confined to `models_root`: absolute or relative to the root, symlinks
+    resolved before the check; then validated. Anything else is a 400 that says why."""
+    if not isinstance(raw, str) or not raw.strip() or "\x00" in raw:  # NUL: os.stat raises ValueError (a 500)
+        raise InvalidRequestError("'path' must be a non-empty string (a directory under the models root)",
+                                  param="path")
+    try:  # OSError: a name too long for the file system, a symlink loop, no permission (was a 500)
+        root = models_root.resolve()
+        path = Path(raw).expanduser()
+        real = (path if path.is_absolute() else root / path).resolve()
+        if not real.is_relative_to(root):
+            raise InvalidRequestError(f"model path {raw!r} is outside the models root {str(root)!r}",
+                                      param="path", code="path_outside_models_root")
+        return validate_model_dir(real)
+    except ModelValidationError as exc:
+        raise InvalidRequestError(f"model path {raw!r}: {exc}", param="path", code="invalid_model") from exc
+    except (OSError, RuntimeError) as exc:
+        raise InvalidRequestError(f"model path {raw[:200]!r} cannot be read: {exc.__class__.__name__}",
+                                  param="path", code="invalid_model") from exc
+
+
+__all__ = ["measure", "resolve_model_path"]
