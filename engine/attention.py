@@ -1,12 +1,12 @@
-"""Paged attention behind transformers' AttentionInterface.
+"""Paged attention over the KV block pool, called by the attention modules of engine/models.
 
-The HF model runs unchanged with `attn_implementation="pagedserve"`; each attention layer calls
-`paged_attention` with q/k/v of the new tokens only (after RoPE), packed into one row:
+Each layer calls `paged_attention` with q/k/v of the new tokens only (after RoPE), packed into one
+batch:
 
-    query [1, num_heads, T, head_dim], key/value [1, num_kv_heads, T, head_dim]
+    q [T, num_heads, head_dim], k/v [T, num_kv_heads, head_dim]
     T = num_decodes (one token each, first) + the prefill chunks, back to back
 
-It writes the new K/V into the block pool at `slot_mapping`, then reads each sequence's context
+It writes the new K/V into the layer's pool at `slot_mapping`, then reads each sequence's context
 through its block table: decodes in one padded batch, prefill chunks one by one (SDPA's flash
 kernel with is_causal when the chunk has no cached context before it).
 
@@ -15,17 +15,19 @@ block_size x head_dim contiguous values. On CPU in float32 decode attention read
 place in a small C kernel (engine/cpu_kernel.py). Elsewhere, and wherever that kernel cannot be
 built, the decodes' blocks are gathered into a padded [kv_head, seq, position, head_dim] copy,
 already in the layout SDPA reads, and masked.
+
+Sliding window (Mistral, Qwen's sliding layers): a windowed layer's query at position i sees keys at
+positions (i - window, i], as HF masks it. The model runner builds the window masks once a step, only
+where some query reaches past its window; a windowed layer then uses them (and the torch decode
+path, since the C kernel reads whole contexts), every other layer the plain causal ones.
 """
 
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
 
 from engine.cpu_kernel import DecodeKernel
-
-ATTN_IMPLEMENTATION = "pagedserve"
 
 
 @dataclass
@@ -33,12 +35,14 @@ class PrefillSegment:
     start: int  # rows of the packed batch: [start, end)
     end: int
     context_slots: torch.Tensor | None  # [context_len] slot ids, None when the chunk is the whole context
-    mask: torch.Tensor | None  # [chunk_len, context_len] bool, True = attend
+    mask: torch.Tensor | None  # [chunk_len, context_len] bool, True = attend; None = causal
+    window_mask: torch.Tensor | None = None  # the same for windowed layers; None = the window covers it all
 
 
 @dataclass
 class AttentionMetadata:
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K, V [num_kv_heads, num_slots, head_dim]
+    """What every attention layer of one step reads; the KV pool itself is owned by the layers."""
+
     block_size: int
     slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
     num_decodes: int
@@ -47,54 +51,55 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None  # torch path: [1, num_decodes, 1, max_blocks * block_size], 0 or -inf
     decode_kernel: DecodeKernel | None  # engine.cpu_kernel's, where it runs (CPU, float32)
     prefills: list[PrefillSegment]
+    decode_window_mask: torch.Tensor | None = None  # like decode_mask, for windowed layers past their window
 
 
-def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                    **kwargs) -> tuple[torch.Tensor, None]:
-    meta: AttentionMetadata = kwargs["paged_metadata"]
-    k_cache, v_cache = meta.kv_caches[module.layer_idx]
-    q, k, v = query[0], key[0], value[0]  # [H, T, D], [KVH, T, D]
-    k_cache.index_copy_(1, meta.slot_mapping, k)
-    v_cache.index_copy_(1, meta.slot_mapping, v)
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    is_windowed: bool = False) -> torch.Tensor:
+    """Write k/v [T, KVH, D] into the caches, attend q [T, H, D]; returns [T, H, D]."""
+    k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+    v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
     out = torch.empty_like(q)
-    if meta.num_decodes:
-        out[:, :meta.num_decodes] = _decode(q[:, :meta.num_decodes], k_cache, v_cache, meta, scaling)
+    num_decodes = meta.num_decodes
+    if num_decodes:
+        window_mask = meta.decode_window_mask if is_windowed else None
+        out[:num_decodes] = _decode(q[:num_decodes], k_cache, v_cache, meta, scale, window_mask)
     for seg in meta.prefills:
-        out[:, seg.start:seg.end] = _prefill(q, k, v, k_cache, v_cache, seg, scaling)
-    return out.transpose(0, 1).unsqueeze(0), None  # [1, T, H, D]
+        mask = seg.window_mask if is_windowed and seg.window_mask is not None else seg.mask
+        out[seg.start:seg.end] = _prefill(q, k, v, k_cache, v_cache, seg, mask, scale)
+    return out
 
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-            scaling: float | None) -> torch.Tensor:
-    num_heads, num_decodes, head_dim = q.shape
-    scale = head_dim**-0.5 if scaling is None else scaling
-    if meta.decode_kernel is not None:  # reads the blocks in place
-        out = meta.decode_kernel(q.transpose(0, 1), k_cache, v_cache, meta.decode_tables, meta.decode_lens,
-                                 meta.block_size, scale)
-        return out.transpose(0, 1)
+            scale: float, window_mask: torch.Tensor | None) -> torch.Tensor:
+    """q [B, H, D] -> [B, H, D]."""
+    if meta.decode_kernel is not None and window_mask is None:  # reads the blocks in place
+        return meta.decode_kernel(q, k_cache, v_cache, meta.decode_tables, meta.decode_lens, meta.block_size, scale)
+    num_decodes, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[0]
-    groups = num_heads // num_kv_heads
     block_ids = meta.decode_tables.flatten()
     keys, values = (_gather(c, block_ids, meta.block_size).view(num_kv_heads, num_decodes, -1, head_dim)
                     for c in (k_cache, v_cache))  # [KVH, B, max_blocks * block_size, D]
     # one query token: the query heads of a KV group become the "sequence" axis (no K/V repeat)
-    q = q.view(num_kv_heads, groups, num_decodes, head_dim).transpose(1, 2)  # [KVH, B, groups, D]
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=meta.decode_mask, scale=scale)
-    return out.transpose(1, 2).reshape(num_heads, num_decodes, head_dim)
+    q = q.view(num_decodes, num_kv_heads, -1, head_dim).transpose(0, 1)  # [KVH, B, groups, D]
+    mask = window_mask if window_mask is not None else meta.decode_mask
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    return out.transpose(0, 1).reshape(num_decodes, num_heads, head_dim)
 
 
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             seg: PrefillSegment, scaling: float | None) -> torch.Tensor:
-    qs = q[:, seg.start:seg.end]  # [H, L, D]
+             seg: PrefillSegment, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """One chunk: rows [seg.start, seg.end) of q [T, H, D] -> [L, H, D]."""
+    qs = q[seg.start:seg.end].transpose(0, 1)  # [H, L, D]
     if seg.context_slots is None:
-        ks, vs = k[:, seg.start:seg.end], v[:, seg.start:seg.end]
+        ks, vs = k[seg.start:seg.end].transpose(0, 1), v[seg.start:seg.end].transpose(0, 1)
     else:
         ks, vs = _gather(k_cache, seg.context_slots, 1), _gather(v_cache, seg.context_slots, 1)
     ks, vs = _repeat_kv(ks, qs.shape[0]), _repeat_kv(vs, qs.shape[0])
-    out = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], attn_mask=seg.mask,
-                                         is_causal=seg.mask is None, scale=scaling)
-    return out[0]  # [H, L, D]
+    out = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], attn_mask=mask, is_causal=mask is None,
+                                         scale=scale)
+    return out[0].transpose(0, 1)
 
 
 def _gather(cache: torch.Tensor, ids: torch.Tensor, rows_per_id: int) -> torch.Tensor:
@@ -114,6 +119,3 @@ def _repeat_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
     if groups == 1:
         return x
     return x[:, None].expand(x.shape[0], groups, *x.shape[1:]).reshape(num_heads, *x.shape[1:])
-
-
-AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)

@@ -6,20 +6,19 @@ import os
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM
 
 from engine import cpu_kernel
-from engine.attention import ATTN_IMPLEMENTATION, AttentionMetadata, PrefillSegment
+from engine.attention import AttentionMetadata, PrefillSegment
 from engine.block_manager import BlockCopies
 from engine.config import EngineConfig, KVCacheLayout
 from engine.loader import ModelFiles
+from engine.models import load_model
 from engine.sampler import Sampler, SampleRow
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.sequence import SampledToken
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 GiB = 1 << 30
 CPU_TOKENS_PER_SEQ = 256  # the default CPU KV pool holds max_num_seqs sequences this long
@@ -61,25 +60,23 @@ class _Batch:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, files: ModelFiles) -> None:
-        if files.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"{files.path}: architecture {files.architecture} is not supported; "
-                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, files.config, self.device)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            files.path, dtype=self.dtype, attn_implementation=ATTN_IMPLEMENTATION, local_files_only=True,
-            use_safetensors=True, trust_remote_code=False).to(self.device).eval()
+        self.model = load_model(files, self.dtype, self.device)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.layout = self._plan_kv(files.config)
         self.kv_caches = self._allocate(self.layout.num_blocks)
         self.swap_caches = self._allocate(self.layout.num_swap_blocks, host=True)
+        self.model.bind_kv_caches(self.kv_caches)
         self.sampler = Sampler()
         # decode attention straight from the block pool in C where it runs, else gather + SDPA in torch
         on_cpu_fp32 = self.device.type == "cpu" and self.dtype == torch.float32
         self.decode_kernel = cpu_kernel.load(torch.get_num_threads()) if on_cpu_fp32 else None
+        # keys a windowed layer sees (itself included); every windowed layer of a model shares it
+        self.sliding_window = next((w for w in self.model.args.sliding_windows if w is not None), None)
         logger.info("loaded %s (%s, %s): %.1f MiB weights, %d KV blocks of %d tokens (%.1f MiB), max_model_len %d",
                     files.path.name, self.device, self.dtype, self.weight_bytes / 2**20, self.layout.num_blocks,
                     self.layout.block_size, self.layout.total_bytes / 2**20, self.layout.max_model_len)
@@ -92,8 +89,6 @@ class ModelRunner:
         if block_size == "auto":
             block_size = 8 if device_memory(self.device) < 16 * GiB else 16
         max_model_len = cfg.max_position_embeddings
-        if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
-            max_model_len = min(max_model_len, cfg.sliding_window)  # attention past the window is not masked
         max_model_len = min(self.config.max_model_len or max_model_len, max_model_len)
         dtype_bytes = torch.tensor([], dtype=self.dtype).element_size()
         per_block = 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * head_dim * dtype_bytes
@@ -156,11 +151,10 @@ class ModelRunner:
         if output.is_empty:
             return {}
         batch = self._prepare(output.scheduled)
-        hidden = self.model.model(input_ids=batch.input_ids[None], position_ids=batch.positions[None],
-                                  use_cache=False, paged_metadata=batch.metadata).last_hidden_state
+        hidden = self.model(batch.input_ids, batch.positions, batch.metadata)
         if not batch.rows:
             return {}
-        logits = self.model.lm_head(hidden[0, batch.sample_indices]).float()
+        logits = self.model.compute_logits(hidden[batch.sample_indices]).float()
         return self.sampler(logits, batch.rows)
 
     def _prepare(self, scheduled: list[ScheduledSeq]) -> _Batch:
@@ -181,9 +175,10 @@ class ModelRunner:
                 sample_at.append(len(ids) - 1)
                 rows.append(SampleRow(seq, item.num_samples))
         dev = self.device
-        meta = AttentionMetadata(self.kv_caches, bs, torch.tensor(slots, dtype=torch.long, device=dev), len(decodes),
-                                 *self._decode_context(decodes), self.decode_kernel,
-                                 [self._segment(r0, r1, item) for r0, r1, item in segments])
+        tables, lengths, mask, window_mask = self._decode_context(decodes)
+        meta = AttentionMetadata(bs, torch.tensor(slots, dtype=torch.long, device=dev), len(decodes), tables, lengths,
+                                 mask, self.decode_kernel, [self._segment(r0, r1, item) for r0, r1, item in segments],
+                                 window_mask)
         return _Batch(torch.tensor(ids, dtype=torch.long, device=dev),
                       torch.tensor(positions, dtype=torch.long, device=dev), meta,
                       torch.tensor(sample_at, dtype=torch.long, device=dev), rows)
@@ -192,24 +187,36 @@ class ModelRunner:
         return self._block_slots(block_table[:math.ceil(length / self.layout.block_size)], self.device)[:length]
 
     def _decode_context(self, decodes: list[ScheduledSeq]) -> tuple:
-        """(block tables padded with block 0, context lengths, the torch path's additive mask) of the decodes."""
+        """(block tables padded with block 0, context lengths, the torch path's additive mask, the mask of
+        windowed layers when a decode reaches past the window) of the decodes."""
         if not decodes:
-            return None, None, None
-        bs, dev = self.layout.block_size, self.device
+            return None, None, None, None
+        bs, dev, window = self.layout.block_size, self.device, self.sliding_window
         max_blocks = max(len(d.seq.block_table) for d in decodes)
         tables = torch.tensor([d.seq.block_table + [0] * (max_blocks - len(d.seq.block_table)) for d in decodes],
                               dtype=torch.long, device=dev)
         lengths = torch.tensor([d.start + 1 for d in decodes], dtype=torch.long, device=dev)
-        if self.decode_kernel is not None:
-            return tables, lengths, None
-        padding = torch.arange(max_blocks * bs, device=dev)[None, :] >= lengths[:, None]
-        mask = torch.zeros(padding.shape, dtype=self.dtype, device=dev).masked_fill_(padding, float("-inf"))
-        return tables, lengths, mask[None, :, None, :]
+        key_pos, lens = torch.arange(max_blocks * bs, device=dev)[None, :], lengths[:, None]
+        mask = None if self.decode_kernel is not None else self._additive(key_pos >= lens)
+        needs_window = window is not None and max(d.start + 1 for d in decodes) > window
+        # the query sits at lens - 1 and sees keys (lens - 1 - window, lens - 1]
+        window_mask = self._additive((key_pos >= lens) | (key_pos < lens - window)) if needs_window else None
+        return tables, lengths, mask, window_mask
+
+    def _additive(self, masked: torch.Tensor) -> torch.Tensor:
+        """[num_decodes, num_keys] bool, True = hidden -> [1, num_decodes, 1, num_keys] 0 or -inf."""
+        mask = torch.zeros(masked.shape, dtype=self.dtype, device=self.device).masked_fill_(masked, float("-inf"))
+        return mask[None, :, None, :]
 
     def _segment(self, row_start: int, row_end: int, item: ScheduledSeq) -> PrefillSegment:
-        if item.start == 0:
+        start, context_len, window = item.start, item.start + item.num_new_tokens, self.sliding_window
+        needs_window = window is not None and context_len > window
+        if start == 0 and not needs_window:
             return PrefillSegment(row_start, row_end, None, None)
-        context_len = item.start + item.num_new_tokens
-        q_pos = torch.arange(item.start, context_len, device=self.device)
-        mask = torch.arange(context_len, device=self.device)[None, :] <= q_pos[:, None]
-        return PrefillSegment(row_start, row_end, self._context_slots(item.seq.block_table, context_len), mask)
+        q_pos = torch.arange(start, context_len, device=self.device)[:, None]
+        key_pos = torch.arange(context_len, device=self.device)[None, :]
+        causal = key_pos <= q_pos
+        return PrefillSegment(row_start, row_end,
+                              None if start == 0 else self._context_slots(item.seq.block_table, context_len),
+                              None if start == 0 else causal,
+                              causal & (key_pos > q_pos - window) if needs_window else None)

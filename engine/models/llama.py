@@ -1,0 +1,240 @@
+"""The Llama-family decoder (Llama, Qwen2, Qwen3, Mistral) in one file, its differences as flags
+read from the HF config:
+
+    family    q/k/v bias                 q/k RMSNorm   sliding window
+    llama     attention_bias (o too)     no            no
+    qwen2     always (o never)           no            layers marked "sliding_attention"
+    qwen3     attention_bias (o too)     per head      layers marked "sliding_attention"
+    mistral   no                         no            every layer, when sliding_window is set
+
+Weights keep HF's checkpoint names on disk; q/k/v and gate/up are fused into one matrix each at load,
+so a layer runs four GEMMs (qkv, o, gate_up, down) instead of seven. The arithmetic follows HF's
+modules op for op (RMSNorm in float32, RoPE as q*cos + rotate_half(q)*sin in halves), so float32
+greedy tokens match HF `generate`. A step is one packed batch of T tokens, no batch axis.
+"""
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from engine.attention import AttentionMetadata, paged_attention
+
+# HF projection name -> (our fused module, its part); parts stack along the output rows in this order
+FUSED_PARTS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+# dynamic and longrope change their frequencies with the sequence length, which a paged cache written
+# at earlier lengths cannot follow
+STATIC_ROPE_TYPES = ("default", *(t for t in ROPE_INIT_FUNCTIONS if t not in ("dynamic", "longrope")))
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    sliding_windows: tuple[int | None, ...]  # per layer: keys visible to a query, itself included
+
+    @classmethod
+    def from_hf(cls, config: PretrainedConfig) -> "LlamaArgs":
+        if config.hidden_act != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; the Llama family uses 'silu'")
+        family = config.model_type
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        return cls(
+            config.vocab_size, config.hidden_size, config.intermediate_size, config.num_hidden_layers,
+            config.num_attention_heads, config.num_key_value_heads,
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+            config.rms_norm_eps, qkv_bias=attention_bias or family == "qwen2",
+            o_bias=attention_bias and family != "qwen2", mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            qk_norm=family == "qwen3", tie_word_embeddings=bool(config.tie_word_embeddings),
+            sliding_windows=_sliding_windows(config))
+
+
+def _sliding_windows(config: PretrainedConfig) -> tuple[int | None, ...]:
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if config.model_type == "llama" or window is None:
+        return (None,) * config.num_hidden_layers
+    if layer_types is None:  # Mistral: every layer
+        return (window,) * config.num_hidden_layers
+    return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+
+
+def rope_frequencies(config: PretrainedConfig, head_dim: int, device: torch.device) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim / 2] float32, the cos/sin scale), as HF's rotary embedding computes them."""
+    rope = config.rope_parameters
+    if rope["rope_type"] not in STATIC_ROPE_TYPES:
+        raise ValueError(f"rope_type {rope['rope_type']!r} is not supported; supported: {STATIC_ROPE_TYPES}")
+    if rope["rope_type"] != "default":
+        inv_freq, scale = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, device)
+        return inv_freq.float(), scale
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim
+    return 1.0 / (rope["rope_theta"] ** exponents), 1.0
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D]; cos/sin [T, 1, D/2]. HF's x*cat(cos,cos) + rotate_half(x)*cat(sin,sin), by halves."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op, bit-identical to HF's three
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # HF normalizes in float32, rounds, then scales in the weights' dtype
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """q/k/v in one GEMM, RoPE, paged attention over this layer's own views of the KV pool, o_proj."""
+
+    def __init__(self, args: LlamaArgs, layer_idx: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        q_size, kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+        self.sizes = [q_size, kv_size, kv_size]
+        self.qkv_proj = nn.Linear(args.hidden_size, q_size + 2 * kv_size, bias=args.qkv_bias, dtype=dtype)
+        self.o_proj = nn.Linear(q_size, args.hidden_size, bias=args.o_bias, dtype=dtype)
+        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps, dtype) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, dtype) if args.qk_norm else None
+        self.scale = args.head_dim**-0.5
+        self.sliding_window = args.sliding_windows[layer_idx]
+        self.k_cache: torch.Tensor | None = None  # [num_kv_heads, num_slots, head_dim], set by bind_kv_caches
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window is not None)
+        return self.o_proj(out.view(num_tokens, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: LlamaArgs, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias, dtype=dtype)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: LlamaArgs, layer_idx: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        self.self_attn = Attention(args, layer_idx, dtype)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        self.mlp = MLP(args, dtype)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """`forward(input_ids [T], positions [T], meta)` -> final hidden states [T, hidden];
+    `compute_logits` runs the LM head only on the rows that are sampled."""
+
+    def __init__(self, config: PretrainedConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.config = config
+        self.args = args = LlamaArgs.from_hf(config)
+        with torch.device("meta"):  # every parameter comes from the checkpoint: no random init
+            self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype)
+            self.layers = nn.ModuleList(DecoderLayer(args, i, dtype) for i in range(args.num_layers))
+            self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+            self.lm_head = None if args.tie_word_embeddings else nn.Linear(
+                args.hidden_size, args.vocab_size, bias=False, dtype=dtype)
+        self.to_empty(device=device).requires_grad_(False)
+        self.inv_freq, self.rope_scale = rope_frequencies(config, args.head_dim, device)
+
+    def bind_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Hand each attention layer its (K, V) pool views; copies between pools happen in place."""
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            layer.self_attn.k_cache, layer.self_attn.v_cache = k_cache, v_cache
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        freqs = positions[:, None].float() * self.inv_freq  # [T, D/2], float32 as HF computes it
+        cos = (freqs.cos() * self.rope_scale).to(x.dtype)[:, None]
+        sin = (freqs.sin() * self.rope_scale).to(x.dtype)[:, None]
+        for layer in self.layers:
+            x = layer(x, cos, sin, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(hidden, head.weight)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in (cast to our dtype), q/k/v and gate/up into their fused rows.
+        Unknown names, wrong shapes and missing weights raise, naming the tensor."""
+        params = dict(self.named_parameters())
+        missing = {(name, part) for name, p in params.items() for part in range(self._num_parts(name))}
+        for hf_name, tensor in weights:
+            if hf_name.endswith("rotary_emb.inv_freq") or (hf_name == "lm_head.weight" and self.lm_head is None):
+                continue  # recomputed / tied to the embedding
+            name, part = self._our_name(hf_name)
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {hf_name} has no place in {type(self).__name__}")
+            target = self._part_rows(params[name], name, part)
+            if target.shape != tensor.shape:
+                raise ValueError(f"checkpoint tensor {hf_name}: shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(target.shape)}")
+            target.copy_(tensor)
+            missing.discard((name, part))
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+    @staticmethod
+    def _our_name(hf_name: str) -> tuple[str, int]:
+        *prefix, module, leaf = hf_name.removeprefix("model.").split(".")
+        if module in FUSED_PARTS:
+            fused, part = FUSED_PARTS[module]
+            return ".".join([*prefix, fused, leaf]), part
+        return ".".join([*prefix, module, leaf]), 0
+
+    def _part_sizes(self, name: str) -> list[int]:
+        if ".qkv_proj." in name:
+            a = self.args
+            return [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim]
+        if ".gate_up_proj." in name:
+            return [self.args.intermediate_size] * 2
+        return []
+
+    def _num_parts(self, name: str) -> int:
+        return len(self._part_sizes(name)) or 1
+
+    def _part_rows(self, param: torch.Tensor, name: str, part: int) -> torch.Tensor:
+        sizes = self._part_sizes(name)
+        return param.split(sizes)[part] if sizes else param
