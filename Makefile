@@ -73,9 +73,12 @@ P99_E2E_MS ?= 15000
 # request at a time; its capacity with 64 requests always in flight), then sends Poisson arrivals at
 # LOAD_FRACTION of that capacity for 60 s and fails unless: no errors (refusals and unfinished requests
 # included), p99 TTFT under the first-token deadline, p99 end-to-end within E2E_MULTIPLE x the unloaded p99.
+# Why 10: every decode step serves all running requests, and on a CPU a step costs about its batch size, so
+# a request stretches by about the number in flight; at half of capacity that is under 7 for 99% of the time
+# (Poisson arrivals: P(n or more) = 0.5^n). Measured on the busy 2-core box: 7.8x (shipped model, load ~7).
 LOAD_FRACTION ?= 0.5
 FIRST_TOKEN_DEADLINE_MS ?= 10000
-E2E_MULTIPLE ?= 4
+E2E_MULTIPLE ?= 10
 
 loadtest: $(STAMP)
 	$(PY) -m loadtests.run --host $(HOST) --open-loop --rate-fraction $(LOAD_FRACTION) --duration 60s \

@@ -4,7 +4,7 @@
         --p99-ttft-ms 2000 --p99-e2e-ms 10000 --max-error-rate 0
     python -m loadtests.run --host URL --shape step --duration 120s ...     # 16 -> 32 -> 64 -> 96 users
     python -m loadtests.run --host URL --open-loop --rate-fraction 0.5 --duration 60s \\
-        --p99-ttft-ms 10000 --p99-e2e-multiple 4 --max-error-rate 0     # calibrated open loop
+        --p99-ttft-ms 10000 --p99-e2e-multiple 10 --max-error-rate 0    # calibrated open loop (make loadtest)
 
 Locust runs as its own process (importing it monkey-patches ssl through gevent). Its CSV files and HTML
 report, and the summary JSON the locustfile writes from Locust's final stats when it quits, go to

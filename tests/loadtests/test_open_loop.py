@@ -78,7 +78,7 @@ def test_make_loadtest_gates_hold_on_a_real_server(tmp_path):
         start_and_wait([server])
         cmd = run_command(server.url, tmp_path / "runs", "--rate-fraction", "0.5", "--duration", "30s",
                           "--calibrate-duration", "30s", "--calibrate-concurrency", "32", "--unloaded-duration", "20s",
-                          "--p99-ttft-ms", "10000", "--p99-e2e-multiple", "4", "--max-error-rate", "0")
+                          "--p99-ttft-ms", "10000", "--p99-e2e-multiple", "10", "--max-error-rate", "0")
         done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     finally:
         reaper.stop_all()
