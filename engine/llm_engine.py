@@ -20,6 +20,7 @@ from engine.sampling_params import MAX_PRIORITY, SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from engine.sequence import SampledToken, Sequence, SequenceStatus
 from engine.stats import ITERATION_TOKEN_BUCKETS, CacheInfo, Distribution, EngineStats, PhaseTimes
+from engine.structured import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ class LLMEngine:
         self.scheduler.make_detokenizer = self._detokenizer
         self.eos_token_ids = _eos_token_ids(self.model_runner.model, self.tokenizer)
         self.vocab_size = self.model_runner.model.config.vocab_size
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.requests: dict[str, _Request] = {}
         self._rng = random.Random(config.seed)
         self.num_steps = self.num_prompt_tokens = self.num_generation_tokens = 0
@@ -112,6 +114,8 @@ class LLMEngine:
             raise RequestRejectedError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the request asks for "
                 f"{num_prompt + max_tokens} ({num_prompt} in the prompt, {max_tokens} to generate)")
+        if params.structured_outputs is not None:  # last, the costly one; cached, so add_request finds it ready
+            self.grammars.check(params.structured_outputs)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     priority: int = 0, arrival_time: float | None = None,
@@ -130,6 +134,8 @@ class LLMEngine:
                        eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
                        sampling_seed=params.seed if params.seed is not None else self._rng.getrandbits(62))
         seq.detokenizer = self._detokenizer(seq)
+        if params.structured_outputs is not None:
+            seq.grammar = self.grammars.start(params.structured_outputs)
         self.scheduler.add_seq(seq)
         self.num_prompt_tokens += len(prompt_token_ids)
         self.requests[request_id] = _Request(request_id, prompt if isinstance(prompt, str) else None,

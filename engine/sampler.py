@@ -1,4 +1,5 @@
-"""Turn logits into tokens: penalties, temperature, top-k / top-p / min-p, seeded sampling, logprobs.
+"""Turn logits into tokens: penalties, structured-output masks, temperature, top-k / top-p / min-p,
+seeded sampling, logprobs.
 
 Each sample draws from its own generator seeded by (sampling seed, choice index, position), so a
 seeded request gives the same tokens whatever else shares its batch.
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.sequence import SampledToken, Sequence
+from engine.structured import apply_masks
 
 
 @dataclass
@@ -22,7 +24,7 @@ class Sampler:
         """logits: [num_rows, vocab] (float32). Returns seq_id -> its sampled tokens."""
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(r.seq.params.logprobs is not None
                                                                  for r in rows) else None
-        logits = self._apply_penalties(logits.clone(), rows)
+        logits = self._apply_grammars(self._apply_penalties(logits.clone(), rows), logits, rows)
         probs = self._probabilities(logits, rows)
         sampled = {}
         for i, row in enumerate(rows):
@@ -57,6 +59,14 @@ class Sampler:
                 banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(seq.eos_token_ids))
                 if banned:
                     logits[i, torch.tensor(banned, device=logits.device)] = float("-inf")
+        return logits
+
+    @staticmethod
+    def _apply_grammars(logits: torch.Tensor, raw: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """Constrained rows only: a batch without one pays nothing."""
+        constrained = [i for i, r in enumerate(rows) if r.seq.grammar is not None]
+        if constrained:
+            apply_masks(logits, raw, constrained, [rows[i].seq.grammar for i in constrained])
         return logits
 
     def _probabilities(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor | None:

@@ -4,6 +4,7 @@ They validate themselves, so the offline API is as safe as HTTP: every number th
 scheduler relies on is checked for type, range and finiteness here (token ids against the
 vocabulary are the engine's check: only it knows the vocabulary)."""
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -16,6 +17,69 @@ MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI
 MAX_PRIORITY = 2**31  # |priority|: the scheduler sorts on it as a float
+MAX_STRUCTURED_CHARS = 32768  # a schema, regex or grammar (or all choices): compiled per request, cached by text
+MAX_NUM_CHOICES = 256
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """A constraint on the output text, vLLM's `StructuredOutputsParams` names; exactly one is set.
+    `json` is a JSON schema, kept as JSON text (a dict is serialized, key order kept: properties are
+    generated in it) so a constraint hashes: the engine caches compiled grammars by it. `grammar` is Lark (llguidance's dialect) or GBNF."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):
+            object.__setattr__(self, "json", json.dumps(self.json, separators=(",", ":")))
+        if isinstance(self.choice, list):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        self._validate()
+
+    def _validate(self) -> None:
+        kinds = [self.json is not None, self.regex is not None, self.choice is not None, self.grammar is not None,
+                 self.json_object is True]
+        if sum(kinds) != 1 or not isinstance(self.json_object, bool):
+            raise ValueError("structured_outputs must set exactly one of json, regex, choice, grammar, json_object")
+        if self.json is not None:
+            _check_schema(self.json)
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value):
+                raise ValueError(f"structured_outputs {name} must be a non-empty string")
+        if self.choice is not None and not (isinstance(self.choice, tuple) and 0 < len(self.choice) <= MAX_NUM_CHOICES
+                                            and all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError(f"structured_outputs choice must be a list of 1 to {MAX_NUM_CHOICES} non-empty strings")
+        if self.size > MAX_STRUCTURED_CHARS:
+            raise ValueError(f"structured_outputs must be at most {MAX_STRUCTURED_CHARS} characters, got {self.size}")
+
+    @property
+    def kind(self) -> str:
+        if self.json_object:
+            return "json_object"
+        return next(k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None)
+
+    @property
+    def size(self) -> int:
+        """Characters of the constraint: what compiling it costs grows with this."""
+        value = self.json or self.regex or self.grammar or ""
+        return len(value) + sum(len(c) + 3 for c in self.choice or ())
+
+
+def _check_schema(text: object) -> None:
+    if not isinstance(text, str) or len(text) > MAX_STRUCTURED_CHARS:
+        raise ValueError(f"structured_outputs json must be a JSON schema (an object) of at most "
+                         f"{MAX_STRUCTURED_CHARS} characters")
+    try:
+        schema = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"structured_outputs json is not valid JSON: {exc}") from None
+    if not isinstance(schema, dict):
+        raise ValueError("structured_outputs json must be a JSON schema (an object)")
 
 
 @dataclass
@@ -37,6 +101,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per sampled token, plus the sampled one
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, in [-100, 100]
+    structured_outputs: StructuredOutputs | None = None  # the output must match it (engine/structured.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -99,6 +164,8 @@ class SamplingParams:
         if not all(isinstance(b, int | float) and not isinstance(b, bool) and math.isfinite(b)
                    for b in self.logit_bias.values()):
             raise ValueError("logit_bias values must be finite numbers")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            raise ValueError("structured_outputs must be a StructuredOutputs")
 
     @property
     def is_greedy(self) -> bool:

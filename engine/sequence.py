@@ -44,6 +44,18 @@ class Detokenizer(Protocol):
         """Decode one more token; return the stop string it completed, if any."""
 
 
+class Grammar(Protocol):
+    """A structured-output constraint's state (engine/structured.py); it has consumed exactly the
+    sequence's output tokens, so preemption (which keeps them) leaves it right."""
+
+    def accept(self, token_id: int) -> None: ...
+
+    @property
+    def is_finished(self) -> bool: ...
+
+    def fork(self) -> "Grammar": ...
+
+
 @dataclass
 class SampledToken:
     token_id: int
@@ -64,6 +76,7 @@ class Sequence:
     eos_token_ids: frozenset[int] = frozenset()
     max_model_len: int | None = None
     detokenizer: Detokenizer | None = None
+    grammar: Grammar | None = None  # params.structured_outputs, compiled: the sampler masks this row by it
     sampling_seed: int = 0  # params.seed, or drawn by the engine: samples depend on it, not on the batch
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     status: SequenceStatus = SequenceStatus.WAITING
@@ -138,6 +151,8 @@ class Sequence:
         if token.logprobs is not None:
             self.output_logprobs.append(token.logprobs)
         stop_string = self.detokenizer.add_token(token.token_id) if self.detokenizer else None
+        if self.grammar is not None:
+            self.grammar.accept(token.token_id)
         self._check_stop(token.token_id, stop_string)
 
     def _check_stop(self, token_id: int, stop_string: str | None) -> None:
@@ -149,6 +164,8 @@ class Sequence:
                 return self._finish(SequenceStatus.FINISHED_STOPPED, token_id)
             if token_id in self.eos_token_ids and not params.ignore_eos:
                 return self._finish(SequenceStatus.FINISHED_STOPPED, None)
+        if self.grammar is not None and self.grammar.is_finished:  # nothing may follow, whatever min_tokens says
+            return self._finish(SequenceStatus.FINISHED_STOPPED, None)
         if self.num_output_tokens >= self.max_tokens:
             self._finish(SequenceStatus.FINISHED_LENGTH, None)
 
@@ -162,7 +179,7 @@ class Sequence:
             request_id=self.request_id, prompt_token_ids=self.prompt_token_ids, params=self.params,
             index=index, priority=self.priority, arrival_time=self.arrival_time,
             eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
-            sampling_seed=self.sampling_seed, status=self.status, num_computed_tokens=self.num_computed_tokens,
+            grammar=self.grammar.fork() if self.grammar is not None else None, sampling_seed=self.sampling_seed, status=self.status, num_computed_tokens=self.num_computed_tokens,
             num_cached_tokens=self.num_cached_tokens, block_hashes=list(self.block_hashes), is_forked=True,
             first_scheduled_time=self.first_scheduled_time,
         )

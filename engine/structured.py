@@ -1,0 +1,192 @@
+"""Structured output: a request's constraint compiled to a grammar, one matcher per sequence, and the
+token mask the sampler lays over constrained rows.
+
+llguidance does the grammar work (why it and not xgrammar: no dependencies where xgrammar pulls triton
+and tvm-ffi into a CPU install; grammars built lazily, per step, under fuel limits, where xgrammar
+compiles the whole grammar up front; Lark and GBNF grammars; errors are matcher state, not crashes).
+Its fuel limits do not bound everything (an allOf of 30 patterns builds regex intersections for
+minutes), so a compile runs in a daemon thread (llguidance drops the GIL) and is given up after
+`timeout_s`: the request is refused, the thread is left to finish on its own, and at most
+MAX_PENDING compiles run at once."""
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+
+import llguidance
+import llguidance.hf
+import torch
+from llguidance.gbnf_to_lark import any_to_lark
+
+from engine.errors import EngineOverloadedError, RequestRejectedError
+from engine.sampling_params import StructuredOutputs
+
+logger = logging.getLogger(__name__)
+
+COMPILE_TIMEOUT_S = 5.0  # llguidance: "100-1000 ms for extremely complex grammars"
+MAX_PENDING = 4  # compiles running at once (a timed-out one keeps a core until it ends by itself)
+MAX_CACHED = 256  # compiled constraints kept per engine, least recently used dropped
+MAX_ERROR_CHARS = 400
+# compact JSON: a small model given free whitespace may emit newlines until max_tokens
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+class StructuredOutputError(RequestRejectedError):
+    """The constraint cannot be compiled (bad schema, regex or grammar, or too costly): a 400."""
+
+
+def to_grammar(spec: StructuredOutputs) -> str:
+    """The llguidance grammar text for one constraint."""
+    match spec.kind:
+        case "json":
+            return llguidance.LLMatcher.grammar_from_json_schema(spec.json, defaults=JSON_OPTIONS)
+        case "json_object":
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+        case "regex":
+            return llguidance.LLMatcher.grammar_from_regex(spec.regex)
+        case "choice":  # JSON string literals are Lark string literals
+            return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.choice))
+    grammar = any_to_lark(spec.grammar) if "::=" in spec.grammar else spec.grammar  # GBNF, as vLLM's xgrammar
+    return llguidance.LLMatcher.grammar_from_lark(grammar)
+
+
+class Grammar:
+    """One sequence's matcher: it has consumed exactly the sequence's output tokens."""
+
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self.matcher = matcher
+
+    def accept(self, token_id: int) -> None:
+        if not self.matcher.consume_token(token_id):  # the mask allowed it, so this is a bug, not the request's
+            raise RuntimeError(f"the grammar refused token {token_id}: {self.matcher.get_error()[:MAX_ERROR_CHARS]}")
+
+    @property
+    def is_finished(self) -> bool:
+        """Nothing more can follow (a closed JSON object, the end of a choice): the sequence stops."""
+        return self.matcher.is_stopped()
+
+    def fork(self) -> "Grammar":
+        return Grammar(self.matcher.deep_copy())
+
+    def fill_mask(self, row: torch.Tensor) -> None:
+        """row: [ceil(vocab / 32)] int32, one bit per token allowed next."""
+        self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+        if self.matcher.is_error():  # a step over llguidance's per-step fuel
+            raise StructuredOutputError(f"structured output: {self.matcher.get_error()[:MAX_ERROR_CHARS]}")
+
+
+def apply_masks(logits: torch.Tensor, raw: torch.Tensor, rows: list[int], grammars: list[Grammar]) -> None:
+    """Set to -inf, in place, every token each row's grammar forbids. logits and raw: [num_rows, vocab],
+    raw before penalties. A row left with no token (min_tokens bans the end of a grammar that can
+    only end) falls back to raw under its mask: the grammar wins."""
+    vocab = logits.shape[-1]
+    bitmask = torch.empty(len(rows), (vocab + 31) // 32, dtype=torch.int32)
+    for k, grammar in enumerate(grammars):
+        grammar.fill_mask(bitmask[k])
+    # [rows, words, 32] bits -> [rows, vocab] bools
+    allowed = ((bitmask[:, :, None] >> _BITS) & 1).bool().flatten(1)[:, :vocab].to(logits.device)
+    index = torch.tensor(rows, device=logits.device)
+    masked = logits[index].masked_fill(~allowed, float("-inf"))
+    empty = (masked == float("-inf")).all(dim=-1)
+    if empty.any():
+        masked[empty] = raw[index[empty]].masked_fill(~allowed[empty], float("-inf"))
+    logits[index] = masked
+
+
+class _Compile:
+    """One compile in flight; callers asking for the same constraint wait on it together."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.matcher: llguidance.LLMatcher | None = None
+        self.error: str | None = None
+
+
+class GrammarCompiler:
+    """Compiles constraints for one engine's tokenizer, once per distinct constraint (LRU cache);
+    each sequence gets a copy of the compiled matcher. Thread-safe: the HTTP edge checks requests
+    in worker threads while the engine thread starts them."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int],
+                 timeout_s: float = COMPILE_TIMEOUT_S) -> None:
+        self._hf_tokenizer, self._vocab_size, self._eos_token_ids = tokenizer, vocab_size, eos_token_ids
+        self.timeout_s = timeout_s
+        self._tokenizer: llguidance.LLTokenizer | None = None  # built on first use (~0.2 s)
+        self._lock = threading.Lock()
+        self._tokenizer_lock = threading.Lock()
+        self._cache: OrderedDict[StructuredOutputs, llguidance.LLMatcher | str] = OrderedDict()
+        self._pending: dict[StructuredOutputs, _Compile] = {}
+
+    def check(self, spec: StructuredOutputs) -> None:
+        """Raise StructuredOutputError unless spec compiles (EngineOverloadedError: too many compiling)."""
+        self._compiled(spec)
+
+    def start(self, spec: StructuredOutputs) -> Grammar:
+        """A fresh matcher for one sequence (compiled, or taken from the cache)."""
+        return Grammar(self._compiled(spec).deep_copy())
+
+    def _compiled(self, spec: StructuredOutputs) -> llguidance.LLMatcher:
+        with self._lock:
+            found = self._cache.get(spec)
+            if found is not None:
+                self._cache.move_to_end(spec)
+            else:
+                job, is_new = self._pending.get(spec), False
+                if job is None:
+                    if len(self._pending) >= MAX_PENDING:
+                        raise EngineOverloadedError(f"{MAX_PENDING} structured-output grammars are compiling; "
+                                                    "retry later")
+                    job = self._pending[spec] = _Compile()
+                    is_new = True
+        if found is None:
+            if is_new:
+                threading.Thread(target=self._compile, args=(spec, job), name="grammar-compile", daemon=True).start()
+            found = self._wait(spec, job)
+        if isinstance(found, str):
+            raise StructuredOutputError(found)
+        return found
+
+    def _wait(self, spec: StructuredOutputs, job: _Compile) -> llguidance.LLMatcher | str:
+        if job.done.wait(self.timeout_s):
+            return job.matcher if job.matcher is not None else job.error
+        error = f"the {spec.kind} constraint did not compile within {self.timeout_s:g} s; simplify it"
+        logger.warning("structured output: a %s constraint of %d chars did not compile within %g s",
+                       spec.kind, spec.size, self.timeout_s)
+        self._remember(spec, error)  # the same constraint again is refused at once
+        return error
+
+    def _compile(self, spec: StructuredOutputs, job: _Compile) -> None:
+        try:
+            matcher = llguidance.LLMatcher(self._llg_tokenizer(), to_grammar(spec), log_level=0,
+                                           limits=llguidance.LLParserLimits(verbose_errors=False))
+            if matcher.is_error():
+                job.error = f"the {spec.kind} constraint does not compile: {matcher.get_error()[:MAX_ERROR_CHARS]}"
+            else:
+                job.matcher = matcher
+        except Exception as exc:  # noqa: BLE001 - llguidance raises ValueError and others for bad input
+            job.error = f"the {spec.kind} constraint does not compile: {str(exc)[:MAX_ERROR_CHARS]}"
+        with self._lock:
+            self._pending.pop(spec, None)
+            if spec not in self._cache:  # a timed-out compile's refusal stands
+                self._remember_locked(spec, job.matcher if job.matcher is not None else job.error)
+        job.done.set()
+
+    def _llg_tokenizer(self) -> llguidance.LLTokenizer:
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                size = max(self._vocab_size, len(self._hf_tokenizer))
+                self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=size,
+                                                               eos_token=sorted(self._eos_token_ids) or None)
+            return self._tokenizer
+
+    def _remember(self, spec: StructuredOutputs, value: llguidance.LLMatcher | str) -> None:
+        with self._lock:
+            self._remember_locked(spec, value)
+
+    def _remember_locked(self, spec: StructuredOutputs, value: llguidance.LLMatcher | str) -> None:
+        self._cache[spec] = value
+        self._cache.move_to_end(spec)
+        while len(self._cache) > MAX_CACHED:
+            self._cache.popitem(last=False)
