@@ -34,11 +34,14 @@ class _Waiter:
 
 
 class AsyncEngine:
+    """Implements `engine.client.EngineClient`, the seam the service and resilience layers use."""
+
     def __init__(self, config: EngineConfig) -> None:
         self.engine = LLMEngine(config)
         self.config = config
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
+        self.vocab_size = self.engine.vocab_size
         self.faults = FaultInjector()
         self._commands: collections.deque = collections.deque()  # ("add", args) | ("abort", request_id)
         self._num_queued_adds = 0  # "add" commands not yet taken by the loop (a count: the deque is
@@ -79,10 +82,10 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def seconds_since_progress(self) -> float:
-        """How long the loop has been inside one iteration. A healthy loop comes round at least
-        every IDLE_WAIT_S when idle and once per step when busy; far more means it is hung."""
-        return time.monotonic() - self.last_progress_time
+    def memory_bytes(self) -> tuple[int, int]:
+        """(weights, KV block pool) in bytes, as loaded."""
+        runner = self.engine.model_runner
+        return int(runner.weight_bytes), int(runner.layout.total_bytes)
 
     # --- requests (event-loop side) ---------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:

@@ -25,6 +25,7 @@ a fatal reason, probe errors).
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from engine.client import EngineClient
 from resilience.breaker import CLOSED
 from resilience.clock import Clock
 
@@ -34,13 +35,13 @@ LIFECYCLE_CODES = {"draining": "model_unloading", "unloading": "model_unloading"
 
 class HealthState:
     def __init__(self, *, clock: Clock, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
-                 engines: Mapping[str, Any] | None = None,
+                 engines: Mapping[str, EngineClient] | None = None,
                  model_states: Callable[[], Mapping[str, str]] = dict, required: Sequence[str] = ()) -> None:
         if not hang_timeout_s > 0:
             raise ValueError(f"hang_timeout_s must be > 0, got {hang_timeout_s}")
         self.hang_timeout_s = hang_timeout_s
         self._clock = clock
-        self.engines: Mapping[str, Any] = {} if engines is None else engines
+        self.engines: Mapping[str, EngineClient] = {} if engines is None else engines
         self.model_states = model_states
         self.required = list(required)  # the start-up models: readiness needs each one's ladder to serve
         self.router: Any | None = None
@@ -181,5 +182,5 @@ class HealthState:
         known = self.model_states()
         return {name: breaker.state for name, breaker in sorted(self.router.breakers.items()) if name in known}
 
-    def _engine_report(self, engine: Any) -> dict[str, object]:
+    def _engine_report(self, engine: EngineClient) -> dict[str, object]:
         return {"is_dead": engine.is_dead, "seconds_since_progress": round(self._clock() - engine.last_progress_time, 3)}

@@ -35,8 +35,8 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
+from engine.client import EngineClient
 from engine.errors import EngineDeadError, EngineOverloadedError, EngineStepError, RequestFailedError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -97,9 +97,9 @@ class RouterConfig:
 
 
 class ModelRouter:
-    def __init__(self, engines: Mapping[str, Any], fallbacks: Mapping[str, str | None],
+    def __init__(self, engines: Mapping[str, EngineClient], fallbacks: Mapping[str, str | None],
                  config: RouterConfig | None = None, *, clock: Clock = time.monotonic) -> None:
-        self.engines = engines  # served name -> AsyncEngine; may change at run time
+        self.engines = engines  # served name -> engine; may change at run time
         self.fallbacks = fallbacks
         self.config = config or RouterConfig()
         self.clock = clock
@@ -120,8 +120,8 @@ class ModelRouter:
 
     def bulkhead(self, model: str) -> Bulkhead:
         if model not in self.bulkheads:
-            config = getattr(self.engines.get(model), "config", None)  # the engine's own capacity bounds it
-            capacity = config.max_num_seqs + config.max_num_waiting if config is not None else None
+            engine = self.engines.get(model)  # the engine's own capacity bounds it
+            capacity = engine.config.max_num_seqs + engine.config.max_num_waiting if engine is not None else None
             self.bulkheads[model] = Bulkhead(model, self.config.bulkhead, clock=self.clock,
                                              engine_capacity=capacity)
         return self.bulkheads[model]

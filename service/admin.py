@@ -10,6 +10,7 @@ from typing import Any
 
 from aiohttp import web
 
+from engine.client import EngineClient
 from engine.faults import Fault
 from service.completions import read_json
 from service.config import ENGINE_OPTIONS, ConfigError, engine_config, parse_size
@@ -119,7 +120,7 @@ async def list_faults(request: web.Request) -> web.Response:
     return web.json_response({name: _describe(engine) for name, engine in engines.items()})
 
 
-def _engine(request: web.Request, model: Any) -> Any:
+def _engine(request: web.Request, model: Any) -> EngineClient:
     if not isinstance(model, str):
         raise InvalidRequestError("'model' must name a served model", param="model")
     engine = request.app[STATE_KEY].engines.get(model)
@@ -135,6 +136,6 @@ def _number(body: dict[str, Any], key: str) -> float | None:
     return value
 
 
-def _describe(engine: Any) -> list[dict[str, Any]]:
+def _describe(engine: EngineClient) -> list[dict[str, Any]]:
     return [{"kind": f.kind, "seconds": f.seconds, "bytes_per_step": f.bytes_per_step, "delay_ms": f.delay_ms,
              "marker": f.marker} for f in engine.faults.active()]

@@ -26,6 +26,7 @@ from typing import Any
 
 from aiohttp import web, web_response
 
+from engine.client import EngineClient
 from engine.config import EngineConfig
 from resilience.admission import BulkheadConfig
 from service.access import access_middleware
@@ -187,7 +188,7 @@ class _Runner(web.AppRunner):
         return server
 
 
-def _real_engine(config: EngineConfig) -> Any:
+def _real_engine(config: EngineConfig) -> EngineClient:
     from engine import AsyncEngine  # torch loads here, in the loader's worker thread
 
     return AsyncEngine(config)
@@ -205,7 +206,7 @@ async def engines_ctx(app: web.Application) -> AsyncIterator[None]:
         await stop_engines(state.engines, app[SHUTDOWN_KEY].seconds_left())
 
 
-async def stop_engines(engines: dict[str, Any], timeout_s: float) -> None:
+async def stop_engines(engines: dict[str, EngineClient], timeout_s: float) -> None:
     """All at once, each loop given `timeout_s` to finish its step (a stuck one is left behind: its
     thread is a daemon, and its requests fail with EngineDeadError)."""
     timeout_s = max(MIN_STAGE_S, timeout_s)

@@ -14,6 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
+from engine.client import EngineClient
 from engine.sampling_params import SamplingParams
 from service.errors import InvalidRequestError, ModelNotFoundError, UnavailableError
 from service.keys import CONFIG_KEY, METRICS_KEY, RECORD_KEY, REQUEST_ID_KEY, STATE_KEY
@@ -48,10 +49,10 @@ class Generation:
         self._seen: set[int] = set()  # prompt indices with an output already
 
     @property
-    def engine(self) -> Any:
+    def engine(self) -> EngineClient:
         return self._encoder()[1]
 
-    def _encoder(self) -> tuple[str, Any]:
+    def _encoder(self) -> tuple[str, EngineClient]:
         """(served name, engine) that tokenizes and checks: the asked model's; while it is being rebuilt
         or unloaded, the first engine of its ladder that serves (the router sends the request there)."""
         engine = self.state.find_engine(self.model)
@@ -108,7 +109,7 @@ class Generation:
         prompt = await asyncio.to_thread(self.engine.apply_chat_template, messages)
         await self.check_prompts([prompt])
 
-    def _check_all(self, engine: Any, prompts: list[str | list[int]]) -> list[list[int]]:
+    def _check_all(self, engine: EngineClient, prompts: list[str | list[int]]) -> list[list[int]]:
         encoded = []
         for prompt in prompts:
             token_ids = engine.encode(prompt)

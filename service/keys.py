@@ -5,13 +5,14 @@ from typing import Any
 
 from aiohttp import web
 
+from engine.client import EngineClient
 from engine.config import EngineConfig
 from service.config import ServerConfig
 from service.metrics import Metrics
 from service.state import RequestRecord, ServerState
 
 # builds one engine from its config; blocking (loads weights), so it runs in a worker thread
-EngineFactory = Callable[[EngineConfig], Any]
+EngineFactory = Callable[[EngineConfig], EngineClient]
 # (engines by served name, fallback by served name) -> the router every generation goes through:
 # resilience's ModelRouter, or a stand-in with its interface
 RouterFactory = Callable[[Any, Any], Any]

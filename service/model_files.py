@@ -1,5 +1,4 @@
-"""What a model directory is and what a loaded model costs: paths confined to the models root,
-validated before anything loads; weights and KV pool measured once an engine holds them."""
+"""What a model directory is: a path confined to the models root, validated before anything loads."""
 
 from pathlib import Path
 from typing import Any
@@ -7,15 +6,6 @@ from typing import Any
 from engine.errors import ModelValidationError
 from engine.loader import ModelFiles, validate_model_dir
 from service.errors import InvalidRequestError
-
-
-def measure(engine: Any) -> tuple[int | None, int | None]:
-    """(weight bytes, KV pool bytes) of an AsyncEngine; (None, None) for engines that cannot say."""
-    runner = getattr(getattr(engine, "engine", None), "model_runner", None)
-    if runner is None:
-        return None, None
-    layout = getattr(runner, "layout", None)
-    return int(runner.weight_bytes), (int(layout.total_bytes) if layout is not None else None)
 
 
 def resolve_model_path(raw: Any, models_root: Path) -> ModelFiles:
@@ -39,4 +29,4 @@ def resolve_model_path(raw: Any, models_root: Path) -> ModelFiles:
                                   param="path", code="invalid_model") from exc
 
 
-__all__ = ["measure", "resolve_model_path"]
+__all__ = ["resolve_model_path"]

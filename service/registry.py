@@ -26,9 +26,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from engine.client import EngineClient
 from engine.config import EngineConfig
+from engine.outputs import RequestOutput
 from service.errors import InvalidRequestError, ServiceError
-from service.model_files import measure
 from service.supervision import release_memory, warm_up
 
 logger = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ class ModelEntry:
     quota_bytes: int | None = None  # the model's cost when given (its KV pool is sized from it)
     is_pinned: bool = False  # a start-up model: never evicted to make room
     state: ModelState = ModelState.LOADING
-    engine: Any | None = None  # TrackedEngine once READY; dropped on unload
+    engine: TrackedEngine | None = None  # once READY; dropped on unload
     memory_bytes: int = 0  # what the budget counts: an estimate while loading, then quota or measured
     weight_bytes: int | None = None  # measured once loaded
     kv_cache_bytes: int | None = None
@@ -82,7 +83,7 @@ class TrackedEngine:
     """The engine as the router sees it: every `generate` counts as in flight on its entry and stamps
     its last use; everything else is the engine's own."""
 
-    def __init__(self, engine: Any, entry: ModelEntry, clock: Callable[[], float]) -> None:
+    def __init__(self, engine: EngineClient, entry: ModelEntry, clock: Callable[[], float]) -> None:
         self.inner = engine
         self._entry = entry
         self._clock = clock
@@ -90,7 +91,7 @@ class TrackedEngine:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    async def generate(self, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+    async def generate(self, *args: Any, **kwargs: Any) -> AsyncIterator[RequestOutput]:
         entry = self._entry
         entry.num_in_flight += 1
         entry.last_used = self._clock()
@@ -104,7 +105,7 @@ class TrackedEngine:
 
 
 class ModelRegistry:
-    def __init__(self, state: Any, engine_factory: Callable[[EngineConfig], Any], *,
+    def __init__(self, state: Any, engine_factory: Callable[[EngineConfig], EngineClient], *,
                  memory_budget_bytes: int | None = None, max_loaded_models: int | None = None,
                  warmup: bool = True, drain_timeout_s: float = 10.0, metrics: Any | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -132,7 +133,7 @@ class ModelRegistry:
     def ready_names(self) -> list[str]:
         return [n for n, e in self.entries.items() if e.state == ModelState.READY]
 
-    def find_engine(self, name: str) -> Any | None:
+    def find_engine(self, name: str) -> TrackedEngine | None:
         """The engine of a READY or DRAINING model (a draining one still finishes its streams)."""
         entry = self.entries.get(name)
         return entry.engine if entry is not None else None
@@ -166,7 +167,7 @@ class ModelRegistry:
         self._after_change()
         return entry
 
-    async def _build(self, entry: ModelEntry, config: EngineConfig) -> Any:
+    async def _build(self, entry: ModelEntry, config: EngineConfig) -> EngineClient:
         start, engine = self.clock(), None
         logger.info("loading model %s from %s (%d bytes reserved)", entry.name, entry.path, entry.memory_bytes)
         try:
@@ -185,14 +186,14 @@ class ModelRegistry:
         self._observe("load", entry.name, entry.load_seconds, ok=True)
         return engine
 
-    async def _settle(self, entry: ModelEntry, engine: Any) -> None:
+    async def _settle(self, entry: ModelEntry, engine: EngineClient) -> None:
         """Replace the estimate by what the engine holds; if that no longer fits, make more room or
         give the model up (the others stay untouched)."""
-        weights, kv_cache = measure(engine)
+        weights, kv_cache = engine.memory_bytes()
         entry.weight_bytes, entry.kv_cache_bytes = weights, kv_cache
-        if entry.quota_bytes is not None or weights is None:
+        if entry.quota_bytes is not None:
             return
-        entry.memory_bytes = weights + (kv_cache or 0)
+        entry.memory_bytes = weights + kv_cache
         try:
             await self._make_room(entry)
         except MemoryBudgetError:
@@ -200,7 +201,7 @@ class ModelRegistry:
             await asyncio.to_thread(engine.stop)
             raise
 
-    def _publish(self, entry: ModelEntry, engine: Any) -> None:
+    def _publish(self, entry: ModelEntry, engine: EngineClient) -> None:
         entry.engine = TrackedEngine(engine, entry, self.clock)
         entry.state, entry.last_used = ModelState.READY, self.clock()
         self.fallbacks[entry.name] = entry.fallback
@@ -323,7 +324,7 @@ class ModelRegistry:
             self.metrics.observe_model_change(kind, name, seconds, ok)
 
 
-def _inner(engine: Any | None) -> Any | None:
+def _inner(engine: EngineClient | None) -> EngineClient | None:
     return engine.inner if isinstance(engine, TrackedEngine) else engine
 
 

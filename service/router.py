@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
 
+from engine.client import EngineClient
 from resilience.admission import BulkheadConfig
 from resilience.router import GenerateRequest, ModelRouter, RoutedOutput, RouterConfig
 
 
-def make_router(engines: Mapping[str, Any], fallbacks: Mapping[str, str | None],
+def make_router(engines: Mapping[str, EngineClient], fallbacks: Mapping[str, str | None],
                 first_token_timeout_s: float = 10.0, breaker_open_s: float | None = None,
                 bulkhead: BulkheadConfig | None = None, stall_timeout_s: float | None = None) -> ModelRouter:
     """The default router factory: served name -> engine, served name -> fallback name.

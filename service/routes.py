@@ -167,7 +167,7 @@ async def detokenize(request: web.Request) -> web.Response:
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
         raise InvalidRequestError("tokens must be a list of integer token ids", param="tokens")
-    vocab_size = engine.engine.vocab_size
+    vocab_size = engine.vocab_size
     bad = [t for t in tokens if not 0 <= t < vocab_size]
     if bad:
         shown = bad[0] if abs(bad[0]) < 10**30 else "a huge number"

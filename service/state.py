@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.client import EngineClient
 from resilience.health import HealthState
 
 
@@ -17,7 +18,7 @@ class ServerState:
     model states and the router from here."""
 
     def __init__(self, hang_timeout_s: float = 60.0, required_models: tuple[str, ...] = ()) -> None:
-        self.engines: dict[str, Any] = {}  # served name -> AsyncEngine, configuration order, loaded ones only
+        self.engines: dict[str, EngineClient] = {}  # served name -> engine, configuration order, loaded ones only
         self.router: Any | None = None  # built once every engine is loaded
         self.registry: Any | None = None  # service.registry.ModelRegistry: loads and unloads models
         self.health = HealthState(clock=time.monotonic, hang_timeout_s=hang_timeout_s, engines=self.engines,
@@ -47,7 +48,7 @@ class ServerState:
     def _model_states(self) -> dict[str, str]:
         return {} if self.registry is None else {name: str(e.state) for name, e in self.registry.entries.items()}
 
-    def find_engine(self, name: str) -> Any | None:
+    def find_engine(self, name: str) -> EngineClient | None:
         """A loaded engine, or one being unloaded that still finishes its streams."""
         engine = self.engines.get(name)
         if engine is None and self.registry is not None:

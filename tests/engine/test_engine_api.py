@@ -161,3 +161,13 @@ async def test_dead_loop_fails_every_waiter_at_once(async_engine):
     assert async_engine.is_dead
     with pytest.raises(EngineDeadError, match="the engine is dead: .*simulated kernel crash"):
         await anext(async_engine.generate("x", LONG, "late"))
+
+
+def test_async_engine_implements_the_engine_client_seam(async_engine):
+    from engine.client import EngineClient
+
+    members = {n for n in dir(EngineClient) if not n.startswith("_")} | set(EngineClient.__annotations__)
+    assert not [n for n in sorted(members) if not hasattr(async_engine, n)]
+    weights, kv_pool = async_engine.memory_bytes()
+    assert weights > 0 and kv_pool == async_engine.engine.model_runner.layout.total_bytes > 0
+    assert async_engine.vocab_size >= len(async_engine.tokenizer)  # the embedding may be padded past the tokenizer

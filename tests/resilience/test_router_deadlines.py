@@ -10,6 +10,7 @@ import time
 import pytest
 
 import resilience.router
+from engine.config import EngineConfig
 from engine.errors import EngineStepError, RequestFailedError
 from engine.sampling_params import SamplingParams
 from resilience.breaker import BreakerConfig
@@ -31,6 +32,7 @@ class FakeEngine:
         self.ttft_s, self.errors, self.num_outputs = ttft_s, list(errors or []), num_outputs
         self.hang_after, self.is_stalled = hang_after, is_stalled
         self.is_dead = False
+        self.config = EngineConfig(model="fake")  # its capacity bounds the router's bulkhead
         self.request_ids: list[str] = []
         self.aborted: list[str] = []
         self._stalled_since = time.monotonic()

@@ -1,0 +1,52 @@
+"""`EngineClient`: what the serving and resilience layers may use of an engine, as one typed seam.
+
+`engine.AsyncEngine` implements it (so does the registry's `TrackedEngine`, which forwards to one,
+and the stand-ins of a few resilience tests). Code above the engine holds engines as
+`EngineClient`, never reaches inside them (`.engine`, `.model_runner`), and needs no torch to
+import this module."""
+
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from engine.config import EngineConfig
+from engine.faults import FaultInjector
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats
+
+
+class EngineClient(Protocol):
+    config: EngineConfig
+    tokenizer: Any  # a transformers tokenizer: decode() for streamed text, the chat template
+    max_model_len: int
+    vocab_size: int
+    faults: FaultInjector
+    dead_error: BaseException | None  # why the loop died (None: alive)
+    last_progress_time: float  # time.monotonic() at the end of the loop's last iteration (idle ticks too)
+
+    @property
+    def is_dead(self) -> bool: ...
+
+    def start(self) -> None: ...
+
+    def stop(self, timeout: float = 10.0) -> None: ...
+
+    def encode(self, prompt: str | list[int]) -> list[int]: ...
+
+    def apply_chat_template(self, messages: list[dict]) -> str: ...
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None: ...
+
+    def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, priority: int = 0,
+                 prompt_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def memory_bytes(self) -> tuple[int, int]:
+        """(weights, KV block pool) in bytes, as loaded."""
+        ...
+
+
+__all__ = ["EngineClient"]
