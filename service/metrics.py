@@ -272,7 +272,7 @@ class ResilienceCollector(Collector):
         yield GaugeMetricFamily(f"{PREFIX}leak_suspected", "1 while a memory leak is flagged",
                                 value=int(state.health.leak is not None))
         yield CounterMetricFamily(f"{PREFIX}leaks_detected", "Leaks confirmed by the heartbeat",
-                                  value=state.num_leaks)
+                                  value=state.health.num_leaks)
         yield CounterMetricFamily(f"{PREFIX}engine_deaths", "Engine loops that died", value=state.num_engine_deaths)
         yield CounterMetricFamily(f"{PREFIX}engine_rebuilds", "Dead engines rebuilt in process",
                                   value=state.num_engine_rebuilds)
