@@ -42,6 +42,8 @@ class AsyncEngine:
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
         self.vocab_size = self.engine.vocab_size
+        self.dtype = str(self.engine.model_runner.dtype).removeprefix("torch.")
+        self.dtype_probe = self.engine.model_runner.dtype_probe  # how --dtype auto chose, on CPU
         self.faults = FaultInjector()
         self._commands: collections.deque = collections.deque()  # ("add", args) | ("abort", request_id)
         self._num_queued_adds = 0  # "add" commands not yet taken by the loop (a count: the deque is

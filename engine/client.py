@@ -5,8 +5,10 @@ and the stand-ins of a few resilience tests). Code above the engine holds engine
 `EngineClient`, never reaches inside them (`.engine`, `.model_runner`), and needs no torch to
 import this module."""
 
+from __future__ import annotations
+
 from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.config import EngineConfig
 from engine.faults import FaultInjector
@@ -14,12 +16,17 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
 
+if TYPE_CHECKING:
+    from engine.dtype_probe import DtypeProbe  # imports torch
+
 
 class EngineClient(Protocol):
     config: EngineConfig
     tokenizer: Any  # a transformers tokenizer: decode() for streamed text, the chat template
     max_model_len: int
     vocab_size: int
+    dtype: str  # what the weights and KV pool are held in ("float32", "bfloat16", "float16")
+    dtype_probe: DtypeProbe | None  # on CPU with --dtype auto: what was measured to choose it
     faults: FaultInjector
     dead_error: BaseException | None  # why the loop died (None: alive)
     last_progress_time: float  # time.monotonic() at the end of the loop's last iteration (idle ticks too)

@@ -11,6 +11,7 @@ from engine import cpu_kernel
 from engine.attention import AttentionMetadata, PrefillSegment
 from engine.block_manager import BlockCopies
 from engine.config import EngineConfig, KVCacheLayout
+from engine.dtype_probe import DtypeProbe, probe_cpu_dtype
 from engine.loader import ModelFiles
 from engine.models import load_model
 from engine.sampler import Sampler, SampleRow
@@ -32,15 +33,18 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, model_config: dict, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, model_config: dict, device: torch.device) -> tuple[torch.dtype, DtypeProbe | None]:
+    """The dtype asked for; for "auto", on CPU what this machine measures faster (fp32 or bf16: the
+    probe, returned for the log and /health), on CUDA the checkpoint's own (fp16 where bf16 is not)."""
     if name != "auto":
-        return TORCH_DTYPES[name]
-    dtype = TORCH_DTYPES.get(str(model_config.get("dtype") or model_config.get("torch_dtype")), torch.float32)
+        return TORCH_DTYPES[name], None
     if device.type == "cpu":
-        return torch.float32  # CPU half and bf16 matmuls are slower than fp32 (2.5x at batch 32, measured)
+        probe = probe_cpu_dtype(int(model_config["hidden_size"]), int(model_config["intermediate_size"]))
+        return TORCH_DTYPES[probe.chosen], probe
+    dtype = TORCH_DTYPES.get(str(model_config.get("dtype") or model_config.get("torch_dtype")), torch.float32)
     if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        return torch.float16
-    return dtype
+        return torch.float16, None
+    return dtype, None
 
 
 def device_memory(device: torch.device) -> int:
@@ -64,7 +68,7 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads)
         self.config = config
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, files.config, self.device)
+        self.dtype, self.dtype_probe = resolve_dtype(config.dtype, files.config, self.device)
         self.model = load_model(files, self.dtype, self.device)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.layout = self._plan_kv(files.config)

@@ -183,4 +183,6 @@ class HealthState:
         return {name: breaker.state for name, breaker in sorted(self.router.breakers.items()) if name in known}
 
     def _engine_report(self, engine: EngineClient) -> dict[str, object]:
-        return {"is_dead": engine.is_dead, "seconds_since_progress": round(self._clock() - engine.last_progress_time, 3)}
+        probe = engine.dtype_probe
+        return {"is_dead": engine.is_dead, "seconds_since_progress": round(self._clock() - engine.last_progress_time, 3),
+                "dtype": engine.dtype, "dtype_probe": probe.to_dict() if probe is not None else None}

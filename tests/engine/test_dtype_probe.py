@@ -68,3 +68,14 @@ def test_to_dict_is_plain_json():
     probe = DtypeProbe("float32", 0.5, {"float32": {1: 1e-4}}, 0.01)
     assert probe.to_dict() == {"chosen": "float32", "bf16_speedup": 0.5, "probe_seconds": 0.01,
                                "seconds": {"float32": {"1": 0.0001}}}
+
+
+def test_dtype_auto_on_cpu_serves_in_what_the_probe_chose(random_model):
+    from engine import AsyncEngine, EngineConfig
+
+    engine = AsyncEngine(EngineConfig(model=random_model("tiny-llama"), dtype="auto", device="cpu", block_size=8))
+    probe = engine.dtype_probe
+    assert probe is not None and engine.dtype == probe.chosen
+    assert engine.engine.model_runner.dtype == getattr(torch, probe.chosen)
+    pinned = AsyncEngine(EngineConfig(model=random_model("tiny-llama"), dtype="float32", device="cpu", block_size=8))
+    assert (pinned.dtype, pinned.dtype_probe) == ("float32", None)

@@ -17,6 +17,8 @@ from resilience.router import ModelRouter, RouterConfig
 class Loop:
     last_progress_time: float
     dead_error: BaseException | None = None
+    dtype: str = "float32"
+    dtype_probe: None = None
 
     @property
     def is_dead(self) -> bool:
@@ -64,7 +66,8 @@ def test_starts_loading_then_ready(clock):
     assert report == {"status": "ready", "live": True, "ready": True, "degraded": False, "reasons": [],
                       "loading": False, "draining": False, "leak": None, "num_leaks": 0, "last_recycle": None,
                       "rebuilding": [], "models": {"primary": "ready"}, "breakers": {"primary": "closed"},
-                      "engines": {"primary": {"is_dead": False, "seconds_since_progress": 0.0}}, "memory": None}
+                      "engines": {"primary": {"is_dead": False, "seconds_since_progress": 0.0, "dtype": "float32",
+                                              "dtype_probe": None}}, "memory": None}
     assert json.loads(json.dumps(report)) == report
     assert replica.health.refusal("primary") is None
 
