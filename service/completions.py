@@ -16,8 +16,10 @@ from typing import Any
 from aiohttp import web
 
 from engine.outputs import CompletionOutput
+from engine.structured import StructuredOutputError
 from service import protocol
 from service.errors import (
+    InvalidRequestError,
     RequestTimeoutError,
     UnavailableError,
     UnsupportedMediaTypeError,
@@ -40,7 +42,8 @@ def _draining() -> UnavailableError:
 async def create_completion(request: web.Request) -> web.StreamResponse:
     parsed = parse_completion(await read_json(request))
     gen = Generation(request, "cmpl", parsed.model, parsed.params, parsed.priority)
-    await gen.check_prompts(parsed.prompts)
+    with _naming(parsed.structured_param):
+        await gen.check_prompts(parsed.prompts)
     echo = await asyncio.to_thread(_prompt_texts, gen, parsed.prompts) if parsed.echo else None
     fmt = CompletionFormat(parsed.params.n, parsed.params.logprobs, echo)
     if parsed.stream:
@@ -51,11 +54,21 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     parsed = parse_chat(await read_json(request))
     gen = Generation(request, "chatcmpl", parsed.model, parsed.params, parsed.priority)
-    await gen.check_chat(parsed.messages)
+    with _naming(parsed.structured_param):
+        await gen.check_chat(parsed.messages)
     fmt = ChatFormat(parsed.params.n, parsed.params.logprobs)
     if parsed.stream:
         return await stream(request, gen, fmt, parsed.include_usage)
     return await collect(gen, fmt)
+
+
+@contextlib.contextmanager
+def _naming(structured_param: str | None):
+    """A constraint the engine cannot compile is a 400 naming the field the client sent it in."""
+    try:
+        yield
+    except StructuredOutputError as exc:
+        raise InvalidRequestError(f"{structured_param}: {exc}", param=structured_param) from None
 
 
 def _prompt_texts(gen: Generation, prompts: list[str | list[int]]) -> list[str]:

@@ -21,6 +21,7 @@ from engine.sampling_params import (
     MAX_NUM_STOP_TOKEN_IDS,
     MAX_PRIORITY,
     SamplingParams,
+    StructuredOutputs,
 )
 from service.errors import InvalidRequestError
 
@@ -40,9 +41,12 @@ _BRACKETS = bytes.maketrans(b"{}", b"[]")
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # field -> value that means "not asked for"; anything else is refused with a clear 400
 UNSUPPORTED = {"suffix": None, "tools": None, "functions": None, "use_beam_search": False, "prompt_logprobs": None,
-               "parallel_tool_calls": None, "guided_json": None, "guided_regex": None, "guided_choice": None,
-               "guided_grammar": None, "guided_decoding_backend": None, "guided_whitespace_pattern": None,
-               "structured_outputs": None, "truncate_prompt_tokens": None}
+               "parallel_tool_calls": None, "guided_decoding_backend": None, "guided_whitespace_pattern": None,
+               "truncate_prompt_tokens": None}
+# vLLM's constraint fields -> the StructuredOutputs field each sets
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+GUIDED_LABELS = {name: name for name in GUIDED}
 _MISSING = object()
 
 
@@ -55,6 +59,7 @@ class CompletionRequest:
     include_usage: bool = False
     priority: int = 0
     echo: bool = False  # each choice's text starts with its prompt's text
+    structured_param: str | None = None  # the field params.structured_outputs came from (it names a 400)
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,7 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False
     priority: int = 0
+    structured_param: str | None = None
 
 
 def parse_json(raw: bytes) -> Any:
@@ -154,9 +160,11 @@ def parse_completion(body: Any) -> CompletionRequest:
     if echo and logprobs is not None:  # the engine computes no prompt logprobs
         raise InvalidRequestError("echo with logprobs is not supported (prompt logprobs are not computed); "
                                   "drop one of them", param="echo")
-    params = _sampling_params(reader, default_max_tokens=16, logprobs=logprobs)
+    structured, structured_param = reader.structured()
+    params = _sampling_params(reader, default_max_tokens=16, logprobs=logprobs, structured=structured)
     _check_choices(len(prompts), params.n)
-    return CompletionRequest(reader.model(), prompts, params, *reader.stream(), reader.priority(), echo)
+    return CompletionRequest(reader.model(), prompts, params, *reader.stream(), reader.priority(), echo,
+                             structured_param)
 
 
 def parse_chat(body: Any) -> ChatRequest:
@@ -169,8 +177,9 @@ def parse_chat(body: Any) -> ChatRequest:
     if top_logprobs is not None and not wants_logprobs:
         raise InvalidRequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
     logprobs = (top_logprobs or 0) if wants_logprobs else None
-    params = _sampling_params(reader, default_max_tokens=None, logprobs=logprobs)
-    return ChatRequest(reader.model(), messages, params, *reader.stream(), reader.priority())
+    structured, structured_param = reader.structured()
+    params = _sampling_params(reader, default_max_tokens=None, logprobs=logprobs, structured=structured)
+    return ChatRequest(reader.model(), messages, params, *reader.stream(), reader.priority(), structured_param)
 
 
 def parse_prompts(prompt: Any) -> list[str | list[int]]:
@@ -228,7 +237,8 @@ def _text_part(part: Any, param: str) -> str:
     raise InvalidRequestError(f"{param}: only text content parts are supported, got {kind!r}", param=param)
 
 
-def _sampling_params(reader: _Reader, default_max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def _sampling_params(reader: _Reader, default_max_tokens: int | None, logprobs: int | None,
+                     structured: StructuredOutputs | None = None) -> SamplingParams:
     reader.refuse_unsupported()
     max_tokens = reader.int_("max_completion_tokens", _MISSING, 1)
     if max_tokens is _MISSING:
@@ -247,7 +257,7 @@ def _sampling_params(reader: _Reader, default_max_tokens: int | None, logprobs: 
         seed=reader.int_("seed", None, -(2**63), 2**64 - 1), stop=reader.stop(),
         stop_token_ids=reader.int_list("stop_token_ids"), ignore_eos=reader.bool_("ignore_eos", False),
         min_tokens=reader.int_("min_tokens", 0, 0), skip_special_tokens=reader.bool_("skip_special_tokens", True),
-        logit_bias=reader.logit_bias(),
+        logit_bias=reader.logit_bias(), structured_outputs=structured,
     )
     reader.string("user")
     try:
@@ -383,10 +393,60 @@ class _Reader:
         tool_choice = self.body.get("tool_choice")
         if tool_choice not in (None, "none"):
             raise InvalidRequestError("tool_choice is not supported by this server", param="tool_choice")
-        response_format = self.body.get("response_format")
-        if response_format not in (None, {"type": "text"}):
-            raise InvalidRequestError("response_format other than text is not supported",
-                                      param="response_format")
+
+    def structured(self) -> tuple[StructuredOutputs | None, str | None]:
+        """The one output constraint (OpenAI's response_format, vLLM's guided_* or structured_outputs)
+        and the field it came from; its bounds are StructuredOutputs' own, whether it compiles the engine's."""
+        found = [(name, value) for name in ("response_format", *GUIDED, "structured_outputs")
+                 if (value := self.body.get(name)) is not None and value != {"type": "text"}]
+        if len(found) > 1:
+            raise InvalidRequestError(f"{found[0][0]} and {found[1][0]} both constrain the output; send one",
+                                      param=found[1][0])
+        if not found:
+            return None, None
+        name, value = found[0]
+        try:
+            if name == "response_format":
+                return _response_format(value), name
+            if name == "structured_outputs":
+                if not isinstance(value, dict) or not value.keys() <= set(STRUCTURED_KEYS):
+                    raise ValueError(f"structured_outputs must be an object with one of {list(STRUCTURED_KEYS)}")
+                return StructuredOutputs(**{k: v for k, v in value.items() if v is not None and v is not False}), name
+            if name == "guided_json" and isinstance(value, str):  # vLLM takes the schema as JSON text too
+                return StructuredOutputs(json=value), name
+            if name == "guided_choice" and not isinstance(value, list):
+                raise ValueError("guided_choice must be a list of strings")
+            return StructuredOutputs(**{GUIDED[name]: value}), name
+        except ValueError as exc:
+            raise InvalidRequestError(_renamed(str(exc), name), param=name) from None
+
+
+def _renamed(message: str, name: str) -> str:
+    """StructuredOutputs' message in the words of the field the client sent."""
+    label = {"response_format": "response_format json_schema.schema", **GUIDED_LABELS}.get(name)
+    if label is None:
+        return message
+    return re.sub(r"^structured_outputs( (json|regex|choice|grammar)\b)?", label, message)
+
+
+def _response_format(value: Any) -> StructuredOutputs:
+    """{"type": "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema", "strict"}};
+    a json_schema without a schema is any JSON object. strict or not, the schema is enforced."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "json_object":
+        return StructuredOutputs(json_object=True)
+    if kind != "json_schema":
+        raise ValueError('response_format must be {"type": "text"}, {"type": "json_object"} or '
+                         '{"type": "json_schema", "json_schema": {...}}')
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise ValueError("response_format json_schema must be an object with a name and a schema")
+    schema = spec.get("schema")
+    if schema is None:
+        return StructuredOutputs(json_object=True)
+    if not isinstance(schema, dict):
+        raise ValueError("response_format json_schema.schema must be a JSON schema (an object)")
+    return StructuredOutputs(json=schema)
 
 
 def _check_choices(num_prompts: int, n: int) -> None:

@@ -178,7 +178,19 @@ FIELD_CASES = [
     bad("prompt-logprobs", completion(prompt_logprobs=1), "prompt_logprobs"),
     bad("tools", completion(tools=[{"type": "function"}]), "tools"),
     bad("tool-choice", completion(tool_choice="auto"), "tool_choice"),
-    bad("response-format-json", completion(response_format={"type": "json_object"}), "response_format"),
+    bad("response-format-xml", completion(response_format={"type": "xml"}), "response_format"),
+    bad("response-format-schema-bad-type", completion(response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "florp"}}}), "response_format"),
+    bad("guided-json-array", completion(guided_json=[1]), "guided_json"),
+    bad("guided-json-bad-ref", completion(guided_json={"$ref": "#/$defs/none"}), "guided_json"),
+    bad("guided-regex-unclosed", completion(guided_regex="(a"), "guided_regex"),
+    bad("guided-choice-empty", completion(guided_choice=[]), "guided_choice"),
+    bad("guided-choice-numbers", completion(guided_choice=[1, 2]), "guided_choice"),
+    bad("guided-grammar-undefined-rule", completion(guided_grammar="start: nowhere"), "guided_grammar"),
+    bad("guided-grammar-over-32k", completion(guided_grammar="x" * 40_000), "guided_grammar"),
+    bad("two-constraints", completion(guided_regex="a", response_format={"type": "json_object"}), "guided_regex"),
+    bad("structured-outputs-two-keys", completion(structured_outputs={"regex": "a", "choice": ["a"]}),
+        "structured_outputs"),
     bad("stream-string", completion(stream="yes"), "stream"),
     bad("stream-options-without-stream", completion(stream_options={"include_usage": True}), "stream_options"),
     bad("stream-options-list", completion(stream=True, stream_options=[]), "stream_options"),
@@ -227,6 +239,10 @@ SERVED_CASES = [
     ok("stream", completion(stream=True, stream_options={"include_usage": True}, n=2)),
     ok("unsupported-off-values", completion(echo=False, logit_bias={}, tools=[], tool_choice="none",
                                             response_format={"type": "text"})),
+    ok("guided-choice", completion(guided_choice=["a", "b"], n=2, max_tokens=4)),
+    ok("guided-regex-cut-by-max-tokens", completion(guided_regex="[a-z]{50}", max_tokens=2)),
+    ok("response-format-json-object-stream", completion(response_format={"type": "json_object"}, stream=True)),
+    ok("guided-json-empty-schema", completion(guided_json={})),
 ]
 
 ENCODING_CASES = [
@@ -322,6 +338,11 @@ CHAT_CASES = [
     chat_case("n-zero", 400, chat(n=0), "n"),
     chat_case("seed-2^64", 400, chat(seed=2**64), "seed"),
     chat_case("tool-choice", 400, chat(tool_choice="required"), "tool_choice"),
+    chat_case("response-format-schema-not-object", 400, chat(response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": "object"}}), "response_format"),
+    chat_case("served-response-format-json-schema", 200, chat(response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": {
+            "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}})),
     chat_case("model-unknown", 404, chat(model="nope"), "model", code="model_not_found"),
     chat_case("surrogate-model", 400, chat(model="\ud800"), "model"),
     chat_case("nested-100k", 400, b'{"messages":' + b"[" * 100_000),

@@ -95,8 +95,8 @@ def test_bad_messages(messages, param):
     ("logprobs", 21), ("logprobs", -1), ("seed", "x"), ("stop", 5), ("stop", [""]), ("stop", ["a", 1]),
     ("stop_token_ids", [-1]), ("stop_token_ids", "1"), ("ignore_eos", 1), ("stream", "yes"), ("priority", 1.5),
     ("model", 5), ("min_tokens", -1), ("best_of", 3), ("echo", "yes"), ("suffix", "x"),
-    ("logit_bias", {"x": 2}), ("logit_bias", {"1": 101}), ("guided_json", {"type": "object"}),
-    ("guided_choice", ["a"]), ("truncate_prompt_tokens", 5), ("structured_outputs", {"json": {}}),
+    ("logit_bias", {"x": 2}), ("logit_bias", {"1": 101}), ("guided_json", "[1]"),
+    ("guided_choice", []), ("truncate_prompt_tokens", 5), ("structured_outputs", {"jsn": {}}),
     ("stream_options", {"include_usage": True}),
 ])
 def test_bad_fields_name_their_param(field, value):
@@ -124,7 +124,7 @@ def test_nulls_mean_defaults_and_unsupported_off_values_pass():
     assert (req.params.temperature, req.params.n) == (1.0, 1)
 
 
-def test_response_format_json_refused():
+def test_response_format_other_than_text_or_json_refused():
     msgs = [{"role": "user", "content": "hi"}]
-    _refused(parse_chat, {"messages": msgs, "response_format": {"type": "json_object"}}, "response_format")
+    _refused(parse_chat, {"messages": msgs, "response_format": {"type": "xml"}}, "response_format")
     _refused(parse_chat, {"messages": msgs, "tool_choice": "auto"}, "tool_choice")
