@@ -1,5 +1,6 @@
-"""Property-based tests (hypothesis): no mix of sampling parameters, arrivals, aborts and
-preemptions across the rows of one batch may raise, lose a request or keep a block.
+"""Property-based tests (hypothesis): no mix of sampling parameters, structured-output constraints,
+arrivals, aborts and preemptions across the rows of one batch may raise, lose a request or keep a
+block, and a constrained row's tokens always stay inside its grammar.
 
 Three levels: the sampler over random logits (fast, many examples), the scheduler over a tiny pool
 (pure Python), and a real LLMEngine on a tiny random-weight model. Examples are derandomized so CI
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 from engine import EngineConfig, LLMEngine
 from engine.block_manager import BlockManager
 from engine.sampler import Sampler, SampleRow
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutputs
 from engine.scheduler import Scheduler
 from engine.sequence import SampledToken, Sequence
 
@@ -25,8 +26,16 @@ COMMON = dict(deadline=None, derandomize=not EXPLORE, database=None,
               suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 
-def sampling_params(vocab: int = VOCAB, max_n: int = 3) -> st.SearchStrategy[SamplingParams]:
-    """Greedy and sampled rows, every filter and penalty, seeds over the whole accepted range."""
+CONSTRAINTS = [
+    StructuredOutputs(json={"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}),
+    StructuredOutputs(json_object=True), StructuredOutputs(choice=["yes", "no", "n"]),
+    StructuredOutputs(regex="[a-c]{1,4}x?"), StructuredOutputs(grammar='root ::= "(" [0-9]* ")"'),
+]
+
+
+def sampling_params(vocab: int = VOCAB, max_n: int = 3, constrained: bool = False) -> st.SearchStrategy[SamplingParams]:
+    """Greedy and sampled rows, every filter and penalty, seeds over the whole accepted range; with
+    `constrained`, a structured-output constraint on some rows."""
     return st.builds(
         SamplingParams,
         n=st.integers(1, max_n),
@@ -46,6 +55,7 @@ def sampling_params(vocab: int = VOCAB, max_n: int = 3) -> st.SearchStrategy[Sam
         ignore_eos=st.booleans(),
         logit_bias=st.dictionaries(st.integers(0, vocab - 1), st.sampled_from([-100, -2.5, 0, 1.5, 100]),
                                    max_size=3),
+        structured_outputs=st.none() | st.sampled_from(CONSTRAINTS) if constrained else st.none(),
     )
 
 
@@ -146,7 +156,7 @@ def engine(request, random_model):
 
 
 engine_request = st.tuples(
-    sampling_params(vocab=256, max_n=2),
+    sampling_params(vocab=256, max_n=2, constrained=True),
     st.lists(st.integers(0, 255), min_size=1, max_size=24),
     st.integers(-2, 2),  # priority
     st.integers(0, 3),  # steps before the next arrival
@@ -191,6 +201,10 @@ def test_engine_serves_every_mix_to_the_end_and_returns_every_block(engine, requ
             assert len(choice["token_ids"]) <= params.max_tokens
             if choice["finish_reason"] == "length":
                 assert len(choice["token_ids"]) == params.max_tokens
+            if params.structured_outputs is not None:  # a fresh matcher takes every token the row got
+                grammar = engine.grammars.start(params.structured_outputs)
+                for token_id in choice["token_ids"]:
+                    grammar.accept(token_id)
 
 
 def requests_with_ids(requests):
