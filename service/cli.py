@@ -31,6 +31,7 @@ from service.config import (
     load_toml,
     parse_size,
 )
+from service.logs import LOG_FORMATS, configure_logging
 
 logger = logging.getLogger("service")
 
@@ -43,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         build_parser().print_help()
         return 2
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level, args.log_format)
     if args.command == "generate":
         return generate(args)
     try:
@@ -81,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_options(gen_p)
     for p in (serve_p, gen_p):
         p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+        p.add_argument("--log-format", default="text", choices=LOG_FORMATS,
+                       help="text lines, or one JSON object per line with the request fields (default: %(default)s)")
     return parser
 
 

@@ -149,7 +149,7 @@ class Generation:
     def _observe(self, index: int, routed: RoutedOutput) -> None:
         output, record = routed.output, self.record
         if record.served_model is None:
-            record.served_model = routed.served_model
+            record.served_model, record.degraded = routed.served_model, routed.degraded
         now = time.monotonic()
         num_tokens = sum(len(o.token_ids) for o in output.outputs)
         if num_tokens and record.first_token is None:

@@ -72,6 +72,7 @@ class RequestRecord:
     start: float = field(default_factory=time.monotonic)
     model: str | None = None  # as asked
     served_model: str | None = None
+    degraded: bool = False  # served by a model of the ladder other than the one asked
     prompt_tokens: int = 0
     completion_tokens: int = 0
     first_token: float | None = None  # time.monotonic()
