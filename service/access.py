@@ -11,7 +11,7 @@ import uuid
 
 from aiohttp import web
 
-from service.keys import METRICS_KEY, RECORD_KEY, REQUEST_ID_KEY
+from service.keys import METRICS_KEY, RECORD_KEY, REQUEST_ID_KEY, TRACER_KEY
 from service.state import RequestRecord
 
 logger = logging.getLogger("service.access")
@@ -43,8 +43,12 @@ async def access_middleware(request: web.Request, handler) -> web.StreamResponse
         status, record.note = CLIENT_CLOSED, record.note or "client_gone"
         raise
     finally:
-        request.app[METRICS_KEY].observe_http(request.method, route_of(request), status)
+        route = route_of(request)
+        request.app[METRICS_KEY].observe_http(request.method, route, status)
         _log(request, request_id, status, record)
+        tracer = request.app[TRACER_KEY]
+        if tracer is not None and not request.path.startswith(QUIET_PATHS):
+            tracer.record(request.method, route, request.headers, request_id, status, record, time.monotonic())
 
 
 def request_id_of(request: web.Request) -> str:

@@ -40,6 +40,7 @@ from service.keys import (
     METRICS_KEY,
     ROUTER_FACTORY_KEY,
     STATE_KEY,
+    TRACER_KEY,
     EngineFactory,
     RouterFactory,
 )
@@ -50,6 +51,7 @@ from service.router import make_router
 from service.routes import add_routes
 from service.state import ServerState
 from service.supervision import supervision_ctx
+from service.tracing import make_tracer
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +72,9 @@ def create_app(config: ServerConfig, *, engine_factory: EngineFactory | None = N
     app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
     state = ServerState(config.hang_timeout_s, config.model_names)
     app[CONFIG_KEY] = config
+    app[TRACER_KEY] = make_tracer(config.otel_endpoint)
+    if app[TRACER_KEY] is not None:
+        app.on_cleanup.append(lambda _: asyncio.to_thread(app[TRACER_KEY].shutdown))
     app[STATE_KEY] = state
     app[METRICS_KEY] = Metrics(lambda: state.engines, state)
     app[CONNECTIONS_KEY] = limit

@@ -32,6 +32,7 @@ from service.config import (
     parse_size,
 )
 from service.logs import LOG_FORMATS, configure_logging
+from service.tracing import endpoint_from
 
 logger = logging.getLogger("service")
 
@@ -159,6 +160,9 @@ def _add_server_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allowed-origins", action="append", metavar="ORIGIN",
                    help="browser origin allowed by CORS, e.g. https://app.example.com (repeatable; '*' = any); "
                         "default none: no CORS headers, preflights refused")
+    p.add_argument("--otel-endpoint", metavar="URL",
+                   help="OTLP/HTTP collector for OpenTelemetry traces (a span per request: queue, prefill, decode); "
+                        "default: OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT, else tracing is off")
     p.add_argument("--enable-fault-injection", action="store_true", default=None,
                    help="serve POST/DELETE /admin/faults (admin key required): for chaos tests only")
 
@@ -236,6 +240,7 @@ def build_config(args: argparse.Namespace, env: Mapping[str, str]) -> ServerConf
         "stream_write_timeout_s": args.stream_write_timeout_s, "body_read_timeout_s": args.body_read_timeout_s,
         "header_timeout_s": args.header_timeout_s, "keepalive_timeout_s": args.keepalive_timeout_s,
         "allowed_origins": tuple(args.allowed_origins) if args.allowed_origins else None,
+        "otel_endpoint": endpoint_from(args.otel_endpoint, env),
     }
     merged = {**base, **{k: v for k, v in overrides.items() if v is not None}, "models": models}
     try:

@@ -25,7 +25,7 @@ SERVER_OPTIONS = ("host", "port", "api_keys", "admin_key", "max_body_bytes", "au
                   "leak_action", "hang_timeout_s", "max_engine_rebuilds", "default_max_tokens", "bulkhead_max_seqs", "bulkhead_max_tokens", "breaker_open_s", "enable_fault_injection", "models",
                   "models_root", "memory_budget_bytes", "models_dir", "on_demand_fallback", "max_loaded_models", "health_details_auth",
                   "max_connections", "stream_write_timeout_s", "body_read_timeout_s", "header_timeout_s",
-                  "keepalive_timeout_s", "allowed_origins")
+                  "keepalive_timeout_s", "allowed_origins", "otel_endpoint")
 LEAK_ACTIONS = ("recycle", "exit")
 MODEL_OPTIONS = ("path", "name", "fallback", *ENGINE_OPTIONS)
 _ORIGIN = re.compile(r"^https?://[^/\s]+$")  # scheme://host[:port], no path: what browsers send in Origin
@@ -90,6 +90,7 @@ class ServerConfig:
     body_read_timeout_s: float = 30.0  # a request body not received in this long is a 408
     header_timeout_s: float = 30.0  # a new connection without a whole request head in this long is closed
     keepalive_timeout_s: float = 75.0  # an idle keep-alive connection is closed after this long
+    otel_endpoint: str | None = None  # OTLP/HTTP collector for traces (None: tracing off)
     allowed_origins: tuple[str, ...] = ()  # browser origins CORS lets in ("*": any); empty: no CORS headers
 
     def __post_init__(self) -> None:

@@ -164,6 +164,8 @@ class Generation:
         if index not in self._seen:
             self._seen.add(index)
             record.prompt_tokens += len(output.prompt_token_ids)
+        if record.first_scheduled is None:
+            record.first_scheduled = output.metrics.get("first_scheduled_time")
         if output.finished:
             scheduled, arrival = output.metrics.get("first_scheduled_time"), output.metrics.get("arrival_time")
             if scheduled and arrival and self._queue_time is None:

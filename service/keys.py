@@ -26,6 +26,8 @@ ROUTER_FACTORY_KEY = web.AppKey("router_factory", RouterFactory)
 REQUEST_ID_KEY = web.RequestKey("request_id", str)
 # what the handler learnt (model, tokens, TTFT) for the one log line of the request
 RECORD_KEY = web.RequestKey("record", RequestRecord)
+# service.tracing.Tracer when an OTLP endpoint is configured, else None
+TRACER_KEY = web.AppKey("tracer", object)
 
 __all__ = ["CONFIG_KEY", "STATE_KEY", "METRICS_KEY", "ENGINE_FACTORY_KEY", "ROUTER_FACTORY_KEY",
-           "REQUEST_ID_KEY", "RECORD_KEY", "EngineFactory", "RouterFactory"]
+           "REQUEST_ID_KEY", "RECORD_KEY", "TRACER_KEY", "EngineFactory", "RouterFactory"]

@@ -75,6 +75,7 @@ class RequestRecord:
     degraded: bool = False  # served by a model of the ladder other than the one asked
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    first_scheduled: float | None = None  # time.monotonic(): the engine first ran it (queue time ends)
     first_token: float | None = None  # time.monotonic()
     load_wait_s: float = 0.0  # waited for an on-demand load: the first-token window starts after it
     finish_reasons: list[str] = field(default_factory=list)
