@@ -66,7 +66,8 @@ class Sampler:
         """Constrained rows only: a batch without one pays nothing."""
         constrained = [i for i, r in enumerate(rows) if r.seq.grammar is not None]
         if constrained:
-            apply_masks(logits, raw, constrained, [rows[i].seq.grammar for i in constrained])
+            banned = [i for i in constrained if rows[i].seq.num_output_tokens < rows[i].seq.params.min_tokens]
+            apply_masks(logits, raw, constrained, [rows[i].seq.grammar for i in constrained], banned)
         return logits
 
     def _probabilities(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor | None:
