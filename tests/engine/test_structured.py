@@ -117,6 +117,13 @@ def test_a_finished_grammar_ends_the_sequence_even_with_ignore_eos_and_min_token
     assert len(token_ids) < 20
 
 
+def test_min_tokens_cannot_hold_a_grammar_that_may_only_end(engine):
+    """After "ab" the regex allows only the end (EOS), which min_tokens bans: the grammar wins."""
+    params = _constrained(spec={"regex": "ab?"}, min_tokens=10, max_tokens=20, temperature=0)
+    [(text, _, finish)] = _run(engine, {"m": params}).values()
+    assert (text, finish) == ("ab", "stop")
+
+
 def test_json_object_is_an_object_or_runs_out_of_tokens(engine):
     results = _run(engine, {f"o{i}": _constrained(spec={"json_object": True}, seed=i, max_tokens=64)
                             for i in range(4)})
