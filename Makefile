@@ -13,7 +13,7 @@ $(PY):
 $(STAMP): pyproject.toml | $(PY)
 	# torch first and pinned: the CPU build on local disk; an unpinned torch pulls a multi-GB CUDA build
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,load]'
+	$(PY) -m pip install -q -e '.[dev,load,clients]'
 	touch $(STAMP)
 
 # Offline install (deploy/README.md, "Offline install"): `make wheelhouse` where PyPI is reachable fills
@@ -24,14 +24,14 @@ WHEELHOUSE ?= wheelhouse
 OFFLINE_PIP = $(PY) -m pip install -q --no-index --find-links $(WHEELHOUSE)
 
 wheelhouse: $(PY)
-	$(PY) -m pip download -q --only-binary :all: -d $(WHEELHOUSE) torch==2.13.0 '.[dev,load]' pip setuptools wheel
+	$(PY) -m pip download -q --only-binary :all: -d $(WHEELHOUSE) torch==2.13.0 '.[dev,load,clients]' pip setuptools wheel
 
 install-offline:
 	@test -d $(WHEELHOUSE) || { echo "no $(WHEELHOUSE)/: run 'make wheelhouse' where PyPI is reachable"; exit 1; }
 	python3 -m venv $(VENV)
 	$(OFFLINE_PIP) -U pip
 	$(OFFLINE_PIP) torch==2.13.0
-	$(OFFLINE_PIP) -e '.[dev,load]'
+	$(OFFLINE_PIP) -e '.[dev,load,clients]'
 	touch $(STAMP)
 
 nginx:

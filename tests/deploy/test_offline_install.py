@@ -33,12 +33,12 @@ def test_install_offline_uses_the_wheelhouse_alone():
     assert commands, "install-offline runs no pip install"
     for command in commands:
         assert "--no-index" in command and "--find-links /tmp/w" in command, command
-    assert any("torch==2.13.0" in c for c in commands) and any("-e '.[dev,load]'" in c for c in commands)
+    assert any("torch==2.13.0" in c for c in commands) and any("-e '.[dev,load,clients]'" in c for c in commands)
     [download] = [c for c in _make_dry_run("wheelhouse", WHEELHOUSE="/tmp/w").splitlines() if "pip download" in c]
     # what install-offline asks for, plus the build backend of the editable install; wheels only
     assert "-d /tmp/w" in download and "--only-binary :all:" in download
     words = download.split()
-    assert {"torch==2.13.0", "'.[dev,load]'", "pip", "setuptools"} <= set(words[words.index("/tmp/w") + 1:])
+    assert {"torch==2.13.0", "'.[dev,load,clients]'", "pip", "setuptools"} <= set(words[words.index("/tmp/w") + 1:])
     assert "/wheelhouse/" in (ROOT / ".gitignore").read_text().splitlines()
 
 
