@@ -31,6 +31,7 @@ from service.keys import CONFIG_KEY, RECORD_KEY, REQUEST_ID_KEY
 from service.router import RoutedOutput
 from service.schemas import parse_chat, parse_completion, parse_json
 from service.sse import EventStream
+from service.tools import ToolCalling
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     gen = Generation(request, "chatcmpl", parsed.model, parsed.params, parsed.priority)
     with _naming(parsed.structured_param):
         await gen.check_chat(parsed.messages)
-    fmt = ChatFormat(parsed.params.n, parsed.params.logprobs)
+    fmt = ChatFormat(parsed.params.n, parsed.params.logprobs, parsed.tool_calling)
     if parsed.stream:
         return await stream(request, gen, fmt, parsed.include_usage)
     return await collect(gen, fmt)
@@ -283,15 +284,29 @@ class CompletionFormat(_Format):
 
 
 class ChatFormat(_Format):
+    """With tool calling the constrained text becomes tool_calls (finish_reason "tool_calls"): a named
+    function's arguments stream as they come; "required" calls are sent whole once they parse."""
+
     chunk_kind = "chat.completion.chunk"
+
+    def __init__(self, n: int, logprobs: int | None, tool_calling: ToolCalling | None = None) -> None:
+        super().__init__(n, logprobs)
+        self.tool_calling = tool_calling
 
     def error_choice(self, index: int) -> dict[str, Any]:
         return protocol.chat_chunk_choice(index, {}, None, "error")
 
     def body(self, completion_id: str, created: int, model: str, usage: dict) -> dict[str, Any]:
-        choices = [protocol.chat_choice(i, "".join(c.text), c.logprobs, c.finish_reason, c.stop_reason)
-                   for i, c in self._sorted()]
+        choices = []
+        for i, c in self._sorted():
+            text = "".join(c.text)
+            calls = self._calls(text, c.finish_reason)
+            choices.append(protocol.chat_choice(i, None if calls else text, c.logprobs,
+                                                "tool_calls" if calls else c.finish_reason, c.stop_reason, calls))
         return protocol.chat_body(completion_id, created, model, choices, usage)
+
+    def _calls(self, text: str, finish_reason: str | None) -> list[dict] | None:
+        return self.tool_calling.calls(text) if self.tool_calling and finish_reason == "stop" else None
 
     def stream(self, prompt_index: int, output: Any, token_text: Any) -> list[list[dict]]:
         chunks = []
@@ -301,13 +316,39 @@ class ChatFormat(_Format):
             if not choice.is_started:
                 choice.is_started = True
                 chunks.append([protocol.chat_chunk_choice(index, {"role": "assistant", "content": ""}, None, None)])
+                if self.tool_calling and self.tool_calling.function:  # the call's head: its arguments follow
+                    call = protocol.tool_call(self.tool_calling.function, "")
+                    chunks.append([protocol.chat_chunk_choice(index, protocol.tool_call_delta(0, call), None, None)])
             logprobs = self._logprobs(out, choice, token_text)
             self._finish(index, out)
-            if out.text or out.finish_reason or logprobs:
-                delta = {"content": out.text} if out.text or logprobs else {}
-                chunks.append([protocol.chat_chunk_choice(index, delta, logprobs, out.finish_reason,
-                                                          out.stop_reason)])
+            chunks += self._tool_chunks(index, choice, out, logprobs) if self.tool_calling else \
+                self._text_chunks(index, out, logprobs)
         return chunks
+
+    def _text_chunks(self, index: int, out: CompletionOutput, logprobs: dict | None) -> list[list[dict]]:
+        if not (out.text or out.finish_reason or logprobs):
+            return []
+        delta = {"content": out.text} if out.text or logprobs else {}
+        return [[protocol.chat_chunk_choice(index, delta, logprobs, out.finish_reason, out.stop_reason)]]
+
+    def _tool_chunks(self, index: int, choice: _Choice, out: CompletionOutput,
+                     logprobs: dict | None) -> list[list[dict]]:
+        choice.text.append(out.text)
+        chunks = []
+        if self.tool_calling.function and out.text:
+            delta = protocol.tool_call_delta(0, arguments=out.text)
+            chunks.append([protocol.chat_chunk_choice(index, delta, logprobs, None)])
+        if not out.finish_reason:
+            return chunks
+        text = "".join(choice.text)
+        calls = self._calls(text, out.finish_reason)
+        if calls and not self.tool_calling.function:
+            chunks += [[protocol.chat_chunk_choice(index, protocol.tool_call_delta(k, call), None, None)]
+                       for k, call in enumerate(calls)]
+        elif not calls and not self.tool_calling.function:  # cut short: what there is, as text
+            chunks.append([protocol.chat_chunk_choice(index, {"content": text}, None, None)])
+        finish = "tool_calls" if calls else out.finish_reason
+        return [*chunks, [protocol.chat_chunk_choice(index, {}, None, finish, out.stop_reason)]]
 
     def _logprobs(self, out: CompletionOutput, choice: _Choice, token_text: Any) -> dict | None:
         if self.top_n is None or not out.logprobs:

@@ -71,10 +71,27 @@ def merge_completion_logprobs(into: dict[str, list] | None, more: dict[str, list
 
 
 # --- chat ----------------------------------------------------------------------------------------
-def chat_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None,
-                stop_reason: str | int | None = None) -> dict[str, Any]:
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-            "finish_reason": finish_reason, "stop_reason": stop_reason}
+def chat_choice(index: int, text: str | None, logprobs: dict | None, finish_reason: str | None,
+                stop_reason: str | int | None = None, tool_calls: list[dict] | None = None) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
+            "stop_reason": stop_reason}
+
+
+def tool_call(name: str, arguments: str) -> dict[str, Any]:
+    """One entry of a message's tool_calls; `arguments` is JSON text, as OpenAI sends it."""
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def tool_call_delta(position: int, call: dict[str, Any] | None = None, arguments: str = "") -> dict[str, Any]:
+    """A stream delta of tool call `position`: its head (id, type, name) when `call` is given, then
+    more of its arguments."""
+    if call is not None:
+        return {"tool_calls": [{"index": position, **call}]}
+    return {"tool_calls": [{"index": position, "function": {"arguments": arguments}}]}
 
 
 def chat_body(completion_id: str, created: int, model: str, choices: list[dict],

@@ -24,6 +24,7 @@ from engine.sampling_params import (
     StructuredOutputs,
 )
 from service.errors import InvalidRequestError
+from service.tools import MAX_NUM_TOOLS, TOOL_FIELDS, ToolCalling, checked_list, parse_tools
 
 INT32_MAX = 2**31 - 1
 MAX_NUM_PROMPTS = 64  # one engine request per prompt
@@ -40,9 +41,9 @@ _NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
 _BRACKETS = bytes.maketrans(b"{}", b"[]")
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # field -> value that means "not asked for"; anything else is refused with a clear 400
-UNSUPPORTED = {"suffix": None, "tools": None, "functions": None, "use_beam_search": False, "prompt_logprobs": None,
-               "parallel_tool_calls": None, "guided_decoding_backend": None, "guided_whitespace_pattern": None,
-               "truncate_prompt_tokens": None}
+UNSUPPORTED = {"suffix": None, "functions": None, "use_beam_search": False, "prompt_logprobs": None,
+               "guided_decoding_backend": None, "guided_whitespace_pattern": None, "truncate_prompt_tokens": None}
+
 # vLLM's constraint fields -> the StructuredOutputs field each sets
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
@@ -65,12 +66,13 @@ class CompletionRequest:
 @dataclass(frozen=True)
 class ChatRequest:
     model: str | None
-    messages: list[dict[str, str]]  # normalized: {"role", "content"} with text content
+    messages: list[dict[str, Any]]  # normalized: role, text content; tool_calls / tool_call_id / name kept
     params: SamplingParams
     stream: bool = False
     include_usage: bool = False
     priority: int = 0
     structured_param: str | None = None
+    tool_calling: ToolCalling | None = None
 
 
 def parse_json(raw: bytes) -> Any:
@@ -160,6 +162,9 @@ def parse_completion(body: Any) -> CompletionRequest:
     if echo and logprobs is not None:  # the engine computes no prompt logprobs
         raise InvalidRequestError("echo with logprobs is not supported (prompt logprobs are not computed); "
                                   "drop one of them", param="echo")
+    for name in TOOL_FIELDS:
+        if reader.body.get(name) not in (None, [], "none"):
+            raise InvalidRequestError(f"{name} is only supported by chat completions", param=name)
     structured, structured_param = reader.structured()
     params = _sampling_params(reader, default_max_tokens=16, logprobs=logprobs, structured=structured)
     _check_choices(len(prompts), params.n)
@@ -178,8 +183,15 @@ def parse_chat(body: Any) -> ChatRequest:
         raise InvalidRequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
     logprobs = (top_logprobs or 0) if wants_logprobs else None
     structured, structured_param = reader.structured()
+    tool_calling, tool_constraint = parse_tools(reader.body)
+    if tool_constraint is not None and structured is not None:
+        raise InvalidRequestError(f"tool_choice and {structured_param} both constrain the output; send one",
+                                  param="tool_choice")
+    if tool_constraint is not None:
+        structured, structured_param = tool_constraint, "tools"
     params = _sampling_params(reader, default_max_tokens=None, logprobs=logprobs, structured=structured)
-    return ChatRequest(reader.model(), messages, params, *reader.stream(), reader.priority(), structured_param)
+    return ChatRequest(reader.model(), messages, params, *reader.stream(), reader.priority(), structured_param,
+                       tool_calling)
 
 
 def parse_prompts(prompt: Any) -> list[str | list[int]]:
@@ -201,7 +213,7 @@ def parse_prompts(prompt: Any) -> list[str | list[int]]:
     raise InvalidRequestError("prompt mixes strings, token ids and lists; use one form", param="prompt")
 
 
-def parse_messages(messages: Any) -> list[dict[str, str]]:
+def parse_messages(messages: Any) -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages must be a non-empty list of {role, content} objects", param="messages")
     if len(messages) > MAX_NUM_MESSAGES:
@@ -209,7 +221,7 @@ def parse_messages(messages: Any) -> list[dict[str, str]]:
     return [_message(m, i) for i, m in enumerate(messages)]
 
 
-def _message(message: Any, index: int) -> dict[str, str]:
+def _message(message: Any, index: int) -> dict[str, Any]:
     param = f"messages[{index}]"
     if not isinstance(message, dict):
         raise InvalidRequestError(f"{param} must be an object with role and content", param=param)
@@ -226,7 +238,29 @@ def _message(message: Any, index: int) -> dict[str, str]:
     if not isinstance(content, str):
         raise InvalidRequestError(f"{param}.content must be a string or a list of text parts",
                                   param=f"{param}.content")
-    return {"role": role, "content": content}
+    return {"role": role, "content": content} | _tool_fields(message, role, param)
+
+
+def _tool_fields(message: dict, role: str, param: str) -> dict[str, Any]:
+    """What a chat template may render of a tool conversation: an assistant's tool_calls (arguments
+    as JSON text, as OpenAI sends them), a tool result's tool_call_id and name."""
+    fields: dict[str, Any] = {}
+    if role == "assistant" and message.get("tool_calls") is not None:
+        calls = checked_list(message["tool_calls"], f"{param}.tool_calls", MAX_NUM_TOOLS)
+        for i, call in enumerate(calls):
+            function = call.get("function") if isinstance(call, dict) else None
+            if not (isinstance(function, dict) and isinstance(function.get("name"), str)
+                    and isinstance(function.get("arguments"), str) and isinstance(call.get("id", ""), str)):
+                raise InvalidRequestError(f"{param}.tool_calls[{i}] must be {{id, type, function: {{name, "
+                                          "arguments}}}} with string fields", param=f"{param}.tool_calls[{i}]")
+        fields["tool_calls"] = calls
+    for key in ("tool_call_id", "name"):
+        value = message.get(key)
+        if value is not None and not isinstance(value, str):
+            raise InvalidRequestError(f"{param}.{key} must be a string", param=f"{param}.{key}")
+        if value is not None and role == "tool":
+            fields[key] = value
+    return fields
 
 
 def _text_part(part: Any, param: str) -> str:
@@ -390,9 +424,6 @@ class _Reader:
             value = self.body.get(name)
             if value not in (None, off) and value not in ({}, []):
                 raise InvalidRequestError(f"{name} is not supported by this server", param=name)
-        tool_choice = self.body.get("tool_choice")
-        if tool_choice not in (None, "none"):
-            raise InvalidRequestError("tool_choice is not supported by this server", param="tool_choice")
 
     def structured(self) -> tuple[StructuredOutputs | None, str | None]:
         """The one output constraint (OpenAI's response_format, vLLM's guided_* or structured_outputs)

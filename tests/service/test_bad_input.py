@@ -340,6 +340,12 @@ CHAT_CASES = [
     chat_case("tool-choice", 400, chat(tool_choice="required"), "tool_choice"),
     chat_case("response-format-schema-not-object", 400, chat(response_format={
         "type": "json_schema", "json_schema": {"name": "x", "schema": "object"}}), "response_format"),
+    chat_case("tool-choice-unknown-function", 400, chat(tools=[{"type": "function", "function": {"name": "f"}}],
+                                                         tool_choice={"type": "function", "function": {"name": "g"}}),
+              "tool_choice"),
+    chat_case("tools-not-a-list", 400, chat(tools={"type": "function"}), "tools"),
+    chat_case("served-tool-choice-required", 200, chat(tools=[{"type": "function", "function": {"name": "f"}}],
+                                                       tool_choice="required", parallel_tool_calls=False)),
     chat_case("served-response-format-json-schema", 200, chat(response_format={
         "type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": {
             "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}})),

@@ -201,8 +201,8 @@ async def test_echo_refusals(sdk):
 
 
 # --- unsupported vLLM fields ------------------------------------------------------------------------
-@pytest.mark.parametrize(("field", "value"), [  # structured output: tests/service/test_structured.py
-    ("truncate_prompt_tokens", 8), ("tools", [{"type": "function", "function": {"name": "f"}}]),
+@pytest.mark.parametrize(("field", "value"), [  # structured output and tools: tests/service/test_structured*.py
+    ("truncate_prompt_tokens", 8), ("functions", [{"name": "f"}]),
 ])
 async def test_unimplemented_fields_are_clear_400s(sdk, field, value):
     client, _ = sdk
