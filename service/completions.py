@@ -18,6 +18,7 @@ from aiohttp import web
 from engine.outputs import CompletionOutput
 from engine.structured import StructuredOutputError
 from service import protocol
+from service.constraints import ToolCalling
 from service.errors import (
     InvalidRequestError,
     RequestTimeoutError,
@@ -31,7 +32,6 @@ from service.keys import CONFIG_KEY, RECORD_KEY, REQUEST_ID_KEY
 from service.router import RoutedOutput
 from service.schemas import parse_chat, parse_completion, parse_json
 from service.sse import EventStream
-from service.tools import ToolCalling
 
 logger = logging.getLogger(__name__)
 

@@ -23,8 +23,15 @@ from engine.sampling_params import (
     SamplingParams,
     StructuredOutputs,
 )
+from service.constraints import (
+    MAX_NUM_TOOLS,
+    TOOL_FIELDS,
+    ToolCalling,
+    checked_list,
+    parse_constraint,
+    parse_tools,
+)
 from service.errors import InvalidRequestError
-from service.tools import MAX_NUM_TOOLS, TOOL_FIELDS, ToolCalling, checked_list, parse_tools
 
 INT32_MAX = 2**31 - 1
 MAX_NUM_PROMPTS = 64  # one engine request per prompt
@@ -44,10 +51,6 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 UNSUPPORTED = {"suffix": None, "functions": None, "use_beam_search": False, "prompt_logprobs": None,
                "guided_decoding_backend": None, "guided_whitespace_pattern": None, "truncate_prompt_tokens": None}
 
-# vLLM's constraint fields -> the StructuredOutputs field each sets
-GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
-STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
-GUIDED_LABELS = {name: name for name in GUIDED}
 _MISSING = object()
 
 
@@ -165,7 +168,7 @@ def parse_completion(body: Any) -> CompletionRequest:
     for name in TOOL_FIELDS:
         if reader.body.get(name) not in (None, [], "none"):
             raise InvalidRequestError(f"{name} is only supported by chat completions", param=name)
-    structured, structured_param = reader.structured()
+    structured, structured_param = parse_constraint(reader.body)
     params = _sampling_params(reader, default_max_tokens=16, logprobs=logprobs, structured=structured)
     _check_choices(len(prompts), params.n)
     return CompletionRequest(reader.model(), prompts, params, *reader.stream(), reader.priority(), echo,
@@ -182,7 +185,7 @@ def parse_chat(body: Any) -> ChatRequest:
     if top_logprobs is not None and not wants_logprobs:
         raise InvalidRequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
     logprobs = (top_logprobs or 0) if wants_logprobs else None
-    structured, structured_param = reader.structured()
+    structured, structured_param = parse_constraint(reader.body)
     tool_calling, tool_constraint = parse_tools(reader.body)
     if tool_constraint is not None and structured is not None:
         raise InvalidRequestError(f"tool_choice and {structured_param} both constrain the output; send one",
@@ -424,60 +427,6 @@ class _Reader:
             value = self.body.get(name)
             if value not in (None, off) and value not in ({}, []):
                 raise InvalidRequestError(f"{name} is not supported by this server", param=name)
-
-    def structured(self) -> tuple[StructuredOutputs | None, str | None]:
-        """The one output constraint (OpenAI's response_format, vLLM's guided_* or structured_outputs)
-        and the field it came from; its bounds are StructuredOutputs' own, whether it compiles the engine's."""
-        found = [(name, value) for name in ("response_format", *GUIDED, "structured_outputs")
-                 if (value := self.body.get(name)) is not None and value != {"type": "text"}]
-        if len(found) > 1:
-            raise InvalidRequestError(f"{found[0][0]} and {found[1][0]} both constrain the output; send one",
-                                      param=found[1][0])
-        if not found:
-            return None, None
-        name, value = found[0]
-        try:
-            if name == "response_format":
-                return _response_format(value), name
-            if name == "structured_outputs":
-                if not isinstance(value, dict) or not value.keys() <= set(STRUCTURED_KEYS):
-                    raise ValueError(f"structured_outputs must be an object with one of {list(STRUCTURED_KEYS)}")
-                return StructuredOutputs(**{k: v for k, v in value.items() if v is not None and v is not False}), name
-            if name == "guided_json" and isinstance(value, str):  # vLLM takes the schema as JSON text too
-                return StructuredOutputs(json=value), name
-            if name == "guided_choice" and not isinstance(value, list):
-                raise ValueError("guided_choice must be a list of strings")
-            return StructuredOutputs(**{GUIDED[name]: value}), name
-        except ValueError as exc:
-            raise InvalidRequestError(_renamed(str(exc), name), param=name) from None
-
-
-def _renamed(message: str, name: str) -> str:
-    """StructuredOutputs' message in the words of the field the client sent."""
-    label = {"response_format": "response_format json_schema.schema", **GUIDED_LABELS}.get(name)
-    if label is None:
-        return message
-    return re.sub(r"^structured_outputs( (json|regex|choice|grammar)\b)?", label, message)
-
-
-def _response_format(value: Any) -> StructuredOutputs:
-    """{"type": "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema", "strict"}};
-    a json_schema without a schema is any JSON object. strict or not, the schema is enforced."""
-    kind = value.get("type") if isinstance(value, dict) else None
-    if kind == "json_object":
-        return StructuredOutputs(json_object=True)
-    if kind != "json_schema":
-        raise ValueError('response_format must be {"type": "text"}, {"type": "json_object"} or '
-                         '{"type": "json_schema", "json_schema": {...}}')
-    spec = value.get("json_schema")
-    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
-        raise ValueError("response_format json_schema must be an object with a name and a schema")
-    schema = spec.get("schema")
-    if schema is None:
-        return StructuredOutputs(json_object=True)
-    if not isinstance(schema, dict):
-        raise ValueError("response_format json_schema.schema must be a JSON schema (an object)")
-    return StructuredOutputs(json=schema)
 
 
 def _check_choices(num_prompts: int, n: int) -> None:

@@ -1,5 +1,7 @@
-"""OpenAI function calling: tools and tool_choice parsed into the constraint that makes the calls,
-and the model's constrained text turned back into `tool_calls`."""
+"""What constrains a request's output: OpenAI's response_format, vLLM's guided_* and structured_outputs,
+and function calling (tools and tool_choice parsed into the constraint that makes the calls, the
+model's constrained text turned back into `tool_calls`). The constraint's bounds are
+StructuredOutputs' own; whether it compiles is the engine's check."""
 
 from __future__ import annotations
 
@@ -15,6 +17,64 @@ from service.errors import InvalidRequestError
 TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")  # chat only
 MAX_NUM_TOOLS = 128
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
+# vLLM's constraint fields -> the StructuredOutputs field each sets
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def parse_constraint(body: dict) -> tuple[StructuredOutputs | None, str | None]:
+    """The one output constraint (OpenAI's response_format, vLLM's guided_* or structured_outputs)
+    and the field it came from; its bounds are StructuredOutputs' own, whether it compiles the engine's."""
+    found = [(name, value) for name in ("response_format", *GUIDED, "structured_outputs")
+             if (value := body.get(name)) is not None and value != {"type": "text"}]
+    if len(found) > 1:
+        raise InvalidRequestError(f"{found[0][0]} and {found[1][0]} both constrain the output; send one",
+                                  param=found[1][0])
+    if not found:
+        return None, None
+    name, value = found[0]
+    try:
+        if name == "response_format":
+            return _response_format(value), name
+        if name == "structured_outputs":
+            if not isinstance(value, dict) or not value.keys() <= set(STRUCTURED_KEYS):
+                raise ValueError(f"structured_outputs must be an object with one of {list(STRUCTURED_KEYS)}")
+            return StructuredOutputs(**{k: v for k, v in value.items() if v is not None and v is not False}), name
+        if name == "guided_json" and isinstance(value, str):  # vLLM takes the schema as JSON text too
+            return StructuredOutputs(json=value), name
+        if name == "guided_choice" and not isinstance(value, list):
+            raise ValueError("guided_choice must be a list of strings")
+        return StructuredOutputs(**{GUIDED[name]: value}), name
+    except ValueError as exc:
+        raise InvalidRequestError(_renamed(str(exc), name), param=name) from None
+
+
+def _renamed(message: str, name: str) -> str:
+    """StructuredOutputs' message in the words of the field the client sent."""
+    if name == "structured_outputs":
+        return message
+    label = "response_format json_schema.schema" if name == "response_format" else name
+    return re.sub(r"^structured_outputs( (json|regex|choice|grammar)\b)?", label, message)
+
+
+def _response_format(value: Any) -> StructuredOutputs:
+    """{"type": "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema", "strict"}};
+    a json_schema without a schema is any JSON object. strict or not, the schema is enforced."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "json_object":
+        return StructuredOutputs(json_object=True)
+    if kind != "json_schema":
+        raise ValueError('response_format must be {"type": "text"}, {"type": "json_object"} or '
+                         '{"type": "json_schema", "json_schema": {...}}')
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise ValueError("response_format json_schema must be an object with a name and a schema")
+    schema = spec.get("schema")
+    if schema is None:
+        return StructuredOutputs(json_object=True)
+    if not isinstance(schema, dict):
+        raise ValueError("response_format json_schema.schema must be a JSON schema (an object)")
+    return StructuredOutputs(json=schema)
 
 
 @dataclass(frozen=True)
