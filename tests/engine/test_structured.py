@@ -11,9 +11,9 @@ import jsonschema
 import pytest
 
 from engine import EngineConfig, LLMEngine
-from engine.errors import RequestRejectedError
+from engine.errors import EngineOverloadedError, RequestRejectedError
 from engine.sampling_params import MAX_STRUCTURED_CHARS, SamplingParams, StructuredOutputs
-from engine.structured import GrammarCompiler, StructuredOutputError
+from engine.structured import MAX_PENDING, GrammarCompiler, StructuredOutputError
 from tests.service.server import TINY
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags", "address"],
@@ -163,6 +163,29 @@ def test_a_constraint_too_costly_to_compile_is_refused_within_the_time_bound_and
     with pytest.raises(StructuredOutputError, match="did not compile"):
         compiler.check(hostile)
     assert time.monotonic() - start < 0.1
+
+
+def test_compiles_left_running_are_bounded_and_then_refused_as_overload(engine):
+    """Each timed-out compile keeps a thread until llguidance gives up by itself (~0.3 s each here): past
+    MAX_PENDING of them a new constraint is an overload (429), until they end."""
+    compiler = GrammarCompiler(engine.tokenizer, engine.vocab_size, engine.eos_token_ids)
+    compiler.check(StructuredOutputs(regex="a"))  # builds the tokenizer
+    compiler.timeout_s = 0.01
+    for letter in "abcd"[:MAX_PENDING]:
+        hostile = StructuredOutputs(json={"type": "string",
+                                          "allOf": [{"pattern": f"^.*{letter}.{{{i}}}$"} for i in range(17)]})
+        with pytest.raises(StructuredOutputError, match="did not compile within"):
+            compiler.check(hostile)
+    with pytest.raises(EngineOverloadedError):
+        compiler.check(StructuredOutputs(regex="b"))
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            compiler.check(StructuredOutputs(regex="b"))
+            break
+        except EngineOverloadedError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
 
 
 def test_compiles_are_cached_per_constraint(engine):
