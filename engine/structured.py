@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 COMPILE_TIMEOUT_S = 5.0  # llguidance: "100-1000 ms for extremely complex grammars"
 MAX_PENDING = 4  # compiles running at once (a timed-out one keeps a core until it ends by itself)
-MAX_CACHED = 256  # compiled constraints kept per engine, least recently used dropped
+MAX_CACHED = 64  # compiled constraints kept per engine (each holds its lazily built lexer), LRU
 MAX_ERROR_CHARS = 400
 # compact JSON: a small model given free whitespace may emit newlines until max_tokens
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
