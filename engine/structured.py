@@ -1,13 +1,15 @@
 """Structured output: a request's constraint compiled to a grammar, one matcher per sequence, and the
 token mask the sampler lays over constrained rows.
 
-llguidance does the grammar work (why it and not xgrammar: no dependencies where xgrammar pulls triton
-and tvm-ffi into a CPU install; grammars built lazily, per step, under fuel limits, where xgrammar
-compiles the whole grammar up front; Lark and GBNF grammars; errors are matcher state, not crashes).
-Its fuel limits do not bound everything (an allOf of 30 patterns builds regex intersections for
-minutes), so a compile runs in a daemon thread (llguidance drops the GIL) and is given up after
-`timeout_s`: the request is refused, the thread is left to finish on its own, and at most
-MAX_PENDING compiles run at once."""
+llguidance does the grammar work, not xgrammar (both measured on the shipped 4096-token tokenizer):
+it has no dependencies where xgrammar pulls triton and tvm-ffi into a CPU install; it enforces
+JSON Schema's allOf where xgrammar warns "still ongoing" and compiles it without; it takes Lark
+and GBNF; errors are matcher state, not crashes. Its mask costs more (10-20 us per row per step,
+the first step in a new lexer state up to 2 ms, against xgrammar's 1 us) on a ~10 ms step.
+Its fuel limits do not bound everything (an allOf of 20 patterns builds regex intersections for
+3.5 s, of 30 for minutes), so a compile runs in a daemon thread (llguidance drops the GIL) and is
+given up after `timeout_s`: the request is refused, the thread is left to finish on its own, and
+at most MAX_PENDING compiles run at once."""
 
 import json
 import logging
