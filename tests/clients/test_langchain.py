@@ -34,3 +34,19 @@ async def test_with_structured_output_returns_the_pydantic_model(start):
     for prompt in ("Is this Python? print(1)", "Does this compile? int main() {}", "Rust?"):
         verdict = await structured.ainvoke(prompt)
         assert isinstance(verdict, Verdict), verdict
+
+
+class RunTests(BaseModel):
+    """Run the project's tests."""
+
+    path: Literal["tests/", "tests/engine/", "tests/service/"]
+    verbose: bool
+
+
+async def test_bind_tools_with_a_named_tool_returns_its_call(start):
+    llm = await chat(start, max_tokens=48)
+    # strict: LangChain closes the schema (additionalProperties false), as OpenAI's strict mode asks
+    message = await llm.bind_tools([RunTests], tool_choice="RunTests", strict=True).ainvoke("Run the engine tests")
+    (call,) = message.tool_calls
+    assert call["name"] == "RunTests" and RunTests(**call["args"]), message
+    assert message.response_metadata["finish_reason"] == "tool_calls"
