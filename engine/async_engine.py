@@ -99,14 +99,22 @@ class AsyncEngine:
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.engine.check_request(prompt_token_ids, params)
 
+    def _encode_checked(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        prompt_token_ids = self.encode(prompt)
+        self.check_request(prompt_token_ids, params)
+        return prompt_token_ids
+
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                        priority: int = 0, prompt_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
         """Yield output deltas until the request finishes. Leaving early aborts it. `prompt_token_ids`:
-        the prompt already encoded by this engine's tokenizer (checked again, never encoded twice)."""
+        the prompt already encoded and checked by this engine (checked again: a cache hit for a
+        constraint). Without them the prompt is encoded and checked in a worker thread: a long
+        text, or a grammar this engine never compiled (up to seconds), must not stall the loop."""
         self._check_alive()
         if prompt_token_ids is None:
-            prompt_token_ids = self.encode(prompt)
-        self.check_request(prompt_token_ids, params)
+            prompt_token_ids = await asyncio.to_thread(self._encode_checked, prompt, params)
+        else:
+            self.check_request(prompt_token_ids, params)
         self._check_room()
         if request_id in self._waiters:
             raise EngineError(f"request id {request_id!r} is already in use")

@@ -1,5 +1,5 @@
 """A string prompt is encoded once, in a worker thread, by the asked model's tokenizer; the engine
-takes those ids. Only a fallback with its own tokenizer encodes the text again."""
+takes those ids. Only a fallback with its own tokenizer encodes the text again, in a worker thread too."""
 
 import threading
 
@@ -36,3 +36,4 @@ async def test_a_fallback_encodes_the_text_with_its_own_tokenizer(start):
                                                       "temperature": 0.0, "ignore_eos": True})
     assert response.status == 200 and response.headers["x-pagedserve-served-model"] == "fallback"
     assert (len(primary_calls), len(fallback_calls)) == (1, 1), (primary_calls, fallback_calls)
+    assert threading.main_thread().name not in primary_calls + fallback_calls  # never on the event loop
