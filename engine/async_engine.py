@@ -93,8 +93,8 @@ class AsyncEngine:
     def encode(self, prompt: str | list[int]) -> list[int]:
         return self.engine.encode(prompt)
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        return self.engine.apply_chat_template(messages)
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        return self.engine.apply_chat_template(messages, tools)
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.engine.check_request(prompt_token_ids, params)

@@ -84,11 +84,13 @@ class LLMEngine:
             return self.tokenizer.encode(prompt, add_special_tokens=False)
         return list(prompt)
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """The prompt of a conversation; `tools` (OpenAI function definitions) reach a template that
+        knows them (one that does not ignores them)."""
         if not self.chat_template:
             raise RequestRejectedError("this model has no chat template; use the completions API")
         return render_bounded(lambda: self.tokenizer.apply_chat_template(
-            messages, chat_template=self.chat_template, tokenize=False, add_generation_prompt=True))
+            messages, tools=tools or None, chat_template=self.chat_template, tokenize=False, add_generation_prompt=True))
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Reject what can never be served, with the numbers. The KV pool always holds one sequence

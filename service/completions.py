@@ -56,7 +56,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     parsed = parse_chat(await read_json(request))
     gen = Generation(request, "chatcmpl", parsed.model, parsed.params, parsed.priority)
     with _naming(parsed.structured_param):
-        await gen.check_chat(parsed.messages)
+        await gen.check_chat(parsed.messages, parsed.tools)
     fmt = ChatFormat(parsed.params.n, parsed.params.logprobs, parsed.tool_calling)
     if parsed.stream:
         return await stream(request, gen, fmt, parsed.include_usage)

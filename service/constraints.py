@@ -97,11 +97,13 @@ class ToolCalling:
                 for call in value]
 
 
-def parse_tools(body: dict) -> tuple[ToolCalling | None, StructuredOutputs | None]:
-    """tools, tool_choice, parallel_tool_calls -> how tool calls are made, and the constraint that
+def parse_tools(body: dict) -> tuple[list[dict[str, Any]], ToolCalling | None, StructuredOutputs | None]:
+    """tools, tool_choice, parallel_tool_calls -> the tools' definitions (for the chat template: a model
+    whose template knows tools is told of them), how tool calls are made, and the constraint that
     makes them: a named function's arguments match its parameters schema; "required" is a JSON array
     of {"name", "parameters"} calls, one at most without parallel_tool_calls."""
     tools = [_tool(t, i) for i, t in enumerate(checked_list(body.get("tools"), "tools", MAX_NUM_TOOLS))]
+    definitions = [{"type": "function", "function": tool} for tool in tools]
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise InvalidRequestError("parallel_tool_calls must be a boolean", param="parallel_tool_calls")
@@ -109,19 +111,19 @@ def parse_tools(body: dict) -> tuple[ToolCalling | None, StructuredOutputs | Non
     if choice not in (None, "none") and not tools:
         raise InvalidRequestError("tool_choice needs tools", param="tool_choice")
     if choice is None or choice in ("none", "auto"):
-        return None, None
+        return definitions if choice != "none" else [], None, None
     by_name = {t["name"]: t["parameters"] for t in tools}
     if choice == "required":
         calls = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
                   "properties": {"name": {"const": name}, "parameters": schema}} for name, schema in by_name.items()]
         array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}} | ({"maxItems": 1} if parallel is False
                                                                                 else {})
-        return ToolCalling(None), _tool_constraint(array)
+        return definitions, ToolCalling(None), _tool_constraint(array)
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or name not in by_name:
         raise InvalidRequestError('tool_choice must be "none", "auto", "required" or {"type": "function", '
                                   '"function": {"name": ...}} naming one of the tools', param="tool_choice")
-    return ToolCalling(name), _tool_constraint(by_name[name])
+    return definitions, ToolCalling(name), _tool_constraint(by_name[name])
 
 
 def _tool(tool: Any, index: int) -> dict[str, Any]:
@@ -137,7 +139,10 @@ def _tool(tool: Any, index: int) -> dict[str, Any]:
     if not isinstance(parameters, dict):
         raise InvalidRequestError(f"{param}.function.parameters must be a JSON schema (an object)",
                                   param=f"{param}.function.parameters")
-    return {"name": name, "parameters": parameters}
+    description = function.get("description")
+    if description is not None and not isinstance(description, str):
+        raise InvalidRequestError(f"{param}.function.description must be a string", param=f"{param}.function.description")
+    return {"name": name, "parameters": parameters} | ({"description": description} if description else {})
 
 
 def _tool_constraint(schema: dict) -> StructuredOutputs:

@@ -105,8 +105,8 @@ class Generation:
         self.state.router.bulkhead(self.model).check_fits(
             sum(self.num_prompt_tokens) + len(prompts) * n * max_tokens, len(prompts) * n)
 
-    async def check_chat(self, messages: list[dict[str, str]]) -> None:
-        prompt = await asyncio.to_thread(self.engine.apply_chat_template, messages)
+    async def check_chat(self, messages: list[dict[str, str]], tools: list[dict] | None = None) -> None:
+        prompt = await asyncio.to_thread(self.engine.apply_chat_template, messages, tools)
         await self.check_prompts([prompt])
 
     def _check_all(self, engine: EngineClient, prompts: list[str | list[int]]) -> list[list[int]]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.sampling_params import (
@@ -76,6 +76,7 @@ class ChatRequest:
     priority: int = 0
     structured_param: str | None = None
     tool_calling: ToolCalling | None = None
+    tools: list[dict[str, Any]] = field(default_factory=list)  # definitions the chat template is given
 
 
 def parse_json(raw: bytes) -> Any:
@@ -186,7 +187,7 @@ def parse_chat(body: Any) -> ChatRequest:
         raise InvalidRequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
     logprobs = (top_logprobs or 0) if wants_logprobs else None
     structured, structured_param = parse_constraint(reader.body)
-    tool_calling, tool_constraint = parse_tools(reader.body)
+    tools, tool_calling, tool_constraint = parse_tools(reader.body)
     if tool_constraint is not None and structured is not None:
         raise InvalidRequestError(f"tool_choice and {structured_param} both constrain the output; send one",
                                   param="tool_choice")
@@ -194,7 +195,7 @@ def parse_chat(body: Any) -> ChatRequest:
         structured, structured_param = tool_constraint, "tools"
     params = _sampling_params(reader, default_max_tokens=None, logprobs=logprobs, structured=structured)
     return ChatRequest(reader.model(), messages, params, *reader.stream(), reader.priority(), structured_param,
-                       tool_calling)
+                       tool_calling, tools)
 
 
 def parse_prompts(prompt: Any) -> list[str | list[int]]:

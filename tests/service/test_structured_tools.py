@@ -125,3 +125,22 @@ async def test_completions_refuse_tools(sdk):
     with pytest.raises(openai.BadRequestError) as caught:
         await client.completions.create(model="primary", prompt="hi", max_tokens=1, extra_body={"tools": TOOLS})
     assert caught.value.body["param"] == "tools"
+
+
+TOOLS_TEMPLATE = ("{% if tools %}[tools:{% for t in tools %}{{ t.function.name }}={{ t.function.description }};"
+                  "{% endfor %}]{% endif %}{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+
+
+async def test_a_template_that_knows_tools_is_given_them(start):
+    h = await start(engine_kwargs={"chat_template": TOOLS_TEMPLATE})
+    messages = [{"role": "user", "content": "What is the weather?"}]
+    tool = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                             "parameters": {"type": "object", "properties": {}}}}
+    rendered = h.primary.apply_chat_template(messages, [tool])
+    assert rendered == "[tools:get_weather=Weather in a city;]<user>What is the weather?"
+    body = {"messages": messages, "max_tokens": 1, "tools": [tool], "tool_choice": "auto"}
+    with_tools = await (await h.client.post("/v1/chat/completions", json=body)).json()
+    assert with_tools["usage"]["prompt_tokens"] == len(h.primary.encode(rendered)), with_tools
+    body["tool_choice"] = "none"  # no tool may be called: the model is not told of them
+    without = await (await h.client.post("/v1/chat/completions", json=body)).json()
+    assert without["usage"]["prompt_tokens"] == len(h.primary.encode(h.primary.apply_chat_template(messages)))
