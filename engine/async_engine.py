@@ -42,6 +42,7 @@ class AsyncEngine:
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
         self.vocab_size = self.engine.vocab_size
+        self.sampling_defaults = self.engine.sampling_defaults
         self.dtype = str(self.engine.model_runner.dtype).removeprefix("torch.")
         self.dtype_probe = self.engine.model_runner.dtype_probe  # how --dtype auto chose, on CPU
         self.faults = FaultInjector()

@@ -25,6 +25,7 @@ class EngineClient(Protocol):
     tokenizer: Any  # a transformers tokenizer: decode() for streamed text, the chat template
     max_model_len: int
     vocab_size: int
+    sampling_defaults: dict[str, float | int]  # the model's generation_config.json, for requests that set none
     dtype: str  # what the weights and KV pool are held in ("float32", "bfloat16", "float16")
     dtype_probe: DtypeProbe | None  # on CPU with --dtype auto: what was measured to choose it
     faults: FaultInjector

@@ -26,7 +26,7 @@ class LLM:
                  use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in the order of the prompts."""
         prompts = [prompts] if isinstance(prompts, str | dict) else list(prompts)
-        params = sampling_params or SamplingParams()
+        params = sampling_params or SamplingParams(**self.engine.sampling_defaults)  # the model's own defaults
         order = []
         for i, prompt in enumerate(prompts):
             request_id = str(next(self._request_ids))

@@ -12,7 +12,13 @@ from engine.block_manager import BlockCopies, BlockManager
 from engine.chat_template import render_bounded
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import EngineError, EngineStepError, RequestFailedError, RequestRejectedError
+from engine.errors import (
+    EngineError,
+    EngineStepError,
+    ModelValidationError,
+    RequestFailedError,
+    RequestRejectedError,
+)
 from engine.loader import validate_model_dir
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestOutput
@@ -50,6 +56,12 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         files = validate_model_dir(config.model)
+        try:  # a default out of range would turn every request that relies on it into a 400
+            SamplingParams(**files.sampling_defaults)
+        except ValueError as exc:
+            raise ModelValidationError(f"{files.path / 'generation_config.json'}: {exc}") from exc
+        # what the model's generation_config.json sets for requests that do not (temperature, top_p, ...)
+        self.sampling_defaults = files.sampling_defaults
         self.chat_template = config.chat_template or files.chat_template
         self.tokenizer = AutoTokenizer.from_pretrained(files.path, local_files_only=True)
         self.model_runner = ModelRunner(config, files)

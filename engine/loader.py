@@ -16,6 +16,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+# what a model's generation_config.json may set for requests that do not (as vLLM's --generation-config auto)
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
@@ -25,6 +27,7 @@ class ModelFiles:
     config: dict
     weight_files: tuple[Path, ...]
     chat_template: str | None
+    sampling_defaults: dict[str, float | int]  # from generation_config.json: SAMPLING_DEFAULTS it sets
 
     @property
     def architecture(self) -> str:
@@ -44,7 +47,7 @@ def validate_model_dir(path: str | os.PathLike) -> ModelFiles:
     weights = _weight_files(root)
     for name in TOKENIZER_FILES:
         _read_json(root / name, required=True)
-    return ModelFiles(root.resolve(), config, weights, _chat_template(root))
+    return ModelFiles(root.resolve(), config, weights, _chat_template(root), _sampling_defaults(root))
 
 
 def _weight_files(root: Path) -> tuple[Path, ...]:
@@ -65,6 +68,17 @@ def _chat_template(root: Path) -> str | None:
         return jinja.read_text()
     template = _read_json(root / "tokenizer_config.json", required=True).get("chat_template")
     return template if isinstance(template, str) else None
+
+
+def _sampling_defaults(root: Path) -> dict[str, float | int]:
+    """The sampling fields generation_config.json sets explicitly (a number each, else the file is
+    refused: a model that would sample with a typo must not load)."""
+    path = root / "generation_config.json"
+    found = {k: v for k, v in _read_json(path, required=False).items() if k in SAMPLING_DEFAULTS}
+    bad = sorted(k for k, v in found.items() if isinstance(v, bool) or not isinstance(v, int | float))
+    if bad:
+        raise ModelValidationError(f"{path}: {', '.join(bad)} must be numbers")
+    return found
 
 
 def _read_json(path: Path, required: bool) -> dict:

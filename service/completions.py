@@ -42,7 +42,7 @@ def _draining() -> UnavailableError:
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
     parsed = parse_completion(await read_json(request))
-    gen = Generation(request, "cmpl", parsed.model, parsed.params, parsed.priority)
+    gen = Generation(request, "cmpl", parsed.model, parsed.params, parsed.priority, parsed.unset_sampling)
     with _naming(parsed.structured_param):
         await gen.check_prompts(parsed.prompts)
     echo = await asyncio.to_thread(_prompt_texts, gen, parsed.prompts) if parsed.echo else None
@@ -54,7 +54,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     parsed = parse_chat(await read_json(request))
-    gen = Generation(request, "chatcmpl", parsed.model, parsed.params, parsed.priority)
+    gen = Generation(request, "chatcmpl", parsed.model, parsed.params, parsed.priority, parsed.unset_sampling)
     with _naming(parsed.structured_param):
         await gen.check_chat(parsed.messages, parsed.tools)
     fmt = ChatFormat(parsed.params.n, parsed.params.logprobs, parsed.tool_calling)

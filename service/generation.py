@@ -27,7 +27,9 @@ TIMEOUT_HEADER = "x-pagedserve-timeout"  # seconds the client gives the whole re
 
 class Generation:
     def __init__(self, request: web.Request, id_prefix: str, model: str | None, params: SamplingParams,
-                 priority: int = 0) -> None:
+                 priority: int = 0, unset_sampling: frozenset[str] = frozenset()) -> None:
+        """`unset_sampling`: sampling fields the request left out, which the asked model's
+        generation_config.json may set (as vLLM's --generation-config auto)."""
         self.request = request
         self.config = request.app[CONFIG_KEY]
         self.state = request.app[STATE_KEY]
@@ -39,6 +41,9 @@ class Generation:
         self.priority = priority
         self.deadline = self.record.start + self._timeout_s()  # time.monotonic(), as the router's clock
         self.model = self._resolve(model)
+        defaults = {k: v for k, v in self.engine.sampling_defaults.items() if k in unset_sampling}
+        if defaults:
+            self.params = dataclasses.replace(self.params, **defaults)
         self.record.model = self.model
         self.prompts: list[str | list[int]] = []
         self.prompt_token_ids: list[list[int]] = []  # per prompt, encoded once by `encoded_by`'s tokenizer

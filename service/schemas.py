@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.loader import SAMPLING_DEFAULTS
 from engine.sampling_params import (
     INT64_MAX,
     MAX_LOGIT_BIAS,
@@ -64,6 +65,7 @@ class CompletionRequest:
     priority: int = 0
     echo: bool = False  # each choice's text starts with its prompt's text
     structured_param: str | None = None  # the field params.structured_outputs came from (it names a 400)
+    unset_sampling: frozenset[str] = frozenset()  # sampling fields the model's generation_config may set
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,7 @@ class ChatRequest:
     structured_param: str | None = None
     tool_calling: ToolCalling | None = None
     tools: list[dict[str, Any]] = field(default_factory=list)  # definitions the chat template is given
+    unset_sampling: frozenset[str] = frozenset()  # sampling fields the model's generation_config may set
 
 
 def parse_json(raw: bytes) -> Any:
@@ -173,7 +176,7 @@ def parse_completion(body: Any) -> CompletionRequest:
     params = _sampling_params(reader, default_max_tokens=16, logprobs=logprobs, structured=structured)
     _check_choices(len(prompts), params.n)
     return CompletionRequest(reader.model(), prompts, params, *reader.stream(), reader.priority(), echo,
-                             structured_param)
+                             structured_param, reader.unset(SAMPLING_DEFAULTS))
 
 
 def parse_chat(body: Any) -> ChatRequest:
@@ -195,7 +198,7 @@ def parse_chat(body: Any) -> ChatRequest:
         structured, structured_param = tool_constraint, "tools"
     params = _sampling_params(reader, default_max_tokens=None, logprobs=logprobs, structured=structured)
     return ChatRequest(reader.model(), messages, params, *reader.stream(), reader.priority(), structured_param,
-                       tool_calling, tools)
+                       tool_calling, tools, reader.unset(SAMPLING_DEFAULTS))
 
 
 def parse_prompts(prompt: Any) -> list[str | list[int]]:
@@ -314,6 +317,10 @@ class _Reader:
         if not isinstance(body, dict):
             raise InvalidRequestError("the request body must be a JSON object")
         self.body = body
+
+    def unset(self, names: tuple[str, ...]) -> frozenset[str]:
+        """The fields the body leaves out (or sends as null)."""
+        return frozenset(name for name in names if self.body.get(name) is None)
 
     def raw(self, name: str) -> Any:
         return self.body.get(name, _MISSING)
