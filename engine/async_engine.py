@@ -56,6 +56,7 @@ class AsyncEngine:
         self.dead_error: BaseException | None = None
         self._stats = self.engine.stats()
         self.last_progress_time = time.monotonic()  # end of the loop's last iteration (step or idle tick)
+        self.last_used = time.monotonic()  # the start or end of its last request
 
     # --- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -80,6 +81,11 @@ class AsyncEngine:
     @property
     def is_dead(self) -> bool:
         return self.dead_error is not None
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests a caller is still iterating (each from its start to its last output or abort)."""
+        return len(self._waiters)
 
     @property
     def is_running(self) -> bool:
@@ -121,6 +127,7 @@ class AsyncEngine:
             raise EngineError(f"request id {request_id!r} is already in use")
         waiter = _Waiter(asyncio.get_running_loop(), asyncio.Queue())
         self._waiters[request_id] = waiter
+        self.last_used = time.monotonic()
         with self._adds_lock:
             self._num_queued_adds += 1
         self._commands.append(("add", (request_id, prompt, params, priority, time.monotonic(), prompt_token_ids)))
@@ -136,6 +143,7 @@ class AsyncEngine:
                 yield item
         finally:
             self._waiters.pop(request_id, None)
+            self.last_used = time.monotonic()
             if not finished:
                 self.abort(request_id)
 

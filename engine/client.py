@@ -1,7 +1,6 @@
 """`EngineClient`: what the serving and resilience layers may use of an engine, as one typed seam.
 
-`engine.AsyncEngine` implements it (so does the registry's `TrackedEngine`, which forwards to one,
-and the stand-ins of a few resilience tests). Code above the engine holds engines as
+`engine.AsyncEngine` implements it (and so, in part, do the stand-ins of a few resilience tests). Code above the engine holds engines as
 `EngineClient`, never reaches inside them (`.engine`, `.model_runner`), and needs no torch to
 import this module."""
 
@@ -31,9 +30,13 @@ class EngineClient(Protocol):
     faults: FaultInjector
     dead_error: BaseException | None  # why the loop died (None: alive)
     last_progress_time: float  # time.monotonic() at the end of the loop's last iteration (idle ticks too)
+    last_used: float  # time.monotonic() of the start or end of its last request (LRU eviction reads it)
 
     @property
     def is_dead(self) -> bool: ...
+
+    @property
+    def num_in_flight(self) -> int: ...
 
     def start(self) -> None: ...
 

@@ -18,17 +18,15 @@ engine work itself runs in worker threads, so health and the other models keep s
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from engine.client import EngineClient
 from engine.config import EngineConfig
-from engine.outputs import RequestOutput
 from service.errors import InvalidRequestError, ServiceError
 from service.supervision import release_memory, warm_up
 
@@ -61,15 +59,24 @@ class ModelEntry:
     quota_bytes: int | None = None  # the model's cost when given (its KV pool is sized from it)
     is_pinned: bool = False  # a start-up model: never evicted to make room
     state: ModelState = ModelState.LOADING
-    engine: TrackedEngine | None = None  # once READY; dropped on unload
+    engine: EngineClient | None = None  # once READY; dropped on unload
     memory_bytes: int = 0  # what the budget counts: an estimate while loading, then quota or measured
     weight_bytes: int | None = None  # measured once loaded
     kv_cache_bytes: int | None = None
-    last_used: float = 0.0  # time.monotonic() of the last request start or end
-    num_in_flight: int = 0  # engine requests running on this model (fallback use included)
+    loaded_at: float = 0.0  # time.monotonic() when it was published (or its load began)
     error: str | None = None
     load_seconds: float | None = None
     engine_config: EngineConfig | None = None  # to rebuild it (recycle after a leak)
+
+    @property
+    def last_used(self) -> float:
+        """time.monotonic() of its engine's last request start or end (its load, if none since)."""
+        return max(self.loaded_at, self.engine.last_used) if self.engine is not None else self.loaded_at
+
+    @property
+    def num_in_flight(self) -> int:
+        """Engine requests running on this model (its use as a fallback included)."""
+        return self.engine.num_in_flight if self.engine is not None else 0
 
     def to_dict(self, now: float) -> dict[str, Any]:
         return {"name": self.name, "path": self.path, "state": str(self.state), "fallback": self.fallback,
@@ -77,31 +84,6 @@ class ModelEntry:
                 "weight_bytes": self.weight_bytes, "kv_cache_bytes": self.kv_cache_bytes,
                 "num_in_flight": self.num_in_flight, "idle_seconds": round(now - self.last_used, 3),
                 "load_seconds": self.load_seconds, "error": self.error}
-
-
-class TrackedEngine:
-    """The engine as the router sees it: every `generate` counts as in flight on its entry and stamps
-    its last use; everything else is the engine's own."""
-
-    def __init__(self, engine: EngineClient, entry: ModelEntry, clock: Callable[[], float]) -> None:
-        self.inner = engine
-        self._entry = entry
-        self._clock = clock
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    async def generate(self, *args: Any, **kwargs: Any) -> AsyncIterator[RequestOutput]:
-        entry = self._entry
-        entry.num_in_flight += 1
-        entry.last_used = self._clock()
-        try:
-            async with contextlib.aclosing(self.inner.generate(*args, **kwargs)) as outputs:
-                async for output in outputs:
-                    yield output
-        finally:
-            entry.num_in_flight -= 1
-            entry.last_used = self._clock()
 
 
 class ModelRegistry:
@@ -133,7 +115,7 @@ class ModelRegistry:
     def ready_names(self) -> list[str]:
         return [n for n, e in self.entries.items() if e.state == ModelState.READY]
 
-    def find_engine(self, name: str) -> TrackedEngine | None:
+    def find_engine(self, name: str) -> EngineClient | None:
         """The engine of a READY or DRAINING model (a draining one still finishes its streams)."""
         entry = self.entries.get(name)
         return entry.engine if entry is not None else None
@@ -155,7 +137,7 @@ class ModelRegistry:
                 raise ConflictError(f"model {name!r} is already {old.state}; unload it first", code="model_exists")
             if fallback is not None and not is_pinned and fallback not in self.entries:  # config checked pinned ones
                 raise InvalidRequestError(f"fallback {fallback!r} is not a loaded model", param="fallback")
-            entry = ModelEntry(name, config.model, fallback, quota_bytes, is_pinned, last_used=self.clock(),
+            entry = ModelEntry(name, config.model, fallback, quota_bytes, is_pinned, loaded_at=self.clock(),
                                memory_bytes=quota_bytes or estimate_bytes, engine_config=config)
             await self._make_room(entry)
             self.entries.pop(name, None)
@@ -202,8 +184,8 @@ class ModelRegistry:
             raise
 
     def _publish(self, entry: ModelEntry, engine: EngineClient) -> None:
-        entry.engine = TrackedEngine(engine, entry, self.clock)
-        entry.state, entry.last_used = ModelState.READY, self.clock()
+        entry.engine = engine
+        entry.state, entry.loaded_at = ModelState.READY, self.clock()
         self.fallbacks[entry.name] = entry.fallback
         self.state.engines[entry.name] = entry.engine
         self.num_loads += 1
@@ -252,7 +234,7 @@ class ModelRegistry:
         rebuild, warm. Callable again after a failed rebuild (the entry is FAILED, with no engine)."""
         async with self._lock:
             entry = self.entries[name]
-            old = _inner(entry.engine)
+            old = entry.engine
             self.state.engines.pop(name, None)
             entry.engine, entry.state, entry.error = None, ModelState.LOADING, None
             if old is not None:
@@ -295,7 +277,7 @@ class ModelRegistry:
         entry.state = ModelState.UNLOADING
         current = self.state.engines.pop(entry.name, None)
         self.fallbacks.pop(entry.name, None)
-        engines = {id(e): e for e in (_inner(entry.engine), _inner(current)) if e is not None}
+        engines = {id(e): e for e in (entry.engine, current) if e is not None}
         entry.engine = current = None
         for engine in engines.values():  # a recycle may have put a new engine beside the tracked one
             await asyncio.to_thread(engine.stop)
@@ -311,7 +293,7 @@ class ModelRegistry:
         """Shutdown: stop every engine, the last loaded first."""
         for entry in reversed(list(self.entries.values())):
             if entry.engine is not None:
-                await asyncio.to_thread(entry.engine.inner.stop)
+                await asyncio.to_thread(entry.engine.stop)
                 logger.info("model %s stopped", entry.name)
 
     def _after_change(self) -> None:
@@ -324,8 +306,4 @@ class ModelRegistry:
             self.metrics.observe_model_change(kind, name, seconds, ok)
 
 
-def _inner(engine: EngineClient | None) -> EngineClient | None:
-    return engine.inner if isinstance(engine, TrackedEngine) else engine
-
-
-__all__ = ["ModelRegistry", "ModelEntry", "ModelState", "TrackedEngine", "ConflictError", "MemoryBudgetError"]
+__all__ = ["ModelRegistry", "ModelEntry", "ModelState", "ConflictError", "MemoryBudgetError"]

@@ -132,7 +132,7 @@ async def test_a_crashed_engine_heals_in_process(start):
     assert (await h.client.get("/health/live")).status == 200  # rebuilding in process: no restart wanted
     gate.set()
     await until(h.state.health.is_ready, timeout=60)
-    assert h.engines["primary"].inner is not primary.inner and not h.primary.is_dead
+    assert h.engines["primary"] is not primary and not h.primary.is_dead
     assert (await h.client.get("/health/ready")).status == 200
     metrics = await (await h.client.get("/metrics")).text()
     assert "pagedserve:engine_rebuilds_total 2.0" in metrics
