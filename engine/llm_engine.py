@@ -22,6 +22,7 @@ from engine.errors import (
 from engine.loader import validate_model_dir
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestOutput
+from engine.profiling import POSTPROCESS, RUN, SCHEDULE, phase
 from engine.sampling_params import MAX_PRIORITY, SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from engine.sequence import SampledToken, Sequence, SequenceStatus
@@ -175,11 +176,15 @@ class LLMEngine:
 
     # --- the step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        batch = self.scheduler.schedule()
-        sampled = self._run(batch)
-        updated = self.scheduler.postprocess(batch, sampled, on_error=self._fail_seq)
-        self._account(batch.num_batched_tokens, len(updated))
-        return self._fail_marked() + self._outputs(updated)
+        # the phase ranges show only in a profile (engine/profiling.py); without one they are no-ops
+        with phase(SCHEDULE):
+            batch = self.scheduler.schedule()
+        with phase(RUN):
+            sampled = self._run(batch)
+        with phase(POSTPROCESS):
+            updated = self.scheduler.postprocess(batch, sampled, on_error=self._fail_seq)
+            self._account(batch.num_batched_tokens, len(updated))
+            return self._fail_marked() + self._outputs(updated)
 
     # --- poison isolation: a step that raises never stops the engine --------------------------------
     def _run(self, batch: SchedulerOutput) -> dict[int, list[SampledToken]]:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.profiling import SAMPLE, phase
 from engine.sequence import SampledToken, Sequence
 from engine.structured import apply_masks
 
@@ -22,6 +23,10 @@ class SampleRow:
 class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> dict[int, list[SampledToken]]:
         """logits: [num_rows, vocab] (float32). Returns seq_id -> its sampled tokens."""
+        with phase(SAMPLE):  # a profiler range only while a profile runs (engine/profiling.py)
+            return self._sample(logits, rows)
+
+    def _sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> dict[int, list[SampledToken]]:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(r.seq.params.logprobs is not None
                                                                  for r in rows) else None
         logits = self._apply_grammars(self._apply_penalties(logits.clone(), rows), logits, rows)

@@ -1,4 +1,4 @@
-"""`pagedserve serve` (also `python -m service`) and `pagedserve generate`.
+"""`pagedserve serve` (also `python -m service`), `pagedserve generate` and `pagedserve bench --profile`.
 
 Options are parsed once, here, into a frozen `ServerConfig`. Precedence: flags, then environment
 variables (MODEL, PORT, HOST, MAX_GPU_MEMORY_UTILIZATION, API_KEY, ADMIN_KEY, as in the common vLLM
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -18,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from engine.profiling import format_table, profile_arguments, run_profile, settings_from
 from service.config import (
     DEFAULT_FALLBACK,
     DEFAULT_MAX_BODY_BYTES,
@@ -48,6 +50,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(args.log_level, args.log_format)
     if args.command == "generate":
         return generate(args)
+    if args.command == "bench":
+        return bench(args)
     try:
         config = build_config(args, os.environ)
         check_model_dirs(config)
@@ -70,7 +74,7 @@ def exit_now(code: int) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description="pagedserve: a resilient LLM serving stack")
-    sub = parser.add_subparsers(dest="command", metavar="{serve,generate}")
+    sub = parser.add_subparsers(dest="command", metavar="{serve,generate,bench}")
     serve_p = sub.add_parser("serve", help="serve models over an OpenAI-compatible HTTP API")
     _add_server_options(serve_p)
     _add_engine_options(serve_p)
@@ -81,7 +85,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen_p.add_argument("--temperature", type=float, default=0.0)
     gen_p.add_argument("--seed", type=int)
     _add_engine_options(gen_p)
-    for p in (serve_p, gen_p):
+    bench_p = sub.add_parser("bench", help="measure the engine: --profile splits a step's time into the hot-spot "
+                                           "table (attention, KV write, GEMMs, elementwise, sampling, host)")
+    bench_p.add_argument("--profile", action="store_true", required=True,
+                         help="profile a batch of sequences under torch.profiler (the only measurement so far)")
+    bench_p.add_argument("--model", default=str(DEFAULT_MODEL), help="model directory (default: %(default)s)")
+    bench_p.add_argument("--output", help="also write the profile's JSON to this file")
+    profile_arguments(bench_p)
+    for p in (serve_p, gen_p, bench_p):
         p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
         p.add_argument("--log-format", default="text", choices=LOG_FORMATS,
                        help="text lines, or one JSON object per line with the request fields (default: %(default)s)")
@@ -368,4 +379,17 @@ def generate(args: argparse.Namespace) -> int:
         return 2
     outputs = llm.generate([args.prompt], params, use_tqdm=False)
     print(outputs[0].outputs[0].text)
+    return 0
+
+
+def bench(args: argparse.Namespace) -> int:
+    """The profile of benchmarks/profile.py (engine.profiling), printed as a table; no plot."""
+    try:
+        result = run_profile(args.model, settings_from(args))
+    except ValueError as exc:
+        print(f"pagedserve: {exc}", file=sys.stderr)
+        return 2
+    if args.output:
+        Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+    print(format_table(result))
     return 0
