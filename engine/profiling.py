@@ -128,20 +128,23 @@ def run_profile(model: str, settings: ProfileSettings) -> dict:
     events = sorted((e for e in prof.events() if e.name == STEP), key=lambda e: e.time_range.start)
     is_cuda = device.type == "cuda"
     result = attribute(events, is_cuda)
-    result["by_step_kind"] = _by_kind(events, [is_prefill for _, is_prefill in profiled], is_cuda)
-    wall = sum(seconds for seconds, _ in profiled)
+    result["by_step_kind"] = _by_kind(events, [is_prefill for _, _, is_prefill in profiled], is_cuda)
+    wall = sum(seconds for seconds, _, _ in profiled)
     result.update(model=str(model), settings=asdict(settings), device=str(device),
                   dtype=str(engine.model_runner.dtype).removeprefix("torch."),
                   wall_seconds=wall, step_mean_seconds=wall / max(len(profiled), 1),
-                  unprofiled_step_mean_seconds=sum(seconds for seconds, _ in plain) / max(len(plain), 1),
+                  unprofiled_step_mean_seconds=sum(seconds for seconds, _, _ in plain) / max(len(plain), 1),
+                  # under 1 per thread: the box took the cores away (shares then favour the longest ops)
+                  cpu_seconds_per_wall_second=sum(cpu for _, cpu, _ in profiled) / wall if wall else 0.0,
                   num_preemptions=engine.scheduler.num_preemptions, top_ops=top_ops(prof, result["step_seconds"]),
                   machine=machine_info(load_before, os.getloadavg()))
     return result
 
 
-def _drive(engine, settings: ProfileSettings, rng: random.Random, tag: str) -> list[tuple[float, bool]]:
-    """Add the batch, step until done (or max_steps; the rest are aborted); each step's wall seconds
-    and whether it had prompt tokens to run (a prefill step: some sequence was waiting or mid-prompt)."""
+def _drive(engine, settings: ProfileSettings, rng: random.Random, tag: str) -> list[tuple[float, float, bool]]:
+    """Add the batch, step until done (or max_steps; the rest are aborted); each step's wall seconds,
+    this process's CPU seconds in it, and whether it had prompt tokens to run (a prefill step: some
+    sequence was waiting or mid-prompt)."""
     from torch.profiler import record_function
 
     from engine.sampling_params import SamplingParams
@@ -155,10 +158,10 @@ def _drive(engine, settings: ProfileSettings, rng: random.Random, tag: str) -> l
     while engine.has_unfinished_requests and (settings.max_steps is None or len(steps) < settings.max_steps):
         sched = engine.scheduler
         is_prefill = bool(sched.waiting) or any(seq.is_prefill for seq in sched.running)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         with record_function(STEP):
             engine.step()
-        steps.append((time.perf_counter() - start, is_prefill))
+        steps.append((time.perf_counter() - start, time.process_time() - cpu_start, is_prefill))
     for i in range(settings.batch_size):
         engine.abort_request(f"{tag}-{i}")
     return steps

@@ -13,7 +13,7 @@ TINY = ProfileSettings(batch_size=2, prompt_len=12, output_len=3, max_num_batche
                        num_threads=1)
 KEYS = {"step_seconds", "attributed_seconds", "categories", "host_breakdown_seconds", "model", "settings", "device",
         "dtype", "num_steps", "wall_seconds", "step_mean_seconds", "unprofiled_step_mean_seconds",
-        "num_preemptions", "top_ops", "machine", "by_step_kind"}
+        "num_preemptions", "top_ops", "machine", "by_step_kind", "cpu_seconds_per_wall_second"}
 
 
 @pytest.fixture(scope="module")
