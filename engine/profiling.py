@@ -9,7 +9,7 @@
                  forward's own Python between ops
     sampling     the sampler (its range in engine/sampler.py)
     host         everything else in the step: scheduling, building the batch's tensors, postprocess,
-                 detokenizing, outputs (split in `host_breakdown` by the step's phase ranges)
+                 detokenizing, outputs (split in `host_breakdown_seconds` by the step's phase ranges)
 
 Each profiled event's self time (its time minus its children's) goes to one category, decided by the
 ranges around it: the engine's phase ranges (engine/llm_engine.py, engine/sampler.py), ranges this
@@ -41,8 +41,9 @@ SAMPLE, FORWARD, ATTENTION = "pagedserve::sample", "pagedserve::forward", "paged
 GEMM_OPS = frozenset({"aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::bmm", "aten::baddbmm"})
 KV_WRITE_OPS = frozenset({"aten::index_copy_"})
 # ops of Attention.forward around paged_attention: the q/k/v split and views, RoPE
+# (their slices and strides are their children, so they follow); a view in paged_attention counts here too
 ROPE_OPS = frozenset({"aten::split", "aten::split_with_sizes", "aten::view", "aten::chunk", "aten::mul", "aten::sub",
-                      "aten::add", "aten::cat", "aten::slice", "aten::as_strided"})
+                      "aten::add", "aten::cat"})
 # scope an event opens -> the category of the self time inside it
 _SCOPE_CATEGORY = {"step": "host", "schedule": "host", "run": "host", "postprocess": "host", "forward": "elementwise",
                    "attention_module": "attention", **{c: c for c in CATEGORIES}}
@@ -52,7 +53,7 @@ SUM_TOLERANCE = 0.01  # categories vs step time, relative: events that spill pas
 
 
 def phase(name: str) -> AbstractContextManager:
-    """A profiler range when a profile runs, else nothing (~1 us a call). torch is imported here,
+    """A profiler range when a profile runs, else nothing (1-2 us a call). torch is imported here,
     not above, so the CLI can build its parser from this module without loading torch."""
     from torch.autograd import _profiler_enabled
     from torch.profiler import record_function
