@@ -244,7 +244,8 @@ def peer_request(args, requests: list[Request], dtype: str) -> PeerRequest:
 def run_vllm(args, requests: list[Request], dtype: str) -> dict:
     # the parent's OMP_WAIT_POLICY goes along, so vLLM's threads share the cores as politely as ours;
     # PYTHONSAFEPATH keeps benchmarks/ off the peer's sys.path (a sibling such as profile.py shadows the stdlib)
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.peer_kv_cache_gib), PYTHONSAFEPATH="1")
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.peer_kv_cache_gib), PYTHONSAFEPATH="1",
+               VLLM_CPU_OMP_THREADS_BIND=args.peer_omp_threads_bind)
     with tempfile.TemporaryDirectory(prefix="peer-vllm-") as tmp:
         request_path, response_path, log_path = (Path(tmp) / n for n in ("request.json", "response.json", "log"))
         request_path.write_text(peer_request(args, requests, dtype).to_json())
@@ -259,9 +260,11 @@ def run_vllm(args, requests: list[Request], dtype: str) -> dict:
                 kv_waste_at_peak_pct=None, peak_kv_bytes=None, kv_pool_bytes=args.peer_kv_cache_gib * 2**30,
                 startup_s=dict(init=response.init_s, first_token=response.first_token_s),
                 details=dict(**response.details, VLLM_CPU_KVCACHE_SPACE_gib=args.peer_kv_cache_gib,
+                             VLLM_CPU_OMP_THREADS_BIND=args.peer_omp_threads_bind,
                              cpu_note="cpu_s: the peer process and its children (engine core) over the workload",
                              startup_note="LLM(...) (weights, KV pool, inductor compile) and then one warm-up "
-                                          "request, before the timed workload; not in tok/s"))
+                                          "request, before the timed workload; not in tok/s. A model and dtype "
+                                          "compiled before load from ~/.cache/vllm/torch_compile_cache"))
 
 
 RUNNERS = {"pagedserve": run_pagedserve, "vllm": run_vllm, "static": run_static, "cb": run_cb}
@@ -346,6 +349,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16, help="pagedserve KV block size")
     p.add_argument("--kv-cache-gib", type=float, default=None, help="pagedserve KV pool (default: engine's)")
     p.add_argument("--peer-kv-cache-gib", type=int, default=2, help="vLLM's KV pool (VLLM_CPU_KVCACHE_SPACE)")
+    # vLLM's own default, "auto", keeps one core for its scheduler and frontend and computes on the rest
+    # (on 2 cores: one OpenMP thread); "0-1" computes on both, sharing them with the scheduler
+    p.add_argument("--peer-omp-threads-bind", default="auto", help="vLLM's VLLM_CPU_OMP_THREADS_BIND")
     p.add_argument("--peer-timeout-s", type=float, default=7200, help="the vLLM subprocess, start-up included")
     p.add_argument("--cb-page-size", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
