@@ -1,7 +1,6 @@
 """Offline throughput: pagedserve vs vLLM's CPU build vs HF static batching vs transformers' continuous batching.
 
     python benchmarks/offline.py                                   # the full run (tens of minutes on 2 cores)
-    python -m benchmarks.offline                                   # the same, with benchmarks/ off sys.path
     python benchmarks/offline.py --num-requests 8 --max-output 32 --systems pagedserve,static --tag quick
     make bench-peers && python benchmarks/offline.py --systems pagedserve,vllm,static,cb --dtypes float32,bfloat16
 
@@ -42,14 +41,13 @@ from pathlib import Path
 # Set before torch loads libgomp; export OMP_WAIT_POLICY yourself to override.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+if not __package__:  # python benchmarks/offline.py: sys.path[0] is benchmarks/, whose profile.py would shadow
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)  # the stdlib's (torch._dynamo imports cProfile)
+
 import torch  # noqa: E402
 
-if __package__:  # python -m benchmarks.offline, or imported by the tests
-    from .make_model import make_random_model
-    from .peer_vllm import PeerRequest, PeerResponse
-else:  # python benchmarks/offline.py: this folder is sys.path[0]
-    from make_model import make_random_model
-    from peer_vllm import PeerRequest, PeerResponse
+from benchmarks.make_model import make_random_model  # noqa: E402
+from benchmarks.peer_vllm import PeerRequest, PeerResponse  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO_ROOT / "benchmarks" / "models" / "smollm-135m"
