@@ -41,8 +41,8 @@ from pathlib import Path
 # Set before torch loads libgomp; export OMP_WAIT_POLICY yourself to override.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-if not __package__:  # python benchmarks/offline.py: sys.path[0] is benchmarks/, whose profile.py would shadow
-    sys.path[0] = str(Path(__file__).resolve().parent.parent)  # the stdlib's (torch._dynamo imports cProfile)
+if not __package__:  # python benchmarks/offline.py: the repository root, not benchmarks/, leads sys.path
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 import torch  # noqa: E402
 
@@ -241,7 +241,7 @@ def peer_request(args, requests: list[Request], dtype: str) -> PeerRequest:
 
 def run_vllm(args, requests: list[Request], dtype: str) -> dict:
     # the parent's OMP_WAIT_POLICY goes along, so vLLM's threads share the cores as politely as ours;
-    # PYTHONSAFEPATH keeps benchmarks/ off the peer's sys.path (a sibling such as profile.py shadows the stdlib)
+    # PYTHONSAFEPATH keeps benchmarks/ off the peer's sys.path (no sibling script may shadow a module of vLLM's)
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.peer_kv_cache_gib), PYTHONSAFEPATH="1",
                VLLM_CPU_OMP_THREADS_BIND=args.peer_omp_threads_bind)
     with tempfile.TemporaryDirectory(prefix="peer-vllm-") as tmp:

@@ -84,7 +84,7 @@ class ProfileSettings:
 
 
 def profile_arguments(parser: argparse.ArgumentParser) -> None:
-    """The workload's options, shared by benchmarks/profile.py and `pagedserve bench --profile`."""
+    """The workload's options, shared by benchmarks/profile_step.py and `pagedserve bench --profile`."""
     d = ProfileSettings()
     g = parser.add_argument_group("profiled workload")
     g.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences (default: %(default)s)")

@@ -383,7 +383,7 @@ def generate(args: argparse.Namespace) -> int:
 
 
 def bench(args: argparse.Namespace) -> int:
-    """The profile of benchmarks/profile.py (engine.profiling), printed as a table; no plot."""
+    """The profile of benchmarks/profile_step.py (engine.profiling), printed as a table; no plot."""
     try:
         result = run_profile(args.model, settings_from(args))
     except ValueError as exc:

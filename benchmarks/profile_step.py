@@ -1,8 +1,8 @@
 """Where a step's time goes: the hot-spot table (attention, KV write, GEMMs, elementwise, sampling,
 host) of a batch on the real engine, under torch.profiler (engine/profiling.py does the work).
 
-    python benchmarks/profile.py                                     # coder-small, 8 x (128 in, 32 out), fp32
-    python benchmarks/profile.py --batch-size 16 --prompt-len 256 --output-len 64 --dtype bfloat16 --tag bf16
+    python benchmarks/profile_step.py                                     # coder-small, 8 x (128 in, 32 out), fp32
+    python benchmarks/profile_step.py --batch-size 16 --prompt-len 256 --output-len 64 --dtype bfloat16 --tag bf16
 
 The same profile runs as `pagedserve bench --profile`. Writes benchmarks/results/profile{-TAG}.json
 and .png (or under --out-dir) and prints the table and one summary line. Figures are the profiled
@@ -20,9 +20,7 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-# run as a script, this folder leads sys.path and this file would shadow the standard library's
-# `profile` (cProfile imports it; torch._dynamo imports cProfile): the repository root instead
-sys.path[:] = [str(REPO_ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != REPO_ROOT / "benchmarks"]
+sys.path[0] = str(REPO_ROOT)  # run as a script: the repository root, where `engine` is, leads sys.path
 
 from engine.profiling import CATEGORIES, format_table, profile_arguments, run_profile, settings_from  # noqa: E402
 
