@@ -27,7 +27,6 @@ class ServerState:
         self.loaded = asyncio.Event()  # set once every model is loaded and warmed
         self.generations: set[asyncio.Task] = set()  # handler tasks with an engine request in flight
         self.started = time.time()
-        self.heartbeat: Any | None = None  # resilience.heartbeat.Heartbeat, while the app runs
         self.recycling: asyncio.Task | None = None  # engines being reloaded after a leak
         self.num_engine_deaths = 0
         self.num_engine_rebuilds = 0
@@ -40,6 +39,11 @@ class ServerState:
     def is_ready(self) -> bool:
         """Every model loaded and warmed (whether it is in rotation is the health model's say)."""
         return not self.health.is_loading
+
+    @property
+    def heartbeat(self) -> Any | None:
+        """resilience.heartbeat.Heartbeat while the app runs: the health model holds it."""
+        return self.health.heartbeat
 
     @property
     def is_draining(self) -> bool:

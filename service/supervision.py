@@ -62,7 +62,7 @@ async def supervision_ctx(app: web.Application) -> AsyncIterator[None]:
         make_probe(device), detector, clock=time.monotonic, interval_s=config.heartbeat_interval_s,
         load=lambda: engine_load(state.engines.values()),
         on_leak=lambda report: _on_leak(app, report), on_probe_error=lambda exc: _on_probe_error(app, exc))
-    state.heartbeat = state.health.heartbeat = heartbeat
+    state.health.heartbeat = heartbeat
     # memory is only worth watching once the models are in: loading is growth, not a leak
     starter = asyncio.create_task(_start_when_loaded(state, heartbeat), name="heartbeat-start")
     watch = asyncio.create_task(_watch_engines(app), name="engine-watch")

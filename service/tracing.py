@@ -26,8 +26,10 @@ class Tracer:
     """Turns finished request records into spans on an OpenTelemetry tracer provider."""
 
     def __init__(self, provider: Any) -> None:
+        from opentelemetry import trace  # here, not at import: a replica without an exporter never loads it
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+        self._trace = trace
         self.provider = provider
         self._tracer = provider.get_tracer("pagedserve")
         self._propagator = TraceContextTextMapPropagator()
@@ -35,8 +37,7 @@ class Tracer:
     def record(self, method: str, route: str, headers: Mapping[str, str], request_id: str, status: int,
                record: RequestRecord, end: float) -> None:
         """Write the spans of one finished request (`end`: time.monotonic() when it ended)."""
-        from opentelemetry.trace import Status, StatusCode
-
+        trace = self._trace
         to_ns = _monotonic_to_epoch_ns()
         parent = self._propagator.extract(carrier=dict(headers))
         span = self._tracer.start_span(f"{method} {route}", context=parent, start_time=to_ns(record.start), attributes={
@@ -45,12 +46,10 @@ class Tracer:
             "gen_ai.response.model": record.served_model or "", "pagedserve.degraded": record.degraded,
             "gen_ai.usage.input_tokens": record.prompt_tokens, "gen_ai.usage.output_tokens": record.completion_tokens})
         if status >= 500:
-            span.set_status(Status(StatusCode.ERROR, record.note or f"status {status}"))
+            span.set_status(trace.Status(trace.StatusCode.ERROR, record.note or f"status {status}"))
         if record.degraded:
             span.add_event("failover", {"asked_model": record.model or "", "served_model": record.served_model or ""},
                            timestamp=to_ns(record.first_token or end))
-        from opentelemetry import trace
-
         context = trace.set_span_in_context(span)
         for name, begin, finish in _phases(record, end):
             self._tracer.start_span(name, context=context, start_time=to_ns(begin)).end(end_time=to_ns(finish))

@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 
 from service.app import Shutdown
-from tests.service.server import API_KEY, SMALL, TINY, launch, require_models
+from tests.service.server import API_KEY, SMALL, TINY, require_models, running
 
 PRIMARY = SMALL.name
 ADMIN_KEY = "drain-admin-key"
@@ -36,11 +36,8 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture
 def server(tmp_path):
     require_models(SMALL, TINY)
-    server = launch(FLAGS, tmp_path / "server.log")
-    try:
+    with running(FLAGS, tmp_path / "server.log") as server:
         yield server
-    finally:
-        server.stop()
 
 
 async def read_stream(response: aiohttp.ClientResponse, started: asyncio.Queue) -> dict:

@@ -26,7 +26,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests.service.server import API_KEY, SMALL, TINY, Server, launch, require_models
+from tests.service.server import API_KEY, SMALL, TINY, Server, require_models, running
 
 PRIMARY = SMALL.name
 ADMIN_KEY = "leak-load-admin-key"
@@ -50,11 +50,8 @@ FLAGS = ["--model", str(SMALL), "--fallback", str(TINY), "--api-key", API_KEY, "
 @pytest.fixture
 def server(tmp_path):
     require_models(SMALL, TINY)
-    server = launch(FLAGS, tmp_path / "server.log")
-    try:
+    with running(FLAGS, tmp_path / "server.log") as server:
         yield server
-    finally:
-        server.stop()
 
 
 def save(results_dir: Path, key: str, figures: dict) -> None:

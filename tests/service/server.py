@@ -5,6 +5,7 @@ The shipped models are the default; PAGEDSERVE_TEST_SMALL / PAGEDSERVE_TEST_TINY
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -96,6 +98,16 @@ def launch(args: list[str], log_path: Path) -> Server:
     server = start(args, log_path)
     server.wait_ready()
     return server
+
+
+@contextlib.contextmanager
+def running(args: list[str], log_path: Path) -> Iterator[Server]:
+    """A launched server, stopped when the block ends (a fixture's `with running(...) as s: yield s`)."""
+    server = launch(args, log_path)
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 def start(args: list[str], log_path: Path) -> Server:
