@@ -46,6 +46,11 @@ test: $(STAMP) nginx
 test-slow: $(STAMP) nginx
 	$(PY) -m pytest -q -m slow
 
+# Flakiness: 10 `make test` runs of HEAD, two clean clones side by side (each the other's CPU load); ~1.5 h on 2 cores
+.PHONY: test-flake
+test-flake:
+	tests/flake_runs.sh 5
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
