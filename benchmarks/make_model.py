@@ -2,6 +2,7 @@
 
     python benchmarks/make_model.py --preset smollm-135m              # -> benchmarks/models/smollm-135m
     python benchmarks/make_model.py --preset tiny-qwen2 /tmp/q2 --dtype bfloat16
+    python benchmarks/make_model.py --preset qwen2-1.5b --quantize awq    # -> ...qwen2-1.5b-awq (+ -dequantized)
 
 Benchmarks need the shapes of real models (SmolLM-135M, Qwen2-1.5B) without downloading them; tests
 need tiny models of each supported family. vocab_size is always len(tokenizer) of the shipped
@@ -11,9 +12,12 @@ tokenizer silently drops), which makes the big presets a little smaller than the
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -109,15 +113,99 @@ def make_random_model(preset: str, out: str | Path, *, seed: int = 0, dtype: str
     return out
 
 
+# AWQ and GPTQ 4-bit checkpoints, in the formats AutoAWQ (GEMM) and GPTQ tools write
+QUANTIZED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ puts columns 0,2,4,6,1,3,5,7 of each eight in nibbles 0..7
+
+
+def pack_nibbles(values: torch.Tensor) -> torch.Tensor:
+    """[r, 8c] values 0..15 -> [r, c] int32, value j of each eight in bits 4j..4j+3."""
+    words = (values.to(torch.int64).view(values.shape[0], -1, 8) << (4 * torch.arange(8))).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def quantize_4bit(weight: torch.Tensor, group_size: int, symmetric: bool):
+    """weight [n, k] -> (q [n, k], zeros [n, k / group_size], both 0..15, and scales float16 alike) with
+    w ~ (q - zero) * scale per group of inputs; symmetric: zero 8, as GPTQ's sym=True."""
+    n, k = weight.shape
+    if k % group_size:
+        raise ValueError(f"group_size {group_size} does not divide a layer's {k} inputs; choose one that does")
+    w = weight.float().view(n, k // group_size, group_size)
+    lo, hi = w.amin(-1).clamp(max=0), w.amax(-1).clamp(min=0)
+    if symmetric:
+        scales = (torch.maximum(-lo, hi) * 2 / 15).clamp_min(1e-6).half()
+        zeros = torch.full_like(lo, 8)
+    else:
+        scales = ((hi - lo) / 15).clamp_min(1e-6).half()
+        zeros = torch.round(-lo / scales.float()).clamp(0, 15)
+    q = torch.clamp(torch.round(w / scales.float()[..., None]) + zeros[..., None], 0, 15)
+    return q.view(n, k).to(torch.uint8), zeros.to(torch.uint8), scales
+
+
+def make_quantized_model(src: str | Path, out: str | Path, method: str, group_size: int = 128) -> tuple[Path, Path]:
+    """Write the float checkpoint src with its decoder layers' linear weights as AWQ (GEMM, zero points) or
+    GPTQ (sym, original format: zeros stored minus one) 4-bit tensors to out, and the same model with those
+    weights dequantized, (q - zero) * scale in float32, to out-dequantized: the reference the engine's
+    logits are checked against. Returns both directories."""
+    if method not in ("awq", "gptq"):
+        raise ValueError(f"method must be 'awq' or 'gptq', got {method!r}")
+    src, out = Path(src), Path(out)
+    reference = out.with_name(out.name + "-dequantized")
+    for d in (out, reference):
+        shutil.copytree(src, d, dirs_exist_ok=True)
+        for f in d.glob("*.safetensors*"):
+            f.unlink()
+    packed, dequantized = {}, {}
+    for path in sorted(src.glob("*.safetensors")):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                tensor = f.get_tensor(name)
+                module = name.rsplit(".", 2)[-2] if name.endswith(".weight") else None
+                if module not in QUANTIZED_MODULES:
+                    packed[name] = dequantized[name] = tensor
+                    continue
+                q, zeros, scales = quantize_4bit(tensor, group_size, symmetric=method == "gptq")
+                dequantized[name] = ((q.float() - zeros.float().repeat_interleave(group_size, 1))
+                                     * scales.float().repeat_interleave(group_size, 1))
+                prefix = name.removesuffix(".weight")
+                if method == "awq":  # qweight [k, n/8], qzeros [groups, n/8], columns interleaved
+                    order = torch.arange(q.shape[0]).view(-1, 8)[:, list(AWQ_ORDER)].flatten()
+                    packed[f"{prefix}.qweight"] = pack_nibbles(q.T[:, order])
+                    packed[f"{prefix}.qzeros"] = pack_nibbles(zeros.T[:, order])
+                else:  # qweight [k/8, n] packed along the inputs; qzeros [groups, n/8] minus one
+                    packed[f"{prefix}.qweight"] = pack_nibbles(q).T
+                    packed[f"{prefix}.qzeros"] = pack_nibbles(zeros.T - 1)
+                    packed[f"{prefix}.g_idx"] = torch.arange(q.shape[1], dtype=torch.int32) // group_size
+                packed[f"{prefix}.scales"] = scales.T.contiguous()
+    save_file({k: v.contiguous() for k, v in packed.items()}, out / "model.safetensors", metadata={"format": "pt"})
+    save_file({k: v.contiguous() for k, v in dequantized.items()}, reference / "model.safetensors",
+              metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = (
+        {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm"}
+        if method == "awq" else
+        {"quant_method": "gptq", "bits": 4, "group_size": group_size, "sym": True, "desc_act": False,
+         "checkpoint_format": "gptq"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out, reference
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", required=True, choices=sorted(PRESETS))
     p.add_argument("out", nargs="?", type=Path, help="output directory (default: benchmarks/models/PRESET)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--quantize", choices=("awq", "gptq"),
+                   help="also write OUT-awq / OUT-gptq (4-bit) and its dequantized float32 reference")
+    p.add_argument("--group-size", type=int, default=128, help="inputs per 4-bit scale (with --quantize)")
     args = p.parse_args()
     out = make_random_model(args.preset, args.out or DEFAULT_OUT_DIR / args.preset, seed=args.seed,
                             dtype=args.dtype)
+    if args.quantize:
+        quantized, _ = make_quantized_model(out, out.with_name(f"{out.name}-{args.quantize}"), args.quantize,
+                                            args.group_size)
+        print(f"{args.quantize}: {quantized} (+ {quantized.name}-dequantized)")
     config = json.loads((out / "config.json").read_text())
     num_bytes = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     print(f"{args.preset}: {config['architectures'][0]}, vocab {config['vocab_size']}, "

@@ -45,6 +45,8 @@ class AsyncEngine:
         self.sampling_defaults = self.engine.sampling_defaults
         self.dtype = str(self.engine.model_runner.dtype).removeprefix("torch.")
         self.dtype_probe = self.engine.model_runner.dtype_probe  # how --dtype auto chose, on CPU
+        quant = self.engine.model_runner.quant
+        self.quantization = quant.method if quant else None
         self.faults = FaultInjector()
         self._commands: collections.deque = collections.deque()  # ("add", args) | ("abort", request_id)
         self._num_queued_adds = 0  # "add" commands not yet taken by the loop (a count: the deque is

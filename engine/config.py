@@ -8,6 +8,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 POLICIES = ("fcfs", "priority", "hybrid")
 PREEMPTION_MODES = ("recompute", "swap")
+QUANTIZATIONS = ("int8", "awq", "gptq")
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 
 
@@ -31,6 +32,7 @@ class EngineConfig:
     aging_seconds: float = 5.0  # hybrid: a waiting request gains one priority level per this many seconds
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
+    quantization: str | None = None  # "int8" (at load), "awq" / "gptq" (the checkpoint's); engine/quantization.py
     chat_template: str | None = field(default=None, repr=False)  # jinja text replacing the model's own
 
     def __post_init__(self) -> None:
@@ -60,6 +62,8 @@ class EngineConfig:
         _check(self.aging_seconds > 0, f"aging_seconds must be positive, got {self.aging_seconds}")
         _check(self.chat_template is None or (isinstance(self.chat_template, str) and bool(self.chat_template.strip())),
                "chat_template must be non-empty jinja text")
+        _check(self.quantization in (None, *QUANTIZATIONS),
+               f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         _check(self.max_prefill_tokens is None or self.max_prefill_tokens >= 1,
                f"max_prefill_tokens must be at least 1, got {self.max_prefill_tokens}")
 

@@ -1,10 +1,11 @@
-"""The CPU decode-attention kernel (engine/csrc/paged_attention.c): built on first use, called via ctypes.
+"""The CPU kernels in engine/csrc (decode attention, the int8 linear layer): built on first use,
+called via ctypes.
 
-The C source is compiled with the system compiler (`cc`, or $CC) for this machine's CPU into
-$PAGEDSERVE_KERNEL_CACHE (default ~/.cache/pagedserve/kernels), named by a hash of the source, the
-flags and the CPU's feature flags, so a copy never runs on a CPU it was not built for. Building takes
-well under a second. Without a compiler, or with PAGEDSERVE_CPU_KERNEL=0, `load()` returns None and
-the engine keeps its pure-torch path (same results, slower).
+The C sources are compiled with the system compiler (`cc`, or $CC) for this machine's CPU into one
+library in $PAGEDSERVE_KERNEL_CACHE (default ~/.cache/pagedserve/kernels), named by a hash of the
+sources, the flags and the CPU's feature flags, so a copy never runs on a CPU it was not built for.
+Building takes about a second. Without a compiler, or with PAGEDSERVE_CPU_KERNEL=0, `load()` and
+`int8_linear()` return None and the engine keeps its pure-torch paths (same results, slower).
 """
 
 import ctypes
@@ -14,6 +15,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
@@ -22,7 +24,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention.c"
+SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name for name in ("paged_attention.c", "int8_linear.c"))
 # -fopenmp-simd: the simd pragmas only, no OpenMP runtime (torch brings its own); threads come from the caller
 CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c11"]
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
@@ -37,38 +39,77 @@ def _cpu_flags() -> str:
 
 
 def _build(compiler: str) -> Path:
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(CFLAGS).encode(), compiler.encode(),
-                                     _cpu_flags().encode()])).hexdigest()[:16]
+    key = hashlib.sha256(b"\0".join([*(p.read_bytes() for p in SOURCES), " ".join(CFLAGS).encode(),
+                                     compiler.encode(), _cpu_flags().encode()])).hexdigest()[:16]
     cache_dir = Path(os.environ.get("PAGEDSERVE_KERNEL_CACHE") or Path.home() / ".cache" / "pagedserve" / "kernels")
-    target = cache_dir / f"paged_attention-{key}.so"
+    target = cache_dir / f"pagedserve-kernels-{key}.so"
     if not target.exists():
         cache_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:  # build aside, then rename: atomic for racers
             built = Path(tmp) / target.name
-            subprocess.run([compiler, *CFLAGS, str(SOURCE), "-o", str(built), "-lm"], check=True,
+            subprocess.run([compiler, *CFLAGS, *map(str, SOURCES), "-o", str(built), "-lm"], check=True,
                            capture_output=True, timeout=120)
             built.replace(target)
     return target
 
 
-class DecodeKernel:
-    """paged_decode_f32, its work items (sequence x KV head) split over `num_threads` threads."""
+@cache
+def _library() -> ctypes.CDLL | None:
+    if os.environ.get("PAGEDSERVE_CPU_KERNEL", "1") == "0":
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        logger.warning("no C compiler found: the CPU kernels fall back to slower pure-torch paths")
+        return None
+    try:
+        return ctypes.CDLL(str(_build(compiler)))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", b"") or b""
+        logger.warning("building the CPU kernels failed (%s %s): using the pure-torch paths",
+                       e, detail.decode(errors="replace")[-500:])
+        return None
 
-    def __init__(self, library: ctypes.CDLL, num_threads: int) -> None:
-        self._fn = library.paged_decode_f32
-        self._fn.argtypes = [_ptr] * 6 + [_i64] * 6 + [ctypes.c_float, _i64, _i64]
-        self._fn.restype = ctypes.c_int
+
+class Threads:
+    """Runs a ctypes kernel over [0, work) split into `num_threads` ranges: the calling thread takes the
+    first, a pool the rest (ctypes releases the GIL while the C code runs)."""
+
+    def __init__(self, num_threads: int) -> None:
         self.num_threads = max(1, num_threads)
         self._pool = self._new_pool()
         # a forked child has none of the parent's threads: the old pool would take work and never run it
         os.register_at_fork(after_in_child=self._renew_pool)
 
     def _new_pool(self) -> ThreadPoolExecutor | None:
-        return ThreadPoolExecutor(self.num_threads - 1, "pagedserve-attn") if self.num_threads > 1 else None
+        return ThreadPoolExecutor(self.num_threads - 1, "pagedserve-kernel") if self.num_threads > 1 else None
 
     def _renew_pool(self) -> None:
         self._pool = self._new_pool()
+
+    def run(self, fn: Callable[..., int], shared: tuple, work: int) -> bool:
+        """fn(*shared, begin, end) over every range; True if every call returned 0."""
+        bounds = [work * i // self.num_threads for i in range(self.num_threads + 1)]
+        ranges = [(lo, hi) for lo, hi in zip(bounds, bounds[1:], strict=False) if hi > lo]
+        if not ranges:
+            return True
+        futures = [self._pool.submit(fn, *shared, lo, hi) for lo, hi in ranges[1:]] if self._pool else []
+        codes = [fn(*shared, *ranges[0])] + [f.result() for f in futures]
+        return not any(codes)
+
+
+@cache
+def _threads(num_threads: int) -> Threads:
+    return Threads(num_threads)
+
+
+class DecodeKernel:
+    """paged_decode_f32, its work items (sequence x KV head) split over `num_threads` threads."""
+
+    def __init__(self, library: ctypes.CDLL, threads: Threads) -> None:
+        self._fn = library.paged_decode_f32
+        self._fn.argtypes = [_ptr] * 6 + [_i64] * 6 + [ctypes.c_float, _i64, _i64]
+        self._fn.restype = ctypes.c_int
+        self.threads = threads
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
@@ -85,29 +126,65 @@ class DecodeKernel:
         shared = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
                   context_lens.data_ptr(), out.data_ptr(), num_heads, num_kv_heads, head_dim, num_slots,
                   block_size, block_tables.shape[1], scale)
-        work = num_seqs * num_kv_heads
-        bounds = [work * i // self.num_threads for i in range(self.num_threads + 1)]
-        ranges = [(lo, hi) for lo, hi in zip(bounds, bounds[1:], strict=False) if hi > lo]
-        futures = [self._pool.submit(self._fn, *shared, lo, hi) for lo, hi in ranges[1:]] if self._pool else []
-        codes = [self._fn(*shared, *ranges[0])] + [f.result() for f in futures]
-        if any(codes):
+        if not self.threads.run(self._fn, shared, num_seqs * num_kv_heads):
             raise MemoryError("paged_decode_f32: out of memory for its scratch buffer")
         return out
 
 
+class Int8LinearKernel:
+    """Weights q [n, k] int8 times scale [n, k / group_size] float32 (both contiguous), output rows split
+    over threads: `__call__` is x @ (q * scale)^T read straight from the int8 bytes (few rows of x),
+    `dequantize` writes q * scale as float32 (for a GEMM over many rows)."""
+
+    def __init__(self, library: ctypes.CDLL, threads: Threads) -> None:
+        self._linear, self._dequantize = library.int8_linear_f32, library.int8_dequantize_f32
+        self._linear.argtypes = [_ptr] * 4 + [_i64] * 6
+        self._dequantize.argtypes = [_ptr] * 3 + [_i64] * 5
+        self._linear.restype = self._dequantize.restype = ctypes.c_int
+        self.threads = threads
+
+    @staticmethod
+    def _check(q: torch.Tensor, scale: torch.Tensor, group_size: int) -> None:
+        if not (q.is_contiguous() and scale.is_contiguous() and q.dtype == torch.int8
+                and scale.dtype == torch.float32 and group_size > 0 and q.shape[1] % group_size == 0
+                and scale.shape == (q.shape[0], q.shape[1] // group_size)):
+            raise ValueError("the int8 kernels read raw memory: contiguous int8 weights [n, k] and float32 "
+                             "scales [n, k / group_size]")
+
+    def __call__(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.Tensor:
+        """x [m, k] float32 -> [m, n] float32."""
+        self._check(q, scale, group_size)
+        if x.dtype != torch.float32 or x.shape[1] != q.shape[1]:
+            raise ValueError(f"x must be float32 [m, {q.shape[1]}], got {x.dtype} {tuple(x.shape)}")
+        x = x.contiguous()
+        (m, k), n = x.shape, q.shape[0]
+        y = torch.empty(m, n, dtype=torch.float32)
+        self.threads.run(self._linear, (x.data_ptr(), q.data_ptr(), scale.data_ptr(), y.data_ptr(), m, n, k,
+                                        group_size), n)
+        return y
+
+    def dequantize(self, q: torch.Tensor, scale: torch.Tensor, group_size: int,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        """q * scale as float32 [n, k], into `out` (contiguous, that shape) when given."""
+        self._check(q, scale, group_size)
+        w = torch.empty(q.shape, dtype=torch.float32) if out is None else out
+        if w.shape != q.shape or w.dtype != torch.float32 or not w.is_contiguous():
+            raise ValueError(f"out must be contiguous float32 {tuple(q.shape)}")
+        self.threads.run(self._dequantize, (q.data_ptr(), scale.data_ptr(), w.data_ptr(), *q.shape, group_size),
+                         q.shape[0])
+        return w
+
+
 @cache
 def load(num_threads: int) -> DecodeKernel | None:
-    """The kernel for this machine, or None (no compiler, a failed build, or PAGEDSERVE_CPU_KERNEL=0)."""
-    if os.environ.get("PAGEDSERVE_CPU_KERNEL", "1") == "0":
-        return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        logger.warning("no C compiler found: decode attention on CPU uses the slower pure-torch path")
-        return None
-    try:
-        return DecodeKernel(ctypes.CDLL(str(_build(compiler))), num_threads)
-    except (OSError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", b"") or b""
-        logger.warning("building the CPU attention kernel failed (%s %s): using the pure-torch path",
-                       e, detail.decode(errors="replace")[-500:])
-        return None
+    """The decode-attention kernel for this machine, or None (no compiler, a failed build, or
+    PAGEDSERVE_CPU_KERNEL=0)."""
+    library = _library()
+    return None if library is None else DecodeKernel(library, _threads(num_threads))
+
+
+@cache
+def int8_linear(num_threads: int) -> Int8LinearKernel | None:
+    """The int8 linear-layer kernel for this machine, or None (as `load`)."""
+    library = _library()
+    return None if library is None else Int8LinearKernel(library, _threads(num_threads))

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import cpu_kernel
+from engine import cpu_kernel, quantization
 from engine.attention import AttentionMetadata, PrefillSegment
 from engine.block_manager import BlockCopies
 from engine.config import EngineConfig, KVCacheLayout
@@ -69,7 +69,9 @@ class ModelRunner:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype, self.dtype_probe = resolve_dtype(config.dtype, files.config, self.device)
-        self.model = load_model(files, self.dtype, self.device)
+        self.quant = quantization.resolve(config.quantization, files.config)
+        self.model = load_model(files, self.dtype, self.device, self.quant)
+        self.int8_kernel_rows = quantization.calibrate_kernel_rows(self.model, self.dtype) if self.quant else None
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.layout = self._plan_kv(files.config)
         self.kv_caches = self._allocate(self.layout.num_blocks)
@@ -81,8 +83,11 @@ class ModelRunner:
         self.decode_kernel = cpu_kernel.load(torch.get_num_threads()) if on_cpu_fp32 else None
         # keys a windowed layer sees (itself included); every windowed layer of a model shares it
         self.sliding_window = next((w for w in self.model.args.sliding_windows if w is not None), None)
-        logger.info("loaded %s (%s, %s): %.1f MiB weights, %d KV blocks of %d tokens (%.1f MiB), max_model_len %d",
-                    files.path.name, self.device, self.dtype, self.weight_bytes / 2**20, self.layout.num_blocks,
+        logger.info("loaded %s (%s, %s%s): %.1f MiB weights, %d KV blocks of %d tokens (%.1f MiB), max_model_len %d",
+                    files.path.name, self.device, self.dtype,
+                    f", {self.quant.method} linear weights, int8 read directly up to {self.int8_kernel_rows} rows"
+                    if self.quant else "", self.weight_bytes / 2**20,
+                    self.layout.num_blocks,
                     self.layout.block_size, self.layout.total_bytes / 2**20, self.layout.max_model_len)
 
     # --- KV pool -----------------------------------------------------------------------------------

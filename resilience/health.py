@@ -185,4 +185,5 @@ class HealthState:
     def _engine_report(self, engine: EngineClient) -> dict[str, object]:
         probe = engine.dtype_probe
         return {"is_dead": engine.is_dead, "seconds_since_progress": round(self._clock() - engine.last_progress_time, 3),
-                "dtype": engine.dtype, "dtype_probe": probe.to_dict() if probe is not None else None}
+                "dtype": engine.dtype, "dtype_probe": probe.to_dict() if probe is not None else None,
+                "quantization": engine.quantization}

@@ -11,6 +11,7 @@ from transformers import AutoConfig, GenerationConfig
 
 from engine.loader import ModelFiles
 from engine.models.llama import LlamaForCausalLM
+from engine.quantization import QuantConfig
 
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -21,12 +22,13 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
 SUPPORTED_ARCHITECTURES = tuple(MODEL_CLASSES)
 
 
-def load_model(files: ModelFiles, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+def load_model(files: ModelFiles, dtype: torch.dtype, device: torch.device,
+               quant: QuantConfig | None = None) -> LlamaForCausalLM:
     if files.architecture not in MODEL_CLASSES:
         raise ValueError(f"{files.path}: architecture {files.architecture} is not supported; "
                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     config = AutoConfig.from_pretrained(files.path, local_files_only=True, trust_remote_code=False)
-    model = MODEL_CLASSES[files.architecture](config, dtype, device)
+    model = MODEL_CLASSES[files.architecture](config, dtype, device, quant)
     model.load_weights(_read_safetensors(files.weight_files))
     model.generation_config = _generation_config(files.path, config)  # EOS ids, as HF models carry it
     return model.eval()

@@ -23,10 +23,12 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.attention import AttentionMetadata, paged_attention
+from engine.quantization import Int8Linear, QuantConfig, check_g_idx, quantize_int8, unpack_layer
 
 # HF projection name -> (our fused module, its part); parts stack along the output rows in this order
 FUSED_PARTS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+QUANT_LEAVES = ("qweight", "qzeros", "scales")  # an AWQ / GPTQ layer's packed tensors
 # dynamic and longrope change their frequencies with the sequence length, which a paged cache written
 # at earlier lengths cannot follow
 STATIC_ROPE_TYPES = ("default", *(t for t in ROPE_INIT_FUNCTIONS if t not in ("dynamic", "longrope")))
@@ -106,16 +108,23 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 
 
+def linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+           quant: QuantConfig | None) -> nn.Module:
+    if quant is None:
+        return nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
+    return Int8Linear(in_features, out_features, bias, quant.group_size, dtype)
+
+
 class Attention(nn.Module):
     """q/k/v in one GEMM, RoPE, paged attention over this layer's own views of the KV pool, o_proj."""
 
-    def __init__(self, args: LlamaArgs, layer_idx: int, dtype: torch.dtype) -> None:
+    def __init__(self, args: LlamaArgs, layer_idx: int, dtype: torch.dtype, quant: QuantConfig | None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         q_size, kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
         self.sizes = [q_size, kv_size, kv_size]
-        self.qkv_proj = nn.Linear(args.hidden_size, q_size + 2 * kv_size, bias=args.qkv_bias, dtype=dtype)
-        self.o_proj = nn.Linear(q_size, args.hidden_size, bias=args.o_bias, dtype=dtype)
+        self.qkv_proj = linear(args.hidden_size, q_size + 2 * kv_size, args.qkv_bias, dtype, quant)
+        self.o_proj = linear(q_size, args.hidden_size, args.o_bias, dtype, quant)
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps, dtype) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, dtype) if args.qk_norm else None
         self.scale = args.head_dim**-0.5
@@ -137,10 +146,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, args: LlamaArgs, dtype: torch.dtype) -> None:
+    def __init__(self, args: LlamaArgs, dtype: torch.dtype, quant: QuantConfig | None) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias, dtype=dtype)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias, dtype=dtype)
+        self.gate_up_proj = linear(args.hidden_size, 2 * args.intermediate_size, args.mlp_bias, dtype, quant)
+        self.down_proj = linear(args.intermediate_size, args.hidden_size, args.mlp_bias, dtype, quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -148,12 +157,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: LlamaArgs, layer_idx: int, dtype: torch.dtype) -> None:
+    def __init__(self, args: LlamaArgs, layer_idx: int, dtype: torch.dtype, quant: QuantConfig | None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
-        self.self_attn = Attention(args, layer_idx, dtype)
+        self.self_attn = Attention(args, layer_idx, dtype, quant)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
-        self.mlp = MLP(args, dtype)
+        self.mlp = MLP(args, dtype, quant)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
@@ -162,15 +171,18 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """`forward(input_ids [T], positions [T], meta)` -> final hidden states [T, hidden];
-    `compute_logits` runs the LM head only on the rows that are sampled."""
+    `compute_logits` runs the LM head only on the rows that are sampled. With `quant`, the decoder
+    layers' linear weights are int8 (engine/quantization.py)."""
 
-    def __init__(self, config: PretrainedConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
+                 quant: QuantConfig | None = None) -> None:
         super().__init__()
         self.config = config
+        self.quant = quant
         self.args = args = LlamaArgs.from_hf(config)
         with torch.device("meta"):  # every parameter comes from the checkpoint: no random init
             self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype)
-            self.layers = nn.ModuleList(DecoderLayer(args, i, dtype) for i in range(args.num_layers))
+            self.layers = nn.ModuleList(DecoderLayer(args, i, dtype, quant) for i in range(args.num_layers))
             self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
             self.lm_head = None if args.tie_word_embeddings else nn.Linear(
                 args.hidden_size, args.vocab_size, bias=False, dtype=dtype)
@@ -197,24 +209,50 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors in (cast to our dtype), q/k/v and gate/up into their fused rows.
+        """Copy HF-named tensors in (cast to our dtype), q/k/v and gate/up into their fused rows; into an
+        int8 layer, a float weight is quantized and an AWQ / GPTQ layer's packed tensors are unpacked.
         Unknown names, wrong shapes and missing weights raise, naming the tensor."""
         params = dict(self.named_parameters())
         missing = {(name, part) for name, p in params.items() for part in range(self._num_parts(name))}
+        packed: dict[tuple[str, int], dict[str, torch.Tensor]] = {}  # an AWQ / GPTQ layer's tensors as they come
         for hf_name, tensor in weights:
             if hf_name.endswith("rotary_emb.inv_freq") or (hf_name == "lm_head.weight" and self.lm_head is None):
                 continue  # recomputed / tied to the embedding
             name, part = self._our_name(hf_name)
+            module, leaf = name.rsplit(".", 1)
+            if self.quant is not None and self.quant.from_checkpoint and leaf in (*QUANT_LEAVES, "g_idx"):
+                if f"{module}.weight" not in params:
+                    raise ValueError(f"checkpoint tensor {hf_name} has no place in {type(self).__name__}")
+                if leaf == "g_idx":
+                    check_g_idx(tensor, self.quant.group_size, hf_name)
+                    continue
+                layer = packed.setdefault((module, part), {})
+                layer[leaf] = tensor
+                if len(layer) == len(QUANT_LEAVES):
+                    q, scale = unpack_layer(self.quant, *(layer.pop(k) for k in QUANT_LEAVES), hf_name)
+                    self._rows(params, f"{module}.weight", part, q.shape, hf_name).copy_(q)
+                    self._rows(params, f"{module}.scales", part, scale.shape, hf_name).copy_(scale)
+                    missing -= {(f"{module}.weight", part), (f"{module}.scales", part)}
+                continue
             if name not in params:
                 raise ValueError(f"checkpoint tensor {hf_name} has no place in {type(self).__name__}")
-            target = self._part_rows(params[name], name, part)
-            if target.shape != tensor.shape:
-                raise ValueError(f"checkpoint tensor {hf_name}: shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(target.shape)}")
+            target = self._rows(params, name, part, tensor.shape, hf_name)
+            if target.dtype == torch.int8:  # a float weight for an int8 layer: quantize it
+                tensor, scale = quantize_int8(tensor, self.get_submodule(module).group_size)
+                self._rows(params, f"{module}.scales", part, scale.shape, hf_name).copy_(scale)
+                missing.discard((f"{module}.scales", part))
             target.copy_(tensor)
             missing.discard((name, part))
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+    def _rows(self, params: dict[str, torch.Tensor], name: str, part: int, shape: torch.Size,
+              hf_name: str) -> torch.Tensor:
+        """The rows of params[name] that part `part` fills, checked to have `shape`."""
+        target = self._part_rows(params[name], name, part)
+        if target.shape != shape:
+            raise ValueError(f"checkpoint tensor {hf_name}: shape {tuple(shape)}, expected {tuple(target.shape)}")
+        return target
 
     @staticmethod
     def _our_name(hf_name: str) -> tuple[str, int]:

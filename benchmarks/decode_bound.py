@@ -1,0 +1,136 @@
+"""Batch-1 decode against the memory-bandwidth bound, per weight format (fp32, bf16, int8, 4-bit AWQ).
+
+    python benchmarks/make_model.py --preset qwen2-1.5b --quantize awq      # once: the 1.5B shape (+ AWQ copy)
+    python benchmarks/decode_bound.py                                         # benchmarks/models/qwen2-1.5b
+    python benchmarks/decode_bound.py --model DIR --formats float32,int8 --tag small
+
+Decoding one sequence reads every weight once per token (the embedding only one row; a tied LM head
+reads the embedding whole), so tok/s can be at most bandwidth / bytes read per token. The bandwidth is
+this machine's, measured here as a large float32 matrix-vector product (the same access pattern as
+decode). Each format runs one 128-token prompt and 64 greedy tokens after a warm-up; decode tok/s is
+64 / (time of 65 tokens - time of 1), so prefill is not in it. Writes benchmarks/results/decode_bound{-TAG}.json
+and .png with the load average before and after (above 1.5 on 2 cores the figures are not clean).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as benchmarks/offline.py
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path[0] = str(REPO_ROOT)
+
+import torch  # noqa: E402
+
+from engine import LLM, SamplingParams  # noqa: E402
+
+DEFAULT_MODEL = REPO_ROOT / "benchmarks" / "models" / "qwen2-1.5b"
+PROMPT_LEN, NEW_TOKENS = 128, 64
+# format -> (model directory suffix, LLM keyword arguments)
+FORMATS = {"float32": ("", dict(dtype="float32")), "bfloat16": ("", dict(dtype="bfloat16")),
+           "int8": ("", dict(dtype="float32", quantization="int8")), "awq": ("-awq", dict(dtype="float32"))}
+
+
+def matvec_bandwidth(seconds: float = 3.0) -> float:
+    """Bytes per second a float32 matrix-vector product streams through (512 MiB of matrix: no cache holds it)."""
+    matrix, vector = torch.randn(16384, 8192), torch.randn(8192)
+    torch.mv(matrix, vector)
+    times = []
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline or len(times) < 5:
+        start = time.perf_counter()
+        torch.mv(matrix, vector)
+        times.append(time.perf_counter() - start)
+    return matrix.numel() * 4 / statistics.median(times)
+
+
+def bytes_per_token(llm: LLM) -> int:
+    """What one decode step reads: every parameter but the embedding, plus the embedding if it is the LM head."""
+    model = llm.engine.model_runner.model
+    read = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if not name.startswith("embed"))
+    return read + (model.embed_tokens.weight.nbytes if model.lm_head is None else 0)
+
+
+def decode_tok_s(llm: LLM, repeats: int) -> float:
+    vocab = llm.engine.vocab_size
+    prompt = {"prompt_token_ids": [(i * 7919) % (vocab - 10) + 5 for i in range(PROMPT_LEN)]}
+
+    def timed(n: int) -> float:
+        start = time.perf_counter()
+        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, min_tokens=n), use_tqdm=False)
+        return time.perf_counter() - start
+
+    timed(4)  # warm-up: kernels built, buffers allocated
+    runs = [(timed(1), timed(NEW_TOKENS + 1)) for _ in range(repeats)]
+    return NEW_TOKENS / statistics.median(full - first for first, full in runs)
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = result["formats"]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    names = list(rows)
+    ax.bar(names, [rows[n]["bound_tok_s"] for n in names], color="#ddd", label="bandwidth bound")
+    bars = ax.bar(names, [rows[n]["decode_tok_s"] for n in names], width=0.5, color="#3a7", label="measured")
+    ax.bar_label(bars, labels=[f"{rows[n]['decode_tok_s']:.2f} ({rows[n]['share_of_bound']:.0%})" for n in names],
+                 fontsize=8)
+    ax.set_ylabel("batch-1 decode tok/s")
+    ax.set_title(f"{Path(result['model']).name}: {result['bandwidth_gb_s']:.1f} GB/s matvec, load "
+                 f"{result['load_average_before'][0]:.1f}-{result['load_average_after'][0]:.1f}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=str(DEFAULT_MODEL), help="float checkpoint (default: %(default)s)")
+    p.add_argument("--formats", default="float32,bfloat16,int8,awq",
+                   help=f"comma-separated, of {','.join(FORMATS)}; awq reads MODEL-awq (make_model.py --quantize awq)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--tag", default="")
+    p.add_argument("--out-dir", default=str(REPO_ROOT / "benchmarks" / "results"))
+    args = p.parse_args()
+    formats = args.formats.split(",")
+    unknown = sorted(set(formats) - set(FORMATS))
+    if unknown:
+        p.error(f"unknown formats {unknown}; choose from {list(FORMATS)}")
+    load_before = os.getloadavg()
+    bandwidth = matvec_bandwidth()
+    rows = {}
+    for name in formats:
+        suffix, kwargs = FORMATS[name]
+        llm = LLM(args.model + suffix, max_model_len=PROMPT_LEN + NEW_TOKENS + 8, max_num_seqs=1, **kwargs)
+        read = bytes_per_token(llm)
+        tok_s = decode_tok_s(llm, args.repeats)
+        rows[name] = {"decode_tok_s": round(tok_s, 3), "bytes_per_token": read,
+                      "bound_tok_s": round(bandwidth / read, 3), "share_of_bound": round(tok_s * read / bandwidth, 3)}
+        print(f"{name:>9}: {tok_s:7.2f} tok/s, {read / 1e9:.2f} GB per token, bound {bandwidth / read:6.2f} tok/s "
+              f"-> {tok_s * read / bandwidth:.0%} of it", flush=True)
+        del llm
+    if "float32" in rows:
+        for row in rows.values():
+            row["speedup_vs_float32"] = round(row["decode_tok_s"] / rows["float32"]["decode_tok_s"], 3)
+    result = {"model": args.model, "bandwidth_gb_s": round(bandwidth / 1e9, 2), "prompt_len": PROMPT_LEN,
+              "new_tokens": NEW_TOKENS, "threads": torch.get_num_threads(), "formats": rows,
+              "load_average_before": load_before, "load_average_after": os.getloadavg(),
+              "cpu": next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                           if line.startswith("model name")), "?")}
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "decode_bound" + (f"-{args.tag}" if args.tag else "")
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, out / f"{stem}.png")
+    print(f"matvec bandwidth {bandwidth / 1e9:.1f} GB/s; load {load_before[0]:.2f} -> {os.getloadavg()[0]:.2f}; "
+          f"wrote {out / stem}.json/.png")
+
+
+if __name__ == "__main__":
+    main()
