@@ -226,6 +226,7 @@ def test_int8_is_a_quarter_of_the_linear_bytes(random_model):
                  if n.startswith("layers.") and isinstance(m, torch.nn.Linear))
     layers = [m for m in int8.model.modules() if isinstance(m, Int8Linear)]
     assert full.weight_bytes - int8.weight_bytes == linear * 3 - sum(m.scales.numel() for m in layers) * 4
-    # the crossover between reading int8 and dequantize + GEMM, measured at load, is set on every layer
-    assert int8.int8_kernel_rows in (1, *CALIBRATION_ROWS) and full.int8_kernel_rows is None
-    assert {m.kernel_max_rows for m in layers} == {int8.int8_kernel_rows}
+    assert full.int8_kernel_rows is None
+    if int8.device.type == "cpu":  # the crossover between reading int8 and dequantize + GEMM, measured at load
+        assert int8.int8_kernel_rows in (1, *CALIBRATION_ROWS)
+        assert {m.kernel_max_rows for m in layers} == {int8.int8_kernel_rows}
