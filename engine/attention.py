@@ -11,7 +11,7 @@ through its block table: decodes in one padded batch, prefill chunks one by one 
 kernel with is_causal when the chunk has no cached context before it).
 
 The pool is head-major, [num_kv_heads, num_slots, head_dim] per layer: a block of one head is
-block_size x head_dim contiguous values. On CPU in float32 decode attention reads the blocks in
+block_size x head_dim contiguous values. On CPU in float32 or bfloat16 decode attention reads the blocks in
 place in a small C kernel (engine/cpu_kernel.py). Elsewhere, and wherever that kernel cannot be
 built, the decodes' blocks are gathered into a padded [kv_head, seq, position, head_dim] copy,
 already in the layout SDPA reads, and masked.
@@ -49,7 +49,7 @@ class AttentionMetadata:
     decode_tables: torch.Tensor | None  # [num_decodes, max_blocks] block ids, each table padded with block 0
     decode_lens: torch.Tensor | None  # [num_decodes] context lengths, the new token included
     decode_mask: torch.Tensor | None  # torch path: [1, num_decodes, 1, max_blocks * block_size], 0 or -inf
-    decode_kernel: DecodeKernel | None  # engine.cpu_kernel's, where it runs (CPU, float32)
+    decode_kernel: DecodeKernel | None  # engine.cpu_kernel's, where it runs (CPU, float32 or bfloat16)
     prefills: list[PrefillSegment]
     decode_window_mask: torch.Tensor | None = None  # like decode_mask, for windowed layers past their window
 

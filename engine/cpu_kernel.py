@@ -103,32 +103,37 @@ def _threads(num_threads: int) -> Threads:
 
 
 class DecodeKernel:
-    """paged_decode_f32, its work items (sequence x KV head) split over `num_threads` threads."""
+    """paged_decode_f32 / _bf16 (by the caches' dtype), its work items (sequence x KV head) split over threads."""
+
+    DTYPES = (torch.float32, torch.bfloat16)
 
     def __init__(self, library: ctypes.CDLL, threads: Threads) -> None:
-        self._fn = library.paged_decode_f32
-        self._fn.argtypes = [_ptr] * 6 + [_i64] * 6 + [ctypes.c_float, _i64, _i64]
-        self._fn.restype = ctypes.c_int
+        self._fns = {torch.float32: library.paged_decode_f32, torch.bfloat16: library.paged_decode_bf16}
+        for fn in self._fns.values():
+            fn.argtypes = [_ptr] * 6 + [_i64] * 6 + [ctypes.c_float, _i64, _i64]
+            fn.restype = ctypes.c_int
         self.threads = threads
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
-        """q [num_seqs, num_heads, head_dim] float32; caches [num_kv_heads, num_slots, head_dim] contiguous;
-        block_tables [num_seqs, max_blocks] and context_lens [num_seqs] int64. Returns like q."""
+        """q [num_seqs, num_heads, head_dim]; caches [num_kv_heads, num_slots, head_dim] contiguous, float32 or
+        bfloat16 (sums in float32 either way); block_tables [num_seqs, max_blocks] and context_lens [num_seqs]
+        int64. Returns like q."""
         if not (k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.is_contiguous()
-                and k_cache.dtype == v_cache.dtype == q.dtype == torch.float32
+                and k_cache.dtype == v_cache.dtype and k_cache.dtype in self.DTYPES
                 and block_tables.dtype == context_lens.dtype == torch.int64):
-            raise ValueError("paged_decode_f32 reads raw memory: contiguous float32 caches and int64 tables only")
-        q, context_lens = q.contiguous(), context_lens.contiguous()
-        out = torch.empty_like(q)
+            raise ValueError("paged_decode reads raw memory: contiguous float32 or bfloat16 caches and int64 "
+                             "tables only")
+        q32, context_lens = q.float().contiguous(), context_lens.contiguous()
+        out = torch.empty_like(q32)
         num_seqs, num_heads, head_dim = q.shape
         num_kv_heads, num_slots, _ = k_cache.shape
-        shared = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        shared = (q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
                   context_lens.data_ptr(), out.data_ptr(), num_heads, num_kv_heads, head_dim, num_slots,
                   block_size, block_tables.shape[1], scale)
-        if not self.threads.run(self._fn, shared, num_seqs * num_kv_heads):
-            raise MemoryError("paged_decode_f32: out of memory for its scratch buffer")
-        return out
+        if not self.threads.run(self._fns[k_cache.dtype], shared, num_seqs * num_kv_heads):
+            raise MemoryError("paged_decode: out of memory for its scratch buffer")
+        return out.to(q.dtype)
 
 
 class Int8LinearKernel:

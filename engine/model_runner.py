@@ -79,8 +79,8 @@ class ModelRunner:
         self.model.bind_kv_caches(self.kv_caches)
         self.sampler = Sampler()
         # decode attention straight from the block pool in C where it runs, else gather + SDPA in torch
-        on_cpu_fp32 = self.device.type == "cpu" and self.dtype == torch.float32
-        self.decode_kernel = cpu_kernel.load(torch.get_num_threads()) if on_cpu_fp32 else None
+        kernel_runs = self.device.type == "cpu" and self.dtype in cpu_kernel.DecodeKernel.DTYPES
+        self.decode_kernel = cpu_kernel.load(torch.get_num_threads()) if kernel_runs else None
         # keys a windowed layer sees (itself included); every windowed layer of a model shares it
         self.sliding_window = next((w for w in self.model.args.sliding_windows if w is not None), None)
         logger.info("loaded %s (%s, %s%s): %.1f MiB weights, %d KV blocks of %d tokens (%.1f MiB), max_model_len %d",

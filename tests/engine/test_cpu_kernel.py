@@ -33,31 +33,37 @@ def _reference(q, k_cache, v_cache, tables, lens, block_size, scale):
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"),
                          [(9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 16, 1), (6, 2, 64, 32)])
 @pytest.mark.parametrize("num_threads", [1, 3])
-def test_kernel_matches_reference(num_heads, num_kv_heads, head_dim, block_size, num_threads):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_reference(num_heads, num_kv_heads, head_dim, block_size, num_threads, dtype):
+    """bfloat16: the caches and q are bfloat16, the sums float32, so against float64 on the same bfloat16
+    values only the output's rounding to bfloat16 differs."""
     kernel = cpu_kernel.load(num_threads)
     assert kernel is not None
     gen = torch.Generator().manual_seed(0)
     num_blocks, lens = 256, torch.tensor([1, 5, block_size, block_size + 1, 3 * block_size - 1, 70])
     max_blocks = math.ceil(int(lens.max()) / block_size)
-    k_cache = torch.randn(num_kv_heads, num_blocks * block_size, head_dim, generator=gen)
-    v_cache = torch.randn(num_kv_heads, num_blocks * block_size, head_dim, generator=gen)
+    k_cache = torch.randn(num_kv_heads, num_blocks * block_size, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_kv_heads, num_blocks * block_size, head_dim, generator=gen).to(dtype)
     # distinct blocks per sequence, shuffled; tables padded with block 0 as the model runner does
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     tables = torch.zeros(len(lens), max_blocks, dtype=torch.long)
     for s, n in enumerate(lens.tolist()):
         need = math.ceil(n / block_size)
         tables[s, :need] = torch.tensor([perm.pop() for _ in range(need)])
-    q = torch.randn(len(lens), num_heads, head_dim, generator=gen)
+    q = torch.randn(len(lens), num_heads, head_dim, generator=gen).to(dtype)
     scale = head_dim**-0.5
     got = kernel(q, k_cache, v_cache, tables, lens, block_size, scale)
+    assert got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2**-8  # bfloat16 output: 8 bits of mantissa
     torch.testing.assert_close(got.double(), _reference(q, k_cache, v_cache, tables, lens, block_size, scale),
-                               rtol=1e-5, atol=1e-5)
+                               rtol=tol, atol=tol)
 
 
-def test_engine_uses_kernel_on_cpu_fp32(random_model):
-    llm = LLM(random_model("tiny-llama"), dtype="float32", max_model_len=128)
-    assert llm.engine.model_runner.decode_kernel is not None
-    llm = LLM(random_model("tiny-llama"), dtype="bfloat16", max_model_len=128)
+def test_engine_uses_kernel_on_cpu_fp32_and_bf16(random_model):
+    for dtype in ("float32", "bfloat16"):
+        assert LLM(random_model("tiny-llama"), dtype=dtype, max_model_len=128).engine.model_runner.decode_kernel \
+            is not None
+    llm = LLM(random_model("tiny-llama"), dtype="float16", max_model_len=128)
     assert llm.engine.model_runner.decode_kernel is None
 
 
