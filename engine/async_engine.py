@@ -116,14 +116,13 @@ class AsyncEngine:
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                        priority: int = 0, prompt_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
         """Yield output deltas until the request finishes. Leaving early aborts it. `prompt_token_ids`:
-        the prompt already encoded and checked by this engine (checked again: a cache hit for a
-        constraint). Without them the prompt is encoded and checked in a worker thread: a long
-        text, or a grammar this engine never compiled (up to seconds), must not stall the loop."""
+        the prompt already encoded and checked by this engine (the service checks in a worker thread;
+        the loop's add_request checks once more and a failure comes out of this generator). Without
+        them the prompt is encoded and checked in a worker thread: a long text, or a grammar this
+        engine never compiled (up to seconds), must not stall the event loop or the engine loop."""
         self._check_alive()
         if prompt_token_ids is None:
             prompt_token_ids = await asyncio.to_thread(self._encode_checked, prompt, params)
-        else:
-            self.check_request(prompt_token_ids, params)
         self._check_room()
         if request_id in self._waiters:
             raise EngineError(f"request id {request_id!r} is already in use")
