@@ -9,11 +9,16 @@ the first step in a new lexer state up to 2 ms, against xgrammar's 1 us) on a ~1
 Its fuel limits do not bound everything (an allOf of 20 patterns builds regex intersections for
 3.5 s, of 30 for minutes), so a compile runs in a daemon thread (llguidance drops the GIL) and is
 given up after `timeout_s`: the request is refused, the thread is left to finish on its own, and
-at most MAX_PENDING compiles run at once."""
+at most MAX_PENDING compiles run at once. At interpreter exit they are waited for (up to EXIT_WAIT_S):
+a compile thread that returns into Python while the interpreter tears down is ended by a forced unwind
+through llguidance's Rust frames, a segfault (seen at the end of pytest runs). The server leaves with
+os._exit and never tears down."""
 
+import atexit
 import json
 import logging
 import threading
+import time
 from collections import OrderedDict
 
 import llguidance
@@ -28,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 COMPILE_TIMEOUT_S = 5.0  # llguidance: "100-1000 ms for extremely complex grammars"
 MAX_PENDING = 4  # compiles running at once (a timed-out one keeps a core until it ends by itself)
+COMPILE_THREAD = "grammar-compile"
+EXIT_WAIT_S = 60.0
 MAX_CACHED = 64  # compiled constraints kept per engine (each holds its lazily built lexer), LRU
 MAX_ERROR_CHARS = 400
 # compact JSON: a small model given free whitespace may emit newlines until max_tokens
@@ -148,7 +155,7 @@ class GrammarCompiler:
                     is_new = True
         if found is None:
             if is_new:
-                threading.Thread(target=self._compile, args=(spec, job), name="grammar-compile", daemon=True).start()
+                threading.Thread(target=self._compile, args=(spec, job), name=COMPILE_THREAD, daemon=True).start()
             found = self._wait(spec, job)
         if isinstance(found, str):
             raise StructuredOutputError(found)
@@ -196,3 +203,16 @@ class GrammarCompiler:
         self._cache.move_to_end(spec)
         while len(self._cache) > MAX_CACHED:
             self._cache.popitem(last=False)
+
+
+@atexit.register
+def _wait_for_compiles() -> None:
+    """Runs after non-daemon threads were joined and before the interpreter tears down (module docstring)."""
+    deadline = time.monotonic() + EXIT_WAIT_S
+    for thread in threading.enumerate():
+        if thread.name == COMPILE_THREAD:
+            thread.join(max(0.0, deadline - time.monotonic()))
+    left = sum(t.name == COMPILE_THREAD and t.is_alive() for t in threading.enumerate())
+    if left:
+        logger.warning("%d grammar compiles still running after %g s at exit: the interpreter may crash tearing "
+                       "down", left, EXIT_WAIT_S)

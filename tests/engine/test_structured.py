@@ -216,3 +216,32 @@ def test_structured_outputs_check_their_bounds(kwargs, message):
 def test_sampling_params_take_only_a_structured_outputs():
     with pytest.raises(ValueError, match="structured_outputs must be a StructuredOutputs"):
         SamplingParams(structured_outputs={"json": PERSON})
+
+
+CHILD_AT_EXIT = f"""
+import atexit, threading
+# registered before engine.structured is imported, so it runs after the module's own exit hook
+atexit.register(lambda: print("compiling at teardown:", sum(t.name == "grammar-compile" for t in threading.enumerate())))
+from transformers import AutoTokenizer
+from engine.sampling_params import StructuredOutputs
+from engine.structured import GrammarCompiler, StructuredOutputError
+compiler = GrammarCompiler(AutoTokenizer.from_pretrained({str(TINY)!r}), 4096, frozenset([0]))
+compiler.check(StructuredOutputs(regex="a"))  # builds the tokenizer
+compiler.timeout_s = 0.05
+try:
+    compiler.check(StructuredOutputs(json={{"type": "string",
+                                           "allOf": [{{"pattern": f"^.*a.{{{{{{i}}}}}}$"}} for i in range(16)]}}))
+except StructuredOutputError:
+    print("refused")
+"""
+
+
+def test_a_compile_left_running_is_waited_for_at_exit_not_torn_down():
+    """A timed-out compile thread returning into Python during the interpreter's teardown is killed by a forced
+    unwind through llguidance's Rust frames (SIGSEGV, seen at the end of pytest runs): the exit hook waits."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", CHILD_AT_EXIT], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[:2] == ["refused", "compiling at teardown: 0"], done.stdout

@@ -124,9 +124,12 @@ async def test_a_probe_with_a_fast_first_token_and_slow_later_ones_reopens_the_b
 async def test_error_fault_fails_over_within_the_retry_budget(engines):
     # 30 requests: the budget allows max(min_retries 2, 20% of 30) = 6 resubmits after a fast failure, to
     # the same model (at most 3: the 4th failure opens the breaker) or to the fallback
-    # about retries, not stalls: 30 requests landing on the fallback at once must not read as a stalled loop
-    # (with the 1 s stall timeout, one iteration over 1 s cut the streams in a clean-clone CI run)
-    router = _router(engines, retry_budget=RetryBudgetConfig(ratio=0.2, min_retries=2), stall_timeout_s=10.0)
+    # about retries, not stalls or deadlines: 30 requests landing on the fallback at once must not read as a
+    # stalled loop (with the 1 s stall timeout, one iteration over 1 s cut the streams in a clean-clone CI run),
+    # and 30 at once on a loaded box must not miss a 1 s first-token deadline, whose failovers are free (at
+    # load 5 every request did, and all 30 reached the fallback)
+    router = _router(engines, retry_budget=RetryBudgetConfig(ratio=0.2, min_retries=2), stall_timeout_s=10.0,
+                     first_token_timeout_s=10.0)
     engines["big"].faults.inject(Fault("error"))
     results = await asyncio.gather(*[_run(router, i) for i in range(30)], return_exceptions=True)
     served = [r for r in results if not isinstance(r, BaseException)]
