@@ -37,6 +37,19 @@ static inline void dot_rows(const float *x, int64_t k, const int8_t *w, const fl
                             int rows, float *out)
 {
 #if defined(__AVX2__) && defined(__FMA__)
+    if (group_size % 16 == 0 && rows == 1) { /* decode of one sequence: every accumulator in a register */
+        __m256 total = _mm256_setzero_ps();
+        for (int64_t g = 0; g < k; g += group_size) {
+            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+            for (int64_t j = g; j < g + group_size; j += 16) {
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + j), widen8(w + j), a0);
+                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + j + 8), widen8(w + j + 8), a1);
+            }
+            total = _mm256_fmadd_ps(_mm256_add_ps(a0, a1), _mm256_set1_ps(scale[g / group_size]), total);
+        }
+        out[0] = hsum(total);
+        return;
+    }
     if (group_size % 16 == 0) {
         __m256 total[TILE];
         for (int i = 0; i < TILE; ++i) total[i] = _mm256_setzero_ps();
