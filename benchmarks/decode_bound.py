@@ -27,6 +27,7 @@ sys.path[0] = str(REPO_ROOT)
 import torch  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
+from engine.profiling import machine_info  # noqa: E402
 
 DEFAULT_MODEL = REPO_ROOT / "benchmarks" / "models" / "qwen2-1.5b"
 PROMPT_LEN, NEW_TOKENS = 128, 64
@@ -82,7 +83,7 @@ def plot(result: dict, path: Path) -> None:
                  fontsize=8)
     ax.set_ylabel("batch-1 decode tok/s")
     ax.set_title(f"{Path(result['model']).name}: {result['bandwidth_gb_s']:.1f} GB/s matvec, load "
-                 f"{result['load_average_before'][0]:.1f}-{result['load_average_after'][0]:.1f}", fontsize=9)
+                 f"{result['machine']['load_average_before'][0]:.1f}-{result['machine']['load_average_after'][0]:.1f}", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -119,10 +120,7 @@ def main() -> None:
         for row in rows.values():
             row["speedup_vs_float32"] = round(row["decode_tok_s"] / rows["float32"]["decode_tok_s"], 3)
     result = {"model": args.model, "bandwidth_gb_s": round(bandwidth / 1e9, 2), "prompt_len": PROMPT_LEN,
-              "new_tokens": NEW_TOKENS, "threads": torch.get_num_threads(), "formats": rows,
-              "load_average_before": load_before, "load_average_after": os.getloadavg(),
-              "cpu": next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                           if line.startswith("model name")), "?")}
+              "new_tokens": NEW_TOKENS, "formats": rows, "machine": machine_info(load_before, os.getloadavg())}
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = "decode_bound" + (f"-{args.tag}" if args.tag else "")
