@@ -1,4 +1,5 @@
-"""Paged attention over the KV block pool, called by the attention modules of engine/models.
+"""Paged attention over the KV block pool, called by the attention modules of engine/models: the
+CPU backend (attention_backend "torch"; engine/flex_attention.py is the CUDA one, same interface).
 
 Each layer calls `paged_attention` with q/k/v of the new tokens only (after RoPE), packed into one
 batch:
@@ -23,11 +24,22 @@ path, since the C kernel reads whole contexts), every other layer the plain caus
 """
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from engine.cpu_kernel import DecodeKernel
+
+
+class StepAttention(Protocol):
+    """What an attention layer calls once per step: the backend's metadata for that step (this module's
+    AttentionMetadata, the CPU backend; engine/flex_attention.py's FlexMetadata, the CUDA one)."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, scale: float, is_windowed: bool) -> torch.Tensor:
+        """Write k/v [T, KVH, D] into the layer's caches at the step's slots, attend q [T, H, D]; [T, H, D]."""
+        ...
 
 
 @dataclass
@@ -52,6 +64,10 @@ class AttentionMetadata:
     decode_kernel: DecodeKernel | None  # engine.cpu_kernel's, where it runs (CPU, float32 or bfloat16)
     prefills: list[PrefillSegment]
     decode_window_mask: torch.Tensor | None = None  # like decode_mask, for windowed layers past their window
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, scale: float, is_windowed: bool) -> torch.Tensor:
+        return paged_attention(q, k, v, k_cache, v_cache, self, scale, is_windowed)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

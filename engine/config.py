@@ -9,6 +9,7 @@ DEVICES = ("auto", "cpu", "cuda")
 POLICIES = ("fcfs", "priority", "hybrid")
 PREEMPTION_MODES = ("recompute", "swap")
 QUANTIZATIONS = ("int8", "awq", "gptq")
+ATTENTION_BACKENDS = ("auto", "torch", "flex")
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 
 
@@ -33,6 +34,8 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
     quantization: str | None = None  # "int8" (at load), "awq" / "gptq" (the checkpoint's); engine/quantization.py
+    # "torch" (engine/attention.py: C decode kernel + SDPA), "flex" (engine/flex_attention.py); auto: flex on CUDA
+    attention_backend: str = "auto"
     chat_template: str | None = field(default=None, repr=False)  # jinja text replacing the model's own
 
     def __post_init__(self) -> None:
@@ -64,6 +67,8 @@ class EngineConfig:
                "chat_template must be non-empty jinja text")
         _check(self.quantization in (None, *QUANTIZATIONS),
                f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        _check(self.attention_backend in ATTENTION_BACKENDS,
+               f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         _check(self.max_prefill_tokens is None or self.max_prefill_tokens >= 1,
                f"max_prefill_tokens must be at least 1, got {self.max_prefill_tokens}")
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import cpu_kernel, quantization
-from engine.attention import AttentionMetadata, PrefillSegment
+from engine import cpu_kernel, flex_attention, quantization
+from engine.attention import AttentionMetadata, PrefillSegment, StepAttention
 from engine.block_manager import BlockCopies
 from engine.config import EngineConfig, KVCacheLayout
 from engine.dtype_probe import DtypeProbe, probe_cpu_dtype
@@ -57,7 +57,7 @@ def device_memory(device: torch.device) -> int:
 class _Batch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
-    metadata: AttentionMetadata
+    metadata: StepAttention
     sample_indices: torch.Tensor  # [num_rows] rows of the packed batch whose logits are sampled
     rows: list[SampleRow]
 
@@ -78,15 +78,18 @@ class ModelRunner:
         self.swap_caches = self._allocate(self.layout.num_swap_blocks, host=True)
         self.model.bind_kv_caches(self.kv_caches)
         self.sampler = Sampler()
-        # decode attention straight from the block pool in C where it runs, else gather + SDPA in torch
-        kernel_runs = self.device.type == "cpu" and self.dtype in cpu_kernel.DecodeKernel.DTYPES
+        backend = config.attention_backend
+        self.attention_backend = backend if backend != "auto" else "flex" if self.device.type == "cuda" else "torch"
+        # torch backend: decode attention straight from the block pool in C where it runs, else gather + SDPA
+        kernel_runs = (self.attention_backend == "torch" and self.device.type == "cpu"
+                       and self.dtype in cpu_kernel.DecodeKernel.DTYPES)
         self.decode_kernel = cpu_kernel.load(torch.get_num_threads()) if kernel_runs else None
         # keys a windowed layer sees (itself included); every windowed layer of a model shares it
         self.sliding_window = next((w for w in self.model.args.sliding_windows if w is not None), None)
-        logger.info("loaded %s (%s, %s%s): %.1f MiB weights, %d KV blocks of %d tokens (%.1f MiB), max_model_len %d",
-                    files.path.name, self.device, self.dtype,
+        logger.info("loaded %s (%s, %s%s, %s attention): %.1f MiB weights, %d KV blocks of %d tokens (%.1f MiB), "
+                    "max_model_len %d", files.path.name, self.device, self.dtype,
                     f", {self.quant.method} linear weights, int8 read directly up to {self.int8_kernel_rows} rows"
-                    if self.quant else "", self.weight_bytes / 2**20,
+                    if self.quant else "", self.attention_backend, self.weight_bytes / 2**20,
                     self.layout.num_blocks,
                     self.layout.block_size, self.layout.total_bytes / 2**20, self.layout.max_model_len)
 
@@ -184,10 +187,16 @@ class ModelRunner:
                 sample_at.append(len(ids) - 1)
                 rows.append(SampleRow(seq, item.num_samples))
         dev = self.device
-        tables, lengths, mask, window_mask = self._decode_context(decodes)
-        meta = AttentionMetadata(bs, torch.tensor(slots, dtype=torch.long, device=dev), len(decodes), tables, lengths,
-                                 mask, self.decode_kernel, [self._segment(r0, r1, item) for r0, r1, item in segments],
-                                 window_mask)
+        slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
+        if self.attention_backend == "flex":
+            meta = flex_attention.build_metadata(
+                bs, self.layout.num_blocks, slot_mapping, [d.seq.block_table for d in decodes],
+                [d.start + 1 for d in decodes], [(item.seq.block_table, item.start, item.start + item.num_new_tokens)
+                                                 for _, _, item in segments], self.sliding_window)
+        else:
+            tables, lengths, mask, window_mask = self._decode_context(decodes)
+            meta = AttentionMetadata(bs, slot_mapping, len(decodes), tables, lengths, mask, self.decode_kernel,
+                                     [self._segment(r0, r1, item) for r0, r1, item in segments], window_mask)
         return _Batch(torch.tensor(ids, dtype=torch.long, device=dev),
                       torch.tensor(positions, dtype=torch.long, device=dev), meta,
                       torch.tensor(sample_at, dtype=torch.long, device=dev), rows)

@@ -22,7 +22,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from engine.attention import AttentionMetadata, paged_attention
+from engine.attention import StepAttention
 from engine.quantization import Int8Linear, QuantConfig, check_g_idx, quantize_int8, unpack_layer
 
 # HF projection name -> (our fused module, its part); parts stack along the output rows in this order
@@ -132,7 +132,7 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None  # [num_kv_heads, num_slots, head_dim], set by bind_kv_caches
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: StepAttention) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -141,7 +141,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window is not None)
+        out = meta.attend(q, k, v, self.k_cache, self.v_cache, self.scale, self.sliding_window is not None)
         return self.o_proj(out.view(num_tokens, -1))
 
 
@@ -164,7 +164,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.mlp = MLP(args, dtype, quant)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: StepAttention) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -194,7 +194,7 @@ class LlamaForCausalLM(nn.Module):
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             layer.self_attn.k_cache, layer.self_attn.v_cache = k_cache, v_cache
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepAttention) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         freqs = positions[:, None].float() * self.inv_freq  # [T, D/2], float32 as HF computes it
         cos = (freqs.cos() * self.rope_scale).to(x.dtype)[:, None]

@@ -106,3 +106,17 @@ def test_prefix_cache_hits_give_same_tokens(references, preset):
     _check(llm, prompts, expected)  # the second reads most prompts from it
     assert llm.engine.block_manager.num_prefix_hits - hits_before >= 8 * sum(
         (len(p) - 1) // 8 for p in prompts)
+
+
+@pytest.mark.parametrize("preset", FAMILIES)
+def test_flex_backend_matches_transformers(references, preset):
+    """attention_backend "flex" (CUDA's default; unfused on CPU): decodes batched and every prefill
+    chunk in one call per layer, mixed in each step by chunked prefill, then again from the prefix cache."""
+    path, prompts, expected = references(preset)
+    llm = LLM(path, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=32, attention_backend="flex",
+              **SCENARIOS["chunked_prefill"])
+    assert llm.engine.model_runner.decode_kernel is None
+    _check(llm, prompts, expected)
+    hits_before = llm.engine.block_manager.num_prefix_hits
+    _check(llm, prompts, expected)
+    assert llm.engine.block_manager.num_prefix_hits > hits_before

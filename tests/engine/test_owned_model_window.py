@@ -72,3 +72,11 @@ def test_torch_decode_path_and_prefix_cache(windowed, name, monkeypatch):
     hits_before = llm.engine.block_manager.num_prefix_hits
     _check(llm, prompts, expected)  # the second pass reads most prompts from the cache
     assert llm.engine.block_manager.num_prefix_hits > hits_before
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_flex_backend_masks_the_window(windowed, name):
+    path, prompts, expected = windowed(name)
+    llm = LLM(path, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=32, attention_backend="flex",
+              **SCENARIOS["chunked_prefill"])
+    _check(llm, prompts, expected)

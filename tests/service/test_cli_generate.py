@@ -54,3 +54,11 @@ def test_generate_hands_the_engine_options_to_the_engine(tiny_models, capsys):
     last_line = capsys.readouterr().err.splitlines()[-1]
     assert last_line == ("pagedserve: KV budget holds 2 blocks of 8 tokens (24576 bytes each), too few for one "
                          "sequence of max_model_len 128; raise kv_cache_memory or lower max_model_len")
+
+
+def test_generate_takes_the_attention_backend(tiny_models, capsys):
+    """--attention-backend flex (CUDA's default) gives the torch backend's greedy text; a bad one is refused."""
+    torch_text = _generate(capsys, tiny_models.primary, "--max-tokens", "8", "--attention-backend", "torch")
+    assert _generate(capsys, tiny_models.primary, "--max-tokens", "8", "--attention-backend", "flex") == torch_text
+    assert main(["generate", "--model", str(tiny_models.primary), "--attention-backend", "triton", "hi"]) == 2
+    assert "attention_backend must be one of" in capsys.readouterr().err
