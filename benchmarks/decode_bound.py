@@ -52,7 +52,8 @@ def matvec_bandwidth(seconds: float = 3.0) -> float:
 def bytes_per_token(llm: LLM) -> int:
     """What one decode step reads: every parameter but the embedding, plus the embedding if it is the LM head."""
     model = llm.engine.model_runner.model
-    read = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if not name.startswith("embed"))
+    tensors = (*model.named_parameters(), *model.named_buffers())  # reordered oneDNN weights are buffers
+    read = sum(t.numel() * t.element_size() for name, t in tensors if not name.startswith("embed"))
     return read + (model.embed_tokens.weight.nbytes if model.lm_head is None else 0)
 
 

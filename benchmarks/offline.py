@@ -345,7 +345,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=32, help="batch size of every system")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="pagedserve, vllm and cb token budget")
     p.add_argument("--block-size", type=int, default=16, help="pagedserve KV block size")
-    p.add_argument("--kv-cache-gib", type=float, default=None, help="pagedserve KV pool (default: engine's)")
+    p.add_argument("--kv-cache-gib", type=float, default=2.0,
+                   help="pagedserve KV pool in GiB (default: the same as vLLM's, so neither preempts more for want "
+                        "of memory; 0 = the engine's own default)")
     p.add_argument("--peer-kv-cache-gib", type=int, default=2, help="vLLM's KV pool (VLLM_CPU_KVCACHE_SPACE)")
     # vLLM's own default, "auto", keeps one core for its scheduler and frontend and computes on the rest
     # (on 2 cores: one OpenMP thread); "0-1" computes on both, sharing them with the scheduler

@@ -47,6 +47,7 @@ class AsyncEngine:
         self.dtype_probe = self.engine.model_runner.dtype_probe  # how --dtype auto chose, on CPU
         quant = self.engine.model_runner.quant
         self.quantization = quant.method if quant else None
+        self.attention_backend = self.engine.model_runner.attention_backend
         self.faults = FaultInjector()
         self._commands: collections.deque = collections.deque()  # ("add", args) | ("abort", request_id)
         self._num_queued_adds = 0  # "add" commands not yet taken by the loop (a count: the deque is

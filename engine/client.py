@@ -28,6 +28,7 @@ class EngineClient(Protocol):
     dtype: str  # what the weights and KV pool are held in ("float32", "bfloat16", "float16")
     dtype_probe: DtypeProbe | None  # on CPU with --dtype auto: what was measured to choose it
     quantization: str | None  # "int8", "awq", "gptq": the linear weights are int8 (engine/quantization.py)
+    attention_backend: str  # "torch" or "flex": what --attention-backend (auto: by device) resolved to
     faults: FaultInjector
     dead_error: BaseException | None  # why the loop died (None: alive)
     last_progress_time: float  # time.monotonic() at the end of the loop's last iteration (idle ticks too)

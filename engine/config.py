@@ -10,6 +10,7 @@ POLICIES = ("fcfs", "priority", "hybrid")
 PREEMPTION_MODES = ("recompute", "swap")
 QUANTIZATIONS = ("int8", "awq", "gptq")
 ATTENTION_BACKENDS = ("auto", "torch", "flex")
+LINEAR_KERNELS = ("auto", "aten", "onednn")
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 
 
@@ -36,6 +37,8 @@ class EngineConfig:
     quantization: str | None = None  # "int8" (at load), "awq" / "gptq" (the checkpoint's); engine/quantization.py
     # "torch" (engine/attention.py: C decode kernel + SDPA), "flex" (engine/flex_attention.py); auto: flex on CUDA
     attention_backend: str = "auto"
+    linear_kernel: str = "auto"  # CPU float linear layers: engine/onednn_linear.py; auto: the faster one, measured
+    compile: bool = False  # torch.compile each layer's dense halves at load (artifacts cached on disk)
     chat_template: str | None = field(default=None, repr=False)  # jinja text replacing the model's own
 
     def __post_init__(self) -> None:
@@ -69,6 +72,8 @@ class EngineConfig:
                f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         _check(self.attention_backend in ATTENTION_BACKENDS,
                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        _check(self.linear_kernel in LINEAR_KERNELS,
+               f"linear_kernel must be one of {LINEAR_KERNELS}, got {self.linear_kernel!r}")
         _check(self.max_prefill_tokens is None or self.max_prefill_tokens >= 1,
                f"max_prefill_tokens must be at least 1, got {self.max_prefill_tokens}")
 

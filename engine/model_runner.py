@@ -3,11 +3,13 @@
 import logging
 import math
 import os
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from engine import cpu_kernel, flex_attention, quantization
+from engine import cpu_kernel, flex_attention, onednn_linear, quantization
 from engine.attention import AttentionMetadata, PrefillSegment, StepAttention
 from engine.block_manager import BlockCopies
 from engine.config import EngineConfig, KVCacheLayout
@@ -72,7 +74,10 @@ class ModelRunner:
         self.quant = quantization.resolve(config.quantization, files.config)
         self.model = load_model(files, self.dtype, self.device, self.quant)
         self.int8_kernel_rows = quantization.calibrate_kernel_rows(self.model, self.dtype) if self.quant else None
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.linear_probe, self.linear_kernel = self._choose_linear_kernel(config.linear_kernel)
+        self.compile_s = self._compile() if config.compile else None
+        # reordered oneDNN weights are buffers
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
         self.layout = self._plan_kv(files.config)
         self.kv_caches = self._allocate(self.layout.num_blocks)
         self.swap_caches = self._allocate(self.layout.num_swap_blocks, host=True)
@@ -92,6 +97,31 @@ class ModelRunner:
                     if self.quant else "", self.attention_backend, self.weight_bytes / 2**20,
                     self.layout.num_blocks,
                     self.layout.block_size, self.layout.total_bytes / 2**20, self.layout.max_model_len)
+
+    def _choose_linear_kernel(self, requested: str) -> tuple[onednn_linear.LinearProbe | None, str]:
+        """The decoder layers' float linear layers on CPU: aten's, or oneDNN's on reordered weights
+        (auto: whichever this machine runs the model's MLP shape faster, probed now)."""
+        if self.device.type != "cpu" or requested == "aten" or self.quant is not None:
+            return None, "int8" if self.quant is not None else "aten"
+        args = self.model.args
+        probe = onednn_linear.probe(args.hidden_size, args.intermediate_size, self.dtype)
+        chosen = "onednn" if requested == "onednn" and probe.error is None else probe.chosen
+        if requested == "onednn" and probe.error is not None:
+            raise ValueError(f"linear_kernel 'onednn' cannot run {self.dtype} here: {probe.error}")
+        if chosen == "onednn":
+            onednn_linear.pack_linears(self.model.layers)
+        logger.info("linear layers: %s (probe %s)", chosen, probe.to_dict())
+        return probe, chosen
+
+    def _compile(self) -> float:
+        """Compile the layers now; inductor's on-disk caches make a restart's compile a cache read."""
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "pagedserve" / "inductor"))
+        started = time.perf_counter()
+        self.model.compile_layers()
+        seconds = time.perf_counter() - started
+        logger.info("compiled %d layers in %.1f s (cache %s)", len(self.model.layers), seconds,
+                    os.environ["TORCHINDUCTOR_CACHE_DIR"])
+        return seconds
 
     # --- KV pool -----------------------------------------------------------------------------------
     def _plan_kv(self, model_config: dict) -> KVCacheLayout:

@@ -186,4 +186,4 @@ class HealthState:
         probe = engine.dtype_probe
         return {"is_dead": engine.is_dead, "seconds_since_progress": round(self._clock() - engine.last_progress_time, 3),
                 "dtype": engine.dtype, "dtype_probe": probe.to_dict() if probe is not None else None,
-                "quantization": engine.quantization}
+                "quantization": engine.quantization, "attention_backend": engine.attention_backend}

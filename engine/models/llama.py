@@ -116,7 +116,8 @@ def linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
 
 
 class Attention(nn.Module):
-    """q/k/v in one GEMM, RoPE, paged attention over this layer's own views of the KV pool, o_proj."""
+    """q/k/v in one GEMM and RoPE (`project`), paged attention over this layer's own views of the KV
+    pool (`attend`); o_proj is applied by the layer."""
 
     def __init__(self, args: LlamaArgs, layer_idx: int, dtype: torch.dtype, quant: QuantConfig | None) -> None:
         super().__init__()
@@ -132,7 +133,8 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None  # [num_kv_heads, num_slots, head_dim], set by bind_kv_caches
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: StepAttention) -> torch.Tensor:
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [T, hidden] -> q [T, H, D], k and v [T, KVH, D], RoPE applied."""
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -140,9 +142,10 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = meta.attend(q, k, v, self.k_cache, self.v_cache, self.scale, self.sliding_window is not None)
-        return self.o_proj(out.view(num_tokens, -1))
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StepAttention) -> torch.Tensor:
+        return meta.attend(q, k, v, self.k_cache, self.v_cache, self.scale, self.sliding_window is not None)
 
 
 class MLP(nn.Module):
@@ -165,8 +168,22 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(args, dtype, quant)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: StepAttention) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
+        q, k, v = self.before_attention(x, cos, sin)
+        return self.after_attention(x, self.self_attn.attend(q, k, v, meta))
+
+    # the two dense halves of a layer around the paged attention: what --compile compiles
+    def before_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.self_attn.project(self.input_layernorm(x), cos, sin)
+
+    def after_attention(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn.o_proj(attn.flatten(1))
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def compile_dense(self) -> None:
+        """torch.compile both dense halves, shapes dynamic (T changes every step); every layer runs the
+        same compiled code (parameters are inputs, not constants)."""
+        self.before_attention = torch.compile(self.before_attention, dynamic=True)
+        self.after_attention = torch.compile(self.after_attention, dynamic=True)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -202,6 +219,21 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             x = layer(x, cos, sin, meta)
         return self.norm(x)
+
+    @torch.inference_mode()
+    def compile_layers(self) -> None:
+        """--compile: compile every layer's dense halves and compile them now, for one token and for
+        several (a single row is its own specialization), so no request waits for the compiler."""
+        for layer in self.layers:
+            layer.compile_dense()
+        a = self.args
+        for num_tokens in (2, 1):
+            x = torch.zeros(num_tokens, a.hidden_size, dtype=self.norm.weight.dtype, device=self.inv_freq.device)
+            cos_sin = torch.ones(num_tokens, 1, a.head_dim // 2, dtype=x.dtype, device=x.device)
+            attn = torch.zeros(num_tokens, a.num_heads, a.head_dim, dtype=x.dtype, device=x.device)
+            for layer in self.layers:
+                layer.before_attention(x, cos_sin, cos_sin)
+                layer.after_attention(x, attn)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.embed_tokens if self.lm_head is None else self.lm_head

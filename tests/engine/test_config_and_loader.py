@@ -20,6 +20,7 @@ from engine.loader import validate_model_dir
     (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
     (dict(max_num_seqs=0), "max_num_seqs"),
     (dict(attention_backend="triton"), "attention_backend must be one of"),
+    (dict(linear_kernel="mkl"), "linear_kernel must be one of"),
 ])
 def test_config_rejects_bad_values(options, message):
     with pytest.raises(ValueError, match=message):

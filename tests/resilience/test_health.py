@@ -20,6 +20,7 @@ class Loop:
     dtype: str = "float32"
     dtype_probe: None = None
     quantization: None = None
+    attention_backend: str = "torch"
 
     @property
     def is_dead(self) -> bool:
@@ -68,7 +69,8 @@ def test_starts_loading_then_ready(clock):
                       "loading": False, "draining": False, "leak": None, "num_leaks": 0, "last_recycle": None,
                       "rebuilding": [], "models": {"primary": "ready"}, "breakers": {"primary": "closed"},
                       "engines": {"primary": {"is_dead": False, "seconds_since_progress": 0.0, "dtype": "float32",
-                                              "dtype_probe": None, "quantization": None}}, "memory": None}
+                                              "dtype_probe": None, "quantization": None,
+                                              "attention_backend": "torch"}}, "memory": None}
     assert json.loads(json.dumps(report)) == report
     assert replica.health.refusal("primary") is None
 

@@ -20,6 +20,7 @@ async def test_int8_replica_reports_and_serves(start, tiny_models):
     engines = (await resp.json())["engines"]
     assert resp.status == 200
     assert {name: e["quantization"] for name, e in engines.items()} == {"primary": "int8", "fallback": "int8"}
+    assert {e["attention_backend"] for e in engines.values()} == {"torch"}  # auto on CPU
     prompt = [5, 17, 300, 42, 9, 9]
     resp = await h.client.post("/v1/completions", headers=KEY, json={
         "model": "primary", "prompt": prompt, "max_tokens": 8, "temperature": 0})
