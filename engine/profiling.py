@@ -4,7 +4,8 @@
     attention    paged attention: SDPA, the block gathers, the C decode kernel (a ctypes call the
                  profiler cannot see: it is the self time of the attention modules' ranges)
     kv_write     index_copy_ of the new K/V into the block pool, inside the forward
-    gemm         linear layers and the LM head (aten::linear/addmm/mm/matmul/bmm), wherever they run
+    gemm         linear layers and the LM head (aten::linear/addmm/mm/matmul/bmm, oneDNN's linear), wherever
+                 they run
     elementwise  the rest of the forward: norms, RoPE, SiLU*up, residual adds, the embedding, and the
                  forward's own Python between ops
     sampling     the sampler (its range in engine/sampler.py)
@@ -38,7 +39,8 @@ if TYPE_CHECKING:
 CATEGORIES = ("attention", "kv_write", "gemm", "elementwise", "sampling", "host")
 STEP, SCHEDULE, RUN, POSTPROCESS = "pagedserve::step", "pagedserve::schedule", "pagedserve::run", "pagedserve::postprocess"
 SAMPLE, FORWARD, ATTENTION = "pagedserve::sample", "pagedserve::forward", "pagedserve::attention"
-GEMM_OPS = frozenset({"aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::bmm", "aten::baddbmm"})
+GEMM_OPS = frozenset({"aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::bmm", "aten::baddbmm",
+                      "mkldnn::_linear_pointwise"})  # the last: engine/onednn_linear.py's layers
 KV_WRITE_OPS = frozenset({"aten::index_copy_"})
 # ops of Attention.forward around paged_attention: the q/k/v split and views, RoPE
 # (their slices and strides are their children, so they follow); a view in paged_attention counts here too

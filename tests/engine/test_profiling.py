@@ -57,6 +57,7 @@ def test_max_steps_bounds_the_profiled_steps(random_model):
 def test_scope_rules():
     assert _scope("aten::linear", "run") == "gemm"  # the LM head, outside the forward
     assert _scope("aten::mm", "forward") == "gemm"
+    assert _scope("mkldnn::_linear_pointwise", "forward") == "gemm"  # engine/onednn_linear.py's layers
     assert _scope("aten::index_copy_", "attention_module") == "kv_write"
     assert _scope("aten::index_copy_", "run") == "run"  # a block copy before the forward is host work
     assert _scope("aten::mul", "attention_module") == "elementwise"  # RoPE
