@@ -105,9 +105,9 @@ class ModelRunner:
             return None, "int8" if self.quant is not None else "aten"
         args = self.model.args
         probe = onednn_linear.probe(args.hidden_size, args.intermediate_size, self.dtype)
-        chosen = "onednn" if requested == "onednn" and probe.error is None else probe.chosen
         if requested == "onednn" and probe.error is not None:
             raise ValueError(f"linear_kernel 'onednn' cannot run {self.dtype} here: {probe.error}")
+        chosen = "onednn" if requested == "onednn" else probe.chosen
         if chosen == "onednn":
             onednn_linear.pack_linears(self.model.layers)
         logger.info("linear layers: %s (probe %s)", chosen, probe.to_dict())
