@@ -57,7 +57,8 @@ async def _stream_one(session: aiohttp.ClientSession, url: str, model: str, prom
             "stream": True}
     tokens = 0
     async with session.post(f"{url}/v1/completions", json=body) as response:
-        response.raise_for_status()
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {await response.text()}")
         async for line in response.content:
             if line.startswith(b"data: {"):
                 tokens += 1  # one chunk per engine delta; the usage count below is authoritative

@@ -208,13 +208,13 @@ def parse_prompts(prompt: Any) -> list[str | list[int]]:
     if not isinstance(prompt, list) or not prompt:
         raise InvalidRequestError("prompt must be a string, a list of strings, a list of token ids or a "
                                   "list of token-id lists, and not empty", param="prompt")
+    if all(_is_int(t) for t in prompt):  # one prompt of token ids, as long as the model allows
+        return [_token_ids(prompt)]
     if len(prompt) > MAX_NUM_PROMPTS:
         raise InvalidRequestError(f"at most {MAX_NUM_PROMPTS} prompts per request, got {len(prompt)}; "
                                   "send several requests", param="prompt")
     if all(isinstance(p, str) for p in prompt):
         return list(prompt)
-    if all(_is_int(t) for t in prompt):
-        return [_token_ids(prompt)]
     if all(isinstance(p, list) for p in prompt):
         return [_token_ids(p) for p in prompt]
     raise InvalidRequestError("prompt mixes strings, token ids and lists; use one form", param="prompt")

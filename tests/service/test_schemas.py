@@ -20,6 +20,10 @@ def test_prompt_forms():
     assert parse_prompts(["a", "b"]) == ["a", "b"]
     assert parse_prompts([1, 2, 3]) == [[1, 2, 3]]
     assert parse_prompts([[1, 2], [3]]) == [[1, 2], [3]]
+    # one token-id prompt is one prompt, however long: the 64-prompt cap is for batches
+    assert parse_prompts(list(range(4, 504))) == [list(range(4, 504))]
+    with pytest.raises(InvalidRequestError, match="at most 64 prompts per request, got 65"):
+        parse_prompts([[1]] * 65)
 
 
 @pytest.mark.parametrize("prompt", [[], 5, None, ["a", 1], [[1], []], [[1, -2]], [True, False], {"a": 1}])
