@@ -110,6 +110,7 @@ class ModelRunner:
         chosen = "onednn" if requested == "onednn" else probe.chosen
         if chosen == "onednn":
             onednn_linear.pack_linears(self.model.layers)
+            onednn_linear.warm_up(self.model.layers[0], self.config.max_num_batched_tokens)
         logger.info("linear layers: %s (probe %s)", chosen, probe.to_dict())
         return probe, chosen
 

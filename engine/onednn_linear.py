@@ -22,6 +22,13 @@ logger = logging.getLogger(__name__)
 PROBE_ROWS = (1, 32)  # a decode step of one sequence, a batch of them
 MIN_GAIN = 1.1  # oneDNN must be this much faster over the probe's shapes
 BATCH_HINT = 32  # rows the reorder is tuned for (vLLM's CPU build uses the same)
+# oneDNN keeps memory for every row count it has run (measured: 600 distinct counts on one 384x1024
+# weight, +615 MiB, and still growing on a second pass), which a leak detector rightly flags. So the
+# row counts are bounded: exact up to EXACT_ROWS (decode batches), above that padded up to a multiple
+# of ROW_BUCKET (prefill chunks: at most ROW_BUCKET - 1 wasted rows), and all of them run once at load
+# (`warm_up`). Measured on coder-small: +113 MiB in the first pass of a varied workload, then flat.
+EXACT_ROWS = 64
+ROW_BUCKET = 64
 
 
 class PackedLinear(nn.Module):
@@ -34,7 +41,11 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        rows = x.shape[0]
+        padded = bucket(rows)
+        if padded != rows:
+            x = torch.cat((x, x.new_zeros(padded - rows, x.shape[1])))
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")[:rows]
 
 
 @dataclass(frozen=True)
@@ -73,6 +84,25 @@ def pack_linears(module: nn.Module) -> int:
         parent, _, leaf = name.rpartition(".")
         setattr(module.get_submodule(parent), leaf, PackedLinear(linear))
     return len(targets)
+
+
+def bucket(rows: int) -> int:
+    """The row count a product of `rows` rows runs at."""
+    return rows if rows <= EXACT_ROWS else -(-rows // ROW_BUCKET) * ROW_BUCKET
+
+
+@torch.inference_mode()
+def warm_up(module: nn.Module, max_rows: int) -> int:
+    """Run every PackedLinear shape under `module` once at every row count a step of up to max_rows
+    tokens can use, so oneDNN's memory for them is taken before serving (and before a leak detector's
+    baseline), not as new counts arrive. Layers of one model share shapes: pass one layer. Returns the
+    number of row counts run."""
+    counts = sorted({bucket(rows) for rows in range(1, max_rows + 1)})
+    shapes = {(m.in_features, m.out_features): m for m in module.modules() if isinstance(m, PackedLinear)}
+    for linear in shapes.values():
+        for rows in counts:
+            linear(torch.zeros(rows, linear.in_features, dtype=linear.weight.dtype))
+    return len(counts)
 
 
 def _linear(weight: torch.Tensor) -> nn.Linear:

@@ -8,12 +8,21 @@ import torch
 from torch import nn
 
 from engine import LLM
-from engine.onednn_linear import PROBE_ROWS, PackedLinear, pack_linears, probe
+from engine.onednn_linear import (
+    EXACT_ROWS,
+    PROBE_ROWS,
+    ROW_BUCKET,
+    PackedLinear,
+    bucket,
+    pack_linears,
+    probe,
+    warm_up,
+)
 from engine.quantization import Int8Linear
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 7, 64])
+@pytest.mark.parametrize("rows", [1, 7, 64, 65, 130])  # above 64 rows the product runs padded
 def test_packed_linear_computes_the_linear_product(rows, bias):
     torch.manual_seed(rows)
     linear = nn.Linear(96, 160, bias=bias)
@@ -22,11 +31,22 @@ def test_packed_linear_computes_the_linear_product(rows, bias):
         torch.testing.assert_close(PackedLinear(linear)(x), linear(x), rtol=1e-5, atol=1e-5)
 
 
+def test_row_counts_are_bounded_and_warmed_up_at_once():
+    """oneDNN keeps memory per row count it has run: counts above EXACT_ROWS round up to ROW_BUCKET."""
+    assert [bucket(r) for r in (1, EXACT_ROWS, EXACT_ROWS + 1, 2 * ROW_BUCKET, 2 * ROW_BUCKET + 1)] == [
+        1, EXACT_ROWS, -(-(EXACT_ROWS + 1) // ROW_BUCKET) * ROW_BUCKET, 2 * ROW_BUCKET, 3 * ROW_BUCKET]
+    assert len({bucket(r) for r in range(1, 2049)}) == EXACT_ROWS + 2048 // ROW_BUCKET - EXACT_ROWS // ROW_BUCKET
+    layer = nn.Sequential(nn.Linear(16, 32), nn.Linear(16, 32), nn.Linear(32, 16))
+    pack_linears(layer)
+    assert warm_up(layer, 200) == len({bucket(r) for r in range(1, 201)})
+
+
 def test_probe_times_both_kernels_on_the_shape_it_is_given():
     result = probe(64, 192, torch.float32)
     assert result.error is None and result.chosen in ("aten", "onednn") and result.shape == (64, 192)
     assert set(result.seconds) == {"aten", "onednn"}
-    assert all(set(times) == set(PROBE_ROWS) and all(t > 0 for t in times.values()) for times in result.seconds.values())
+    for times in result.seconds.values():
+        assert set(times) == set(PROBE_ROWS) and all(t > 0 for t in times.values())
     aten, onednn = (sum(result.seconds[k].values()) for k in ("aten", "onednn"))
     assert (result.chosen == "onednn") == (aten >= 1.1 * onednn)
     assert result.to_dict()["seconds"]["aten"].keys() == {str(r) for r in PROBE_ROWS}  # JSON-ready
@@ -60,4 +80,5 @@ def test_forcing_onednn_where_it_cannot_run_is_a_clear_error(random_model):
         pytest.skip("this CPU reorders bf16 weights for oneDNN")
     with pytest.raises(ValueError, match="linear_kernel 'onednn' cannot run torch.bfloat16 here"):
         LLM(random_model("tiny-llama"), dtype="bfloat16", max_model_len=64, linear_kernel="onednn")
-    assert LLM(random_model("tiny-llama"), dtype="bfloat16", max_model_len=64).engine.model_runner.linear_kernel == "aten"
+    runner = LLM(random_model("tiny-llama"), dtype="bfloat16", max_model_len=64).engine.model_runner
+    assert runner.linear_kernel == "aten"
