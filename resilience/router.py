@@ -35,6 +35,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.client import EngineClient
 from engine.errors import EngineDeadError, EngineOverloadedError, EngineStepError, RequestFailedError
@@ -75,6 +76,7 @@ class RoutedOutput:
     output: RequestOutput  # a delta
     served_model: str
     degraded: bool
+    tokenizer: Any  # the serving engine's: its model may be unloaded or recycled before the stream ends
 
 
 @dataclass(frozen=True)
@@ -236,7 +238,7 @@ class ModelRouter:
                             if self.clock() > slow_after and not call.is_slow:
                                 self._slow(name, call)
                             is_first = False
-                            yield RoutedOutput(output, name, name != req.model)
+                            yield RoutedOutput(output, name, name != req.model, engine.tokenizer)
                             # from when the consumer asks again: a slow client is not a slow model
                             slow_after = self.clock() + self.config.first_token_timeout_s
                 except DeadlineExceeded as exc:

@@ -107,7 +107,7 @@ async def collect(gen: Generation, fmt: _Format) -> web.Response:
         async with contextlib.aclosing(gen.outputs()) as outputs:
             async for index, routed in outputs:
                 served = served or routed
-                fmt.accumulate(index, routed.output, gen.token_text(routed.served_model))
+                fmt.accumulate(index, routed.output, gen.token_text(routed))
     except asyncio.CancelledError:
         if gen.state.is_draining:  # shutdown ran out of drain time; the client is still there
             raise _draining() from None
@@ -127,7 +127,7 @@ async def stream(request: web.Request, gen: Generation, fmt: _Format, include_us
                 if events is None:
                     model = routed.served_model
                     events = await _open(request, gen, routed)
-                chunks = fmt.stream(index, routed.output, gen.token_text(routed.served_model))
+                chunks = fmt.stream(index, routed.output, gen.token_text(routed))
                 await events.send_many([protocol.chunk(fmt.chunk_kind, gen.id, gen.created, model, c)
                                         for c in chunks])
         events = events or await _open(request, gen, None)

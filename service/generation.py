@@ -122,9 +122,11 @@ class Generation:
             encoded.append(token_ids)
         return encoded
 
-    def token_text(self, served_model: str) -> Any:
-        tokenizer = self.state.find_engine(served_model).tokenizer  # a draining model still streams
-        return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
+    @staticmethod
+    def token_text(routed: RoutedOutput) -> Any:
+        """Token id -> text by the tokenizer of the engine that made the output (its model may be gone by
+        now: a stream outlives an unload or a leak recycle)."""
+        return lambda token_id: routed.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def headers(self, routed: RoutedOutput | None) -> dict[str, str]:
         headers = {"X-Request-Id": self.request[REQUEST_ID_KEY]}
