@@ -97,7 +97,8 @@ def run_pagedserve(args, requests: list[Request], dtype: str) -> dict:
     llm = LLM(model=str(args.model), dtype=dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
               num_threads=args.threads, seed=args.seed,
-              kv_cache_memory=int(args.kv_cache_gib * 2**30) if args.kv_cache_gib else None)
+              kv_cache_memory=int(args.kv_cache_gib * 2**30) if args.kv_cache_gib else None,
+              linear_kernel=args.linear_kernel)
     engine = llm.engine
     _drive(engine, [Request(list(range(NUM_SPECIAL_IDS, NUM_SPECIAL_IDS + 8)), 4)], "warmup")  # untimed
     steps0 = engine.num_steps
@@ -348,6 +349,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-gib", type=float, default=2.0,
                    help="pagedserve KV pool in GiB (default: the same as vLLM's, so neither preempts more for want "
                         "of memory; 0 = the engine's own default)")
+    p.add_argument("--linear-kernel", default="aten", help="pagedserve's CPU linear layers: aten | onednn | auto")
     p.add_argument("--peer-kv-cache-gib", type=int, default=2, help="vLLM's KV pool (VLLM_CPU_KVCACHE_SPACE)")
     # vLLM's own default, "auto", keeps one core for its scheduler and frontend and computes on the rest
     # (on 2 cores: one OpenMP thread); "0-1" computes on both, sharing them with the scheduler

@@ -37,7 +37,9 @@ class EngineConfig:
     quantization: str | None = None  # "int8" (at load), "awq" / "gptq" (the checkpoint's); engine/quantization.py
     # "torch" (engine/attention.py: C decode kernel + SDPA), "flex" (engine/flex_attention.py); auto: flex on CUDA
     attention_backend: str = "auto"
-    linear_kernel: str = "auto"  # CPU float linear layers: engine/onednn_linear.py; auto: the faster one, measured
+    # CPU float linear layers (engine/onednn_linear.py): aten; onednn; auto, the faster one, measured at load.
+    # Not auto by default: oneDNN keeps ~22 MB per model load after the unload (10 load/unload cycles)
+    linear_kernel: str = "aten"
     compile: bool = False  # torch.compile each layer's dense halves at load (artifacts cached on disk)
     chat_template: str | None = field(default=None, repr=False)  # jinja text replacing the model's own
 

@@ -6,18 +6,16 @@ On a 2-core AMD EPYC (AVX2) the SmolLM-135M layer shapes ran 3.5x faster at 1 ro
 32 and 1.8x at 128; the Qwen2-1.5B ones 1.65x at 1 row (17 GB/s of weights against aten's 10). Whether
 it pays is measured at load on the model's own shape (`probe`, tens of milliseconds), never assumed:
 EngineConfig.linear_kernel "auto" takes oneDNN only where it is at least 10% faster at 1 and 32 rows
-together. Results differ from F.linear by float rounding only (another summation order).
+together. The default is "aten" for now: a server that loaded and unloaded a model ten times on oneDNN
+kept +225 MB (test_registry's memory test), which a replica that hot-swaps models cannot afford. Results differ from F.linear by float rounding only (another summation order).
 bf16 weights need AVX512 (BW/VL/DQ) or AVX-NE-CONVERT for the reorder; without, bf16 stays on aten.
 """
 
-import logging
 import time
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-
-logger = logging.getLogger(__name__)
 
 PROBE_ROWS = (1, 32)  # a decode step of one sequence, a batch of them
 MIN_GAIN = 1.1  # oneDNN must be this much faster over the probe's shapes
@@ -26,7 +24,8 @@ BATCH_HINT = 32  # rows the reorder is tuned for (vLLM's CPU build uses the same
 # weight, +615 MiB, and still growing on a second pass), which a leak detector rightly flags. So the
 # row counts are bounded: exact up to EXACT_ROWS (decode batches), above that padded up to a multiple
 # of ROW_BUCKET (prefill chunks: at most ROW_BUCKET - 1 wasted rows), and all of them run once at load
-# (`warm_up`). Measured on coder-small: +113 MiB in the first pass of a varied workload, then flat.
+# (`warm_up`). Measured on coder-small: +79 MiB in the first pass of a varied workload, then flat
+# (aten: +51 -> +73 MiB).
 EXACT_ROWS = 64
 ROW_BUCKET = 64
 

@@ -199,6 +199,8 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", help="int8: quantize linear weights at load (weight-only, per channel); "
                                           "AWQ / GPTQ 4-bit checkpoints are read as they are (awq | gptq)")
     g.add_argument("--attention-backend", help="auto | torch | flex (auto: flex on CUDA, torch on CPU)")
+    g.add_argument("--linear-kernel", help="aten (default) | onednn | auto: CPU float linear layers; auto measures "
+                                           "at load (engine/onednn_linear.py)")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the layers at load (off by default: no gain measured on CPU; "
                         "compiled code cached in $TORCHINDUCTOR_CACHE_DIR, default ~/.cache/pagedserve/inductor)")
@@ -211,7 +213,8 @@ def _int_or_auto(value: str) -> int | str:
 def engine_options(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str, Any]:
     names = ("dtype", "device", "block_size", "kv_cache_memory", "gpu_memory_utilization", "max_num_seqs",
              "max_num_batched_tokens", "max_model_len", "max_num_waiting", "scheduler_policy", "preemption_mode",
-             "swap_space", "enable_prefix_caching", "num_threads", "quantization", "attention_backend", "compile")
+             "swap_space", "enable_prefix_caching", "num_threads", "quantization", "attention_backend", "linear_kernel",
+             "compile")
     options = {n: getattr(args, n, None) for n in names}
     options["seed"] = getattr(args, "seed_engine", None)
     if getattr(args, "chat_template", None):

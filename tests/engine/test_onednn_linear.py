@@ -61,7 +61,7 @@ def test_pack_linears_swaps_float_linears_only():
 
 def test_engine_reports_its_choice_and_forced_kernels(random_model):
     path = random_model("tiny-llama")
-    auto = LLM(path, dtype="float32", max_model_len=64).engine.model_runner
+    auto = LLM(path, dtype="float32", max_model_len=64, linear_kernel="auto").engine.model_runner
     assert auto.linear_kernel == auto.linear_probe.chosen
     onednn = LLM(path, dtype="float32", max_model_len=64, linear_kernel="onednn").engine.model_runner
     assert onednn.linear_kernel == "onednn"
@@ -80,5 +80,6 @@ def test_forcing_onednn_where_it_cannot_run_is_a_clear_error(random_model):
         pytest.skip("this CPU reorders bf16 weights for oneDNN")
     with pytest.raises(ValueError, match="linear_kernel 'onednn' cannot run torch.bfloat16 here"):
         LLM(random_model("tiny-llama"), dtype="bfloat16", max_model_len=64, linear_kernel="onednn")
-    runner = LLM(random_model("tiny-llama"), dtype="bfloat16", max_model_len=64).engine.model_runner
+    llm = LLM(random_model("tiny-llama"), dtype="bfloat16", max_model_len=64, linear_kernel="auto")
+    runner = llm.engine.model_runner
     assert runner.linear_kernel == "aten"

@@ -32,6 +32,7 @@ class FakeEngine:
         self.ttft_s, self.errors, self.num_outputs = ttft_s, list(errors or []), num_outputs
         self.hang_after, self.is_stalled = hang_after, is_stalled
         self.is_dead = False
+        self.tokenizer = None  # carried on each routed output; these tests decode nothing
         self.config = EngineConfig(model="fake")  # its capacity bounds the router's bulkhead
         self.request_ids: list[str] = []
         self.aborted: list[str] = []
