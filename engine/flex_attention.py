@@ -46,7 +46,6 @@ class FlexCall:
 
 @dataclass
 class FlexMetadata:
-    block_size: int
     slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
     calls: list[FlexCall]  # the decodes', then the prefill chunks'; either may be absent
 
@@ -84,7 +83,7 @@ def build_metadata(block_size: int, num_blocks: int, slot_mapping: torch.Tensor,
         calls.append(_decode_call(block_size, num_blocks, decode_tables, positions, window))
     if prefills:
         calls.append(_prefill_call(block_size, num_blocks, prefills, len(decode_tables), window, device))
-    return FlexMetadata(block_size, slot_mapping, calls)
+    return FlexMetadata(slot_mapping, calls)
 
 
 def _logical_blocks(tables: list[list[int]], num_blocks: int, device: torch.device) -> torch.Tensor:

@@ -7,15 +7,17 @@ On a 2-core AMD EPYC (AVX2) the SmolLM-135M layer shapes ran 3.5x faster at 1 ro
 it pays is measured at load on the model's own shape (`probe`, tens of milliseconds), never assumed:
 EngineConfig.linear_kernel "auto" takes oneDNN only where it is at least 10% faster at 1 and 32 rows
 together. The default is "aten" for now: a server that loaded and unloaded a model ten times on oneDNN
-kept +225 MB (test_registry's memory test), which a replica that hot-swaps models cannot afford. Results differ from F.linear by float rounding only (another summation order).
+kept +225 MB (test_registry's memory test), which a replica that hot-swaps models cannot afford.
+Results differ from F.linear by float rounding only (another summation order).
 bf16 weights need AVX512 (BW/VL/DQ) or AVX-NE-CONVERT for the reorder; without, bf16 stays on aten.
 """
 
-import time
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from engine.quantization import fastest
 
 PROBE_ROWS = (1, 32)  # a decode step of one sequence, a batch of them
 MIN_GAIN = 1.1  # oneDNN must be this much faster over the probe's shapes
@@ -31,13 +33,13 @@ ROW_BUCKET = 64
 
 
 class PackedLinear(nn.Module):
-    """nn.Linear's forward on a weight reordered for oneDNN (a mkldnn tensor, held as a buffer)."""
+    """nn.Linear's forward on a weight [out, in] reordered for oneDNN (a mkldnn tensor, held as a buffer)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), BATCH_HINT))
-        self.bias = linear.bias
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT))
+        self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
@@ -63,15 +65,18 @@ def probe(in_features: int, out_features: int, dtype: torch.dtype) -> LinearProb
     """Time F.linear against the reordered oneDNN product on one weight of the model's shape."""
     weight = torch.randn(out_features, in_features).to(dtype)
     try:
-        packed = PackedLinear(_linear(weight))
+        packed = PackedLinear(weight)
     except RuntimeError as exc:  # no oneDNN reorder for this dtype on this CPU
         return LinearProbe("aten", {}, (in_features, out_features), str(exc).splitlines()[0])
     seconds: dict[str, dict[int, float]] = {"aten": {}, "onednn": {}}
     with torch.inference_mode():
         for rows in PROBE_ROWS:
             x = torch.randn(rows, in_features).to(dtype)
-            seconds["aten"][rows] = _fastest(lambda x=x: torch.nn.functional.linear(x, weight))
-            seconds["onednn"][rows] = _fastest(lambda x=x: packed(x))
+            # a warm-up each (first-touch pages, oneDNN's primitive cache), then at least 10 ms of runs
+            for kernel, product in (("aten", lambda x=x: torch.nn.functional.linear(x, weight)),
+                                    ("onednn", lambda x=x: packed(x))):
+                product()
+                seconds[kernel][rows] = fastest(product, min_seconds=0.01)
     faster = sum(seconds["aten"].values()) >= MIN_GAIN * sum(seconds["onednn"].values())
     return LinearProbe("onednn" if faster else "aten", seconds, (in_features, out_features))
 
@@ -81,7 +86,7 @@ def pack_linears(module: nn.Module) -> int:
     targets = [(name, child) for name, child in module.named_modules() if type(child) is nn.Linear]
     for name, linear in targets:
         parent, _, leaf = name.rpartition(".")
-        setattr(module.get_submodule(parent), leaf, PackedLinear(linear))
+        setattr(module.get_submodule(parent), leaf, PackedLinear(linear.weight, linear.bias))
     return len(targets)
 
 
@@ -102,21 +107,3 @@ def warm_up(module: nn.Module, max_rows: int) -> int:
         for rows in counts:
             linear(torch.zeros(rows, linear.in_features, dtype=linear.weight.dtype))
     return len(counts)
-
-
-def _linear(weight: torch.Tensor) -> nn.Linear:
-    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype)
-    linear.weight.data = weight
-    return linear
-
-
-def _fastest(fn, min_repeats: int = 3, min_seconds: float = 0.01) -> float:
-    """Best single time, over at least min_repeats runs and min_seconds (small shapes take microseconds)."""
-    fn()  # warm-up: first-touch pages, oneDNN's primitive cache
-    best, spent, runs = float("inf"), 0.0, 0
-    while runs < min_repeats or spent < min_seconds:
-        started = time.perf_counter()
-        fn()
-        took = time.perf_counter() - started
-        best, spent, runs = min(best, took), spent + took, runs + 1
-    return best

@@ -184,8 +184,8 @@ def calibrate_kernel_rows(model: nn.Module, dtype: torch.dtype) -> int | None:
     best = 1
     for rows in CALIBRATION_ROWS:
         x = torch.randn(rows, big.weight.shape[1]).to(dtype)
-        direct = _fastest(lambda: kernel(x.float(), big.weight, big.scales, big.group_size))  # noqa: B023
-        by_slices = _fastest(lambda: big._gemm_by_slices(kernel, x))  # noqa: B023
+        direct = fastest(lambda: kernel(x.float(), big.weight, big.scales, big.group_size))  # noqa: B023
+        by_slices = fastest(lambda: big._gemm_by_slices(kernel, x))  # noqa: B023
         if direct > by_slices:
             break
         best = rows
@@ -194,13 +194,15 @@ def calibrate_kernel_rows(model: nn.Module, dtype: torch.dtype) -> int | None:
     return best
 
 
-def _fastest(fn, repeats: int = 3) -> float:
-    times = []
-    for _ in range(repeats):
+def fastest(fn, repeats: int = 3, min_seconds: float = 0.0) -> float:
+    """Best single time of fn, over at least `repeats` runs and `min_seconds` (small shapes take microseconds)."""
+    best, spent, runs = float("inf"), 0.0, 0
+    while runs < repeats or spent < min_seconds:
         start = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+        took = time.perf_counter() - start
+        best, spent, runs = min(best, took), spent + took, runs + 1
+    return best
 
 
 _local = threading.local()  # one scratch buffer per thread: two engines' loops never share one

@@ -28,7 +28,7 @@ def test_packed_linear_computes_the_linear_product(rows, bias):
     linear = nn.Linear(96, 160, bias=bias)
     x = torch.randn(rows, 96)
     with torch.inference_mode():
-        torch.testing.assert_close(PackedLinear(linear)(x), linear(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(PackedLinear(linear.weight, linear.bias)(x), linear(x), rtol=1e-5, atol=1e-5)
 
 
 def test_row_counts_are_bounded_and_warmed_up_at_once():
