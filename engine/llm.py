@@ -22,17 +22,28 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | None = None,
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs in the order of the prompts."""
+        """Run every prompt to completion; outputs in the order of the prompts.
+
+        sampling_params: one for all prompts, or one per prompt (as vLLM takes them); None: the model's
+        generation_config defaults. A prompt the engine refuses raises, and none of the batch is left queued.
+        """
         prompts = [prompts] if isinstance(prompts, str | dict) else list(prompts)
-        params = sampling_params or SamplingParams(**self.engine.sampling_defaults)  # the model's own defaults
+        params = sampling_params or SamplingParams(**self.engine.sampling_defaults)
+        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"{len(per_prompt)} sampling_params for {len(prompts)} prompts: give one, or one each")
         order = []
-        for i, prompt in enumerate(prompts):
-            request_id = str(next(self._request_ids))
-            order.append(request_id)
-            tokens = prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt
-            self.engine.add_request(request_id, tokens, params, priority=priority[i] if priority else 0)
+        try:
+            for i, (prompt, prompt_params) in enumerate(zip(prompts, per_prompt, strict=True)):
+                order.append(str(next(self._request_ids)))
+                tokens = prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt
+                self.engine.add_request(order[-1], tokens, prompt_params, priority=priority[i] if priority else 0)
+        except BaseException:
+            self._abort(order)
+            raise
         return self._run(order, use_tqdm and len(prompts) >= PROGRESS_BAR_MIN_PROMPTS)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
@@ -50,12 +61,15 @@ class LLM:
                     _merge(finals, delta)
                     progress.update(int(delta.finished))
         except BaseException:
-            for request_id in order:
-                self.engine.abort_request(request_id)
+            self._abort(order)
             raise
         finally:
             progress.close()
         return [finals[request_id] for request_id in order]
+
+    def _abort(self, order: list[str]) -> None:
+        for request_id in order:
+            self.engine.abort_request(request_id)
 
 
 def _merge(finals: dict[str, RequestOutput], delta: RequestOutput) -> None:

@@ -85,6 +85,23 @@ def test_stop_strings_n_and_seed(random_model):
     assert bm.num_free_blocks == bm.num_blocks
 
 
+def test_generate_takes_one_sampling_params_per_prompt_and_leaves_nothing_queued_on_a_bad_one(random_model):
+    from engine import LLM
+    llm = LLM(random_model("tiny-llama"), dtype="float32")
+    short, longer = (SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 9))
+    outs = llm.generate(["a", "b"], [short, longer])
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 9]
+    with pytest.raises(ValueError, match="1 sampling_params for 2 prompts"):
+        llm.generate(["a", "b"], [short])
+    with pytest.raises(ValueError, match="vocabulary"):  # the second prompt is refused after the first was queued
+        llm.generate(["a", {"prompt_token_ids": [10**9]}], short)
+    assert not llm.engine.requests or all(r.is_aborted for r in llm.engine.requests.values())
+    assert llm.generate(["c"], short)[0].outputs[0].finish_reason == "length"  # the aborted one never surfaces
+    assert not llm.engine.requests
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
 @pytest.fixture
 async def async_engine(random_model):
     eng = AsyncEngine(EngineConfig(model=random_model("tiny-llama"), dtype="float32", block_size=4))
