@@ -48,6 +48,7 @@ class Generation:
         self.prompts: list[str | list[int]] = []
         self.prompt_token_ids: list[list[int]] = []  # per prompt, encoded once by `encoded_by`'s tokenizer
         self.num_prompt_tokens: list[int] = []
+        self.num_generated: list[int] = []  # per prompt, all its choices
         self.encoded_by: str | None = None
         self._last_token: float | None = None
         self._queue_time: float | None = None
@@ -101,6 +102,7 @@ class Generation:
         self.encoded_by, engine = self._encoder()
         self.prompt_token_ids = await asyncio.to_thread(self._check_all, engine, prompts)
         self.num_prompt_tokens = [len(ids) for ids in self.prompt_token_ids]
+        self.num_generated = [0] * len(prompts)
         self.prompts = prompts
         if self.params.max_tokens is None:  # not asked for (chat): the default, within the context left
             room = self.engine.max_model_len - max(self.num_prompt_tokens)
@@ -167,6 +169,7 @@ class Generation:
         if num_tokens:
             self._last_token = self.state.last_token_time = now
         record.completion_tokens += num_tokens
+        self.num_generated[index] += num_tokens
         record.finish_reasons.extend(o.finish_reason for o in output.outputs if o.finish_reason)
         if index not in self._seen:
             self._seen.add(index)
@@ -182,8 +185,8 @@ class Generation:
         record = self.record
         self.metrics.observe_finished(record.served_model or self.model, time.monotonic() - record.start,
                                       self._queue_time, record.finish_reasons)
-        self.metrics.observe_request(record.served_model or self.model, self.num_prompt_tokens,
-                                     record.completion_tokens, self.params.n, self.params.max_tokens)
+        self.metrics.observe_request(record.served_model or self.model, self.num_prompt_tokens, self.num_generated,
+                                     self.params.n, self.params.max_tokens)
 
 
 async def merge(iterators: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:

@@ -101,16 +101,16 @@ class Metrics:
         for reason in reasons:
             self.request_success.labels(model, reason).inc()
 
-    def observe_request(self, model: str, num_prompt_tokens: list[int], num_generation_tokens: int, n: int,
+    def observe_request(self, model: str, num_prompt_tokens: list[int], num_generation_tokens: list[int], n: int,
                         max_tokens: int | None) -> None:
         """One finished HTTP request: each of its prompts counts as one request, as in vLLM (one engine
-        request each); its generated tokens, all prompts and choices together, count once."""
-        for num_tokens in num_prompt_tokens:
-            self.request_prompt_tokens.labels(model).observe(num_tokens)
+        request each): its prompt, its generated tokens (all n choices), n and max_tokens."""
+        for num_prompt, num_generated in zip(num_prompt_tokens, num_generation_tokens, strict=True):
+            self.request_prompt_tokens.labels(model).observe(num_prompt)
+            self.request_generation_tokens.labels(model).observe(num_generated)
             self.request_params_n.labels(model).observe(n)
             if max_tokens is not None:
                 self.request_params_max_tokens.labels(model).observe(max_tokens)
-        self.request_generation_tokens.labels(model).observe(num_generation_tokens)
 
 
 class EngineCollector(Collector):

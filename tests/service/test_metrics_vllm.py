@@ -79,6 +79,12 @@ async def test_step_and_request_series_say_what_ran(start):
     assert _delta(before, after, "request_params_n") == _expected([1, 2], N_BUCKETS)
     assert _delta(before, after, "request_params_max_tokens") == _expected([5, 3], TOKEN_BUCKETS)
     _check_phases(before, after, num_decode_steps=4 + 2)
+    await _complete(h, prompt=[PROMPT_A, PROMPT_B], max_tokens=4)  # two prompts: two engine requests
+    await until(h.idle)
+    both = await _scrape(h)
+    assert _delta(after, both, "request_prompt_tokens") == _expected([num_a, num_b], TOKEN_BUCKETS)
+    assert _delta(after, both, "request_generation_tokens") == _expected([4, 4], TOKEN_BUCKETS)
+    assert _delta(after, both, "request_params_max_tokens") == _expected([4, 4], TOKEN_BUCKETS)
 
 
 def _check_phases(before: dict, after: dict, num_decode_steps: int) -> None:
