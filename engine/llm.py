@@ -46,7 +46,8 @@ class LLM:
             raise
         return self._run(order, use_tqdm and len(prompts) >= PROGRESS_BAR_MIN_PROMPTS)
 
-    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.engine.apply_chat_template(conv) for conv in conversations]

@@ -56,6 +56,7 @@ def test_shipped_training_report_beats_baseline(shipped):
     assert report["vocab_size"] == len(tokenizer)
     assert report["uniform_baseline"] == pytest.approx(math.log(len(tokenizer)), abs=1e-3)
     assert report["val_loss"] <= 0.6 * math.log(len(tokenizer))
+    assert report["chat_val_loss"] <= 0.6 * math.log(len(tokenizer))  # held-out answers of models/chat_pairs.py
     assert report["params"] == sum(p.numel() for p in model.parameters())
     assert report["train_tokens"] > 0 and report["train_seconds"] > 0
     assert report["sample"]["prompt"] and report["sample"]["continuation"]

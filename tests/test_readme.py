@@ -6,14 +6,18 @@ Quick start's `make run` / `make test` lines are the set-up commands themselves:
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from openai import OpenAI
 
+from models.chat_pairs import defines_function
 from tests.service.server import REPO, SMALL, TINY, Server, launch, require_models
 
 README = REPO / "README.md"
@@ -22,6 +26,8 @@ LANGUAGES = ("bash", "python", "text")
 ADMIN_KEY = "readme-admin-key"
 SETUP_COMMANDS = ("make run", "make test")
 BLOCK_TIMEOUT_S = 120
+# the README's chat example asks for a function: so many of CHAT_SEEDS seeded answers must parse and define one
+CHAT_SEEDS, CHAT_MIN_PARSED = 10, 6
 
 
 def blocks() -> list[tuple[int, str, str]]:
@@ -91,3 +97,28 @@ def test_block_runs(server, line, lang, code):
     assert values, f"the block at line {line} printed no JSON: {result.stdout[:500]!r}"
     errors = [v for v in values if isinstance(v, dict) and isinstance(v.get("error"), dict)]  # OpenAI-shaped
     assert not errors, errors
+
+
+def _chat_example() -> dict:
+    """The keyword arguments of the README's first `chat.completions.create(...)` call (literals all)."""
+    code = next(code for _, lang, code in blocks() if lang == "python" and "chat.completions.create(" in code)
+    call = next(node for node in ast.walk(ast.parse(code)) if isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute) and node.func.attr == "create")
+    return {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords}
+
+
+def test_readme_chat_example_answers_with_a_function_that_parses(server):
+    """The shipped primary was trained on chat pairs (models/chat_pairs.py): asked the README's question
+    with seeds 0..9 (the README shows one of them), most answers are Python that parses and defines a function."""
+    example = _chat_example()
+    assert "seed" in example and example.get("temperature", 1.0) > 0, "the example shows one seeded sample"
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=BLOCK_TIMEOUT_S)
+
+    def answer(seed: int) -> str:
+        reply = client.chat.completions.create(**{**example, "stream": False, "seed": seed})
+        return reply.choices[0].message.content
+
+    with ThreadPoolExecutor(CHAT_SEEDS) as pool:
+        answers = list(pool.map(answer, range(CHAT_SEEDS)))
+    parsed = [seed for seed, text in enumerate(answers) if defines_function(text)]
+    assert len(parsed) >= CHAT_MIN_PARSED, f"{len(parsed)}/{CHAT_SEEDS} parse: {answers}"
