@@ -4,6 +4,7 @@
 import asyncio
 import importlib.metadata
 import json
+import re
 import time
 
 import aiohttp
@@ -182,9 +183,17 @@ def test_logprobs(sdk):
     assert all(bytes(c.bytes).decode("utf-8", "replace") == c.token for c in content)
 
 
-async def test_multibyte_stream_is_valid_utf8(server):
+MULTIBYTE = "(你好|世界|🙂|🎉|ü|日本語)"
+
+
+@pytest.mark.parametrize("constrained", [False, True], ids=["free", "multibyte-regex"])
+async def test_multibyte_stream_is_valid_utf8(server, constrained):
+    """Free: whatever the model writes after a multi-byte prompt. Constrained: the output is made of
+    multi-byte characters only (a guided regex), each split over several byte-level tokens."""
     prompt = "# 你好，世界 🙂🎉 ünïcödé\ns = '日本語のテキスト🚀"
     body = {"model": TINY.name, "prompt": prompt, "max_tokens": 40, "temperature": 0}
+    if constrained:
+        body.update(guided_regex=MULTIBYTE + "{6,12}", max_tokens=200)  # room for 12 of the longest
     async with aiohttp.ClientSession(headers=AUTH) as session:
         async with session.post(f"{server.url}/v1/completions", json=body) as response:
             whole = (await response.json())["choices"][0]["text"]
@@ -193,7 +202,9 @@ async def test_multibyte_stream_is_valid_utf8(server):
     events = raw.decode("utf-8").strip().split("\n\n")  # strict decode: broken UTF-8 raises
     assert events[-1] == "data: [DONE]"
     deltas = [json.loads(e[len("data: "):])["choices"][0]["text"] for e in events[:-1]]
-    assert "".join(deltas) == whole and whole.strip()
+    assert "".join(deltas) == whole and whole
+    if constrained:
+        assert re.fullmatch(MULTIBYTE + "{6,12}", whole), whole
     # a multi-byte character split across tokens is held back until it is whole, never sent as U+FFFD
     assert "\ufffd" not in whole and not any("\ufffd" in d for d in deltas), deltas
 
