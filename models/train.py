@@ -5,8 +5,9 @@
 The corpus is the .py sources of the running interpreter's standard library (no network, nothing
 committed); every 20th file, in sorted order, is held out for validation. The same files give chat
 pairs in the ChatML template (chat_pairs.py: "Write a function that <docstring line>" -> the function).
-Each model is trained on random 256-token windows, half of each batch from the code stream and half from
-the chat stream, with AdamW and a cosine schedule, bounded by steps and by wall seconds.
+Each model is trained on 256-token windows, half of each batch from the code stream (random windows,
+every token scored) and half from the chat stream (windows that begin with a conversation, only the
+answers scored), with AdamW and a cosine schedule, bounded by steps and by wall seconds.
 The time boxes (18 + 7.5 minutes; under 27 minutes in all with the tokenizer and evaluation) bind
 first on a 2-core machine: ~1.0 s per small step, so the primary's 1100-step limit is out of reach
 there, while the tiny model's 1000 steps (~0.25 s each) fit when the machine is idle. The schedule
