@@ -85,7 +85,7 @@ def prepare_requests(seed: int, min_out: int, max_out: int, long_words: int) -> 
     system = _code(rng, 300)  # one system prompt shared by every `shared-system` request
     out = {kind: [] for kind in KINDS}
     for _ in range(NUM_PREPARED):
-        sampling = {"temperature": 0.0}
+        sampling = {"temperature": 0.0, "min_tokens": 1}  # every answer has a first token to time
         stream = {"stream": True, "stream_options": {"include_usage": True}}
         chat = [{"role": "user", "content": "Continue this code:\n" + _code(rng, _short_words(rng))}]
         out["chat-stream"].append({"messages": chat, "max_tokens": rng.randint(min_out, max_out), **sampling, **stream})
