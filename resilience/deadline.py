@@ -9,15 +9,15 @@
   has made no progress for the stall timeout by then.)
 - total: nothing after `total_deadline` (the request's own budget) -> `DeadlineExceeded("total")`.
 
-On a timeout the inner iterator is closed (`aclose`), so an engine stream sees GeneratorExit or
-CancelledError and aborts its request, freeing its KV blocks.
+`Deadlines.next(iterator)` awaits the iterator's next item in the caller's own task: no task per item
+and no wrapping generator. The timers are loop callbacks; the one that fires cancels that wait (as
+`asyncio.timeout` does), so an engine stream sees CancelledError at its await and aborts its request,
+freeing its KV blocks. The stream's owner closes it on every other way out.
 """
 
 import asyncio
-import contextlib
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
 from resilience.clock import Clock
@@ -32,89 +32,87 @@ class StallDetected(DeadlineExceeded):
     """The producer made no progress at all for the stall timeout: the model failed, it is not slow."""
 
 
-@dataclass
-class _Timers:
-    stall_timeout_s: float
-    first_item_deadline: float | None
-    total_deadline: float | None
-    clock: Clock
-    alive_at: Callable[[], float] | None
+class Deadlines:
+    """The timers of one stream. `total_deadline` and `first_item_deadline` are times on `clock`
+    (absolute, not durations); `alive_at` returns when the producer last made progress of any kind."""
 
-    def check_now(self, is_first: bool) -> None:
+    def __init__(self, stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S, total_deadline: float | None = None, *,
+                 first_item_deadline: float | None = None, clock: Clock = time.monotonic,
+                 alive_at: Callable[[], float] | None = None) -> None:
+        if not stall_timeout_s > 0:
+            raise ValueError(f"stall_timeout_s must be > 0, got {stall_timeout_s}")
+        self.stall_timeout_s = stall_timeout_s
+        self.total_deadline = total_deadline
+        self.first_item_deadline = first_item_deadline
+        self.clock = clock
+        self.alive_at = alive_at
+        self.is_first = True  # no item yet
+
+    async def next(self, iterator: AsyncIterator[T]) -> T:
+        """The iterator's next item (StopAsyncIteration at its end), or the deadline error of the timer
+        that fired first. The iterator must let a cancellation through (as under asyncio.timeout)."""
+        self._check_now()
+        task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        started = self.clock()
+        fired: list[DeadlineExceeded] = []
+
+        def arm(stall_check_at: float) -> asyncio.TimerHandle:
+            wait_s, which, at = self._next_timer(stall_check_at)
+            return loop.call_later(wait_s, on_timer, which, at)
+
+        def on_timer(which: str, at: float) -> None:
+            nonlocal handle
+            idle_s = self._producer_idle_s()
+            error = self._expired(which, at - started, idle_s)
+            if error is None:  # the producer is busy: check again a stall timeout after its last step
+                handle = arm(self.clock() + self.stall_timeout_s - idle_s)
+                return
+            fired.append(error)
+            task.cancel()
+
+        handle = arm(started + self.stall_timeout_s)
+        try:
+            item = await anext(iterator)
+        except asyncio.CancelledError:
+            if fired and task.uncancel() == 0:  # our timer's cancel, nobody else's
+                raise fired[0] from None
+            raise
+        finally:
+            handle.cancel()
+        self.is_first = False
+        return item
+
+    def _check_now(self) -> None:
         """Raise before waiting at all when a deadline has already passed."""
         now = self.clock()
         if self.total_deadline is not None and now >= self.total_deadline:
             raise DeadlineExceeded("total", 0.0)
-        if is_first and self.first_item_deadline is not None and now >= self.first_item_deadline:
+        if self.is_first and self.first_item_deadline is not None and now >= self.first_item_deadline:
             raise DeadlineExceeded("first_token", 0.0)
 
-    def next(self, is_first: bool, stall_check_at: float) -> tuple[float, str, float]:
+    def _next_timer(self, stall_check_at: float) -> tuple[float, str, float]:
         """(seconds to wait, the timer that fires then, its time on the clock); ties go to the request's
         own budget first, then to the first-token deadline."""
         timers = [(stall_check_at, 2, "stall")]
         if self.total_deadline is not None:
             timers.append((self.total_deadline, 0, "total"))
-        if is_first and self.first_item_deadline is not None:
+        if self.is_first and self.first_item_deadline is not None:
             timers.append((self.first_item_deadline, 1, "first_token"))
         at, _, which = min(timers)
         return max(at - self.clock(), 0.0), which, at
 
-    def producer_idle_s(self) -> float:
+    def _expired(self, which: str, waited_s: float, idle_s: float) -> DeadlineExceeded | None:
+        """The error for the timer that came due, or None when the wait goes on (a busy producer, idle
+        for `idle_s`)."""
+        if which == "total":
+            return DeadlineExceeded("total", waited_s)
+        if which == "first_token":  # a producer silent all along is stalled, not slow
+            is_stalled = self.alive_at is not None and idle_s >= self.stall_timeout_s
+            return (StallDetected if is_stalled else DeadlineExceeded)("first_token", waited_s)
+        if idle_s >= self.stall_timeout_s:
+            return StallDetected("first_token" if self.is_first else "between_tokens", self.stall_timeout_s)
+        return None
+
+    def _producer_idle_s(self) -> float:
         return self.clock() - self.alive_at() if self.alive_at is not None else float("inf")
-
-
-async def progress_deadline(source: AsyncIterable[T], stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
-                            total_deadline: float | None = None, *, first_item_deadline: float | None = None,
-                            clock: Clock = time.monotonic,
-                            alive_at: Callable[[], float] | None = None) -> AsyncIterator[T]:
-    """Yield what `source` yields. `total_deadline` and `first_item_deadline` are times on `clock`
-    (absolute, not durations); `alive_at` returns when the producer last made progress of any kind."""
-    if not stall_timeout_s > 0:
-        raise ValueError(f"stall_timeout_s must be > 0, got {stall_timeout_s}")
-    timers = _Timers(stall_timeout_s, first_item_deadline, total_deadline, clock, alive_at)
-    iterator = aiter(source)
-    is_first = True
-    try:
-        while True:
-            try:
-                item = await _next_item(iterator, timers, is_first)
-            except StopAsyncIteration:
-                return
-            yield item
-            is_first = False
-    finally:
-        await _aclose(iterator)
-
-
-async def _next_item(iterator: AsyncIterator[T], timers: _Timers, is_first: bool) -> T:
-    timers.check_now(is_first)
-    started = timers.clock()
-    stall_check_at = started + timers.stall_timeout_s
-    stage = "first_token" if is_first else "between_tokens"
-    pending = asyncio.ensure_future(anext(iterator))
-    try:
-        while True:
-            wait_s, which, at = timers.next(is_first, stall_check_at)
-            done, _ = await asyncio.wait({pending}, timeout=wait_s)
-            if done:
-                return pending.result()
-            if which == "total":
-                raise DeadlineExceeded("total", at - started)
-            idle_s = timers.producer_idle_s()
-            if which == "first_token":  # a producer silent all along is stalled, not slow
-                is_stalled = timers.alive_at is not None and idle_s >= timers.stall_timeout_s
-                raise (StallDetected if is_stalled else DeadlineExceeded)("first_token", at - started)
-            if idle_s >= timers.stall_timeout_s:
-                raise StallDetected(stage, timers.stall_timeout_s)
-            stall_check_at = timers.clock() + timers.stall_timeout_s - idle_s  # its last step + the timeout
-    finally:
-        if not pending.done():
-            pending.cancel()  # the source sees CancelledError at its await: an engine aborts the request
-            with contextlib.suppress(BaseException):
-                await pending
-
-
-async def _aclose(iterator: AsyncIterator[object]) -> None:
-    aclose = getattr(iterator, "aclose", None)
-    if aclose is not None:
-        await aclose()

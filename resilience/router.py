@@ -44,7 +44,7 @@ from engine.sampling_params import SamplingParams
 from resilience.admission import Bulkhead, BulkheadConfig
 from resilience.breaker import IGNORED_EXCEPTIONS, BreakerCall, BreakerConfig, ModelBreaker
 from resilience.clock import Clock
-from resilience.deadline import StallDetected, progress_deadline
+from resilience.deadline import Deadlines, StallDetected
 from resilience.errors import DeadlineExceeded, NoModelAvailable, RetryLater
 from resilience.retry import RetryBudget, RetryBudgetConfig, RetryConfig, retry_policy
 
@@ -146,6 +146,9 @@ class ModelRouter:
         return engine is not None and not engine.is_dead and self.breaker(name).is_call_permitted()
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RoutedOutput]:
+        """The request's output deltas, from the first model of its ladder that gives a first output. One
+        generator: each delta goes from the engine's stream through here to the caller (no task, no
+        wrapping generator per layer: the breaker, bulkhead and deadlines are held by `_Call`)."""
         self.retry_budget.record_request()
         window_from = req.arrival if req.arrival is not None else self.clock()  # of the first-token deadline
         ladder = self.ladder(req.model)
@@ -157,20 +160,19 @@ class ModelRouter:
                 break
             # the last model that can serve has no first-token deadline: moving on would only fail
             has_next = any(self._is_available(later) for later in ladder[index + 1:])
-            first_token_deadline = window_from + self.config.first_token_timeout_s
-            streamed = False
             try:
-                async with contextlib.aclosing(self._serve(name, req, first_token_deadline, has_next)) as outputs:
-                    async for routed in outputs:
-                        streamed = True
-                        yield routed
-                return
+                call = await self._start(name, req, window_from + self.config.first_token_timeout_s, has_next)
             except FAILOVER_ERRORS as exc:
-                if streamed:
-                    raise
                 logger.warning("request %s: no first token from model %s (%r); next model", req.request_id, name, exc)
                 last_error = exc
                 window_from = self.clock()
+                continue
+            async with call:  # from here on an error goes to the client: bytes may have gone out
+                output, tokenizer = call.first, call.engine.tokenizer
+                while output is not None:
+                    yield RoutedOutput(output, name, name != req.model, tokenizer)
+                    output = await call.next()
+            return
         cause = f" (last failure: {last_error})" if last_error else ""
         raise NoModelAvailable(f"no model of {ladder} can serve now{cause}",
                                self._retry_after_s(req.model)) from last_error
@@ -184,10 +186,10 @@ class ModelRouter:
         self.num_failovers += 1
         return True
 
-    async def _serve(self, name: str, req: GenerateRequest, first_token_deadline: float,
-                     has_next: bool) -> AsyncIterator[RoutedOutput]:
-        """One model of the ladder: tenacity resubmits once after a transient engine error, only until
-        the first output (never once bytes may have gone out), within the retry budget and deadlines."""
+    async def _start(self, name: str, req: GenerateRequest, first_token_deadline: float, has_next: bool) -> "_Call":
+        """One model of the ladder, up to its first output: tenacity resubmits once after a transient
+        engine error, only before the first output (never once bytes may have gone out), within the retry
+        budget and deadlines."""
         breaker = self.breaker(name)
         deadlines = [d for d in (req.deadline, first_token_deadline if has_next else None) if d is not None]
         # the budget is asked last, so a retry stopped by the attempt count or a deadline costs none
@@ -197,12 +199,12 @@ class ModelRouter:
         async for attempt in policy:
             with attempt:
                 number = attempt.retry_state.attempt_number
-                request_id = req.request_id if number == 1 else f"{req.request_id}-retry{number - 1}"
                 if error is not None:
                     logger.warning("request %s: resubmitting to model %s after %r", req.request_id, name, error)
-                stream = self._attempt(name, req, request_id, first_token_deadline, has_next, is_retry=number > 1)
+                call = _Call(self, name, req, first_token_deadline, has_next)
                 try:
-                    first = await _first(stream)
+                    await call.open(req.request_id if number == 1 else f"{req.request_id}-retry{number - 1}",
+                                    is_retry=number > 1)
                 except RetryLater:
                     if error is None:
                         raise
@@ -210,40 +212,7 @@ class ModelRouter:
                 except EngineStepError as exc:
                     error = exc
                     raise
-        async with contextlib.aclosing(stream):
-            if first is None:
-                return
-            yield first
-            async for routed in stream:
-                yield routed
-
-    async def _attempt(self, name: str, req: GenerateRequest, request_id: str, first_token_deadline: float,
-                       has_next: bool, is_retry: bool = False) -> AsyncIterator[RoutedOutput]:
-        engine = self.engines[name]
-        num_tokens = req.num_prompt_tokens + req.params.n * (req.params.max_tokens or 0)
-        with self.bulkhead(name).try_acquire(num_tokens, req.params.n):
-            async with self.breaker(name).calling_async() as call:
-                self.num_engine_requests[name] += 1
-                if is_retry:
-                    self.num_retries[name] += 1
-                token_ids = req.prompt_token_ids if req.encoded_by == name else None
-                stream = progress_deadline(engine.generate(req.prompt, req.params, request_id, req.priority, token_ids),
-                                           self.config.stall_timeout_s, req.deadline,
-                                           first_item_deadline=first_token_deadline if has_next else None,
-                                           clock=self.clock, alive_at=lambda: engine.last_progress_time)
-                is_first, slow_after = True, first_token_deadline
-                try:
-                    async with contextlib.aclosing(stream):
-                        async for output in stream:
-                            if self.clock() > slow_after and not call.is_slow:
-                                self._slow(name, call)
-                            is_first = False
-                            yield RoutedOutput(output, name, name != req.model, engine.tokenizer)
-                            # from when the consumer asks again: a slow client is not a slow model
-                            slow_after = self.clock() + self.config.first_token_timeout_s
-                except DeadlineExceeded as exc:
-                    self._on_deadline(name, call, exc, is_first and self.clock() >= first_token_deadline)
-                    raise
+        return call
 
     def _on_deadline(self, name: str, call: BreakerCall, exc: DeadlineExceeded, is_late: bool) -> None:
         """A stalled loop is the model's failure; the first-token deadline makes a slow call; the
@@ -265,12 +234,68 @@ class ModelRouter:
         return max(min(waits, default=NO_MODEL_RETRY_AFTER_S), 1.0)
 
 
-async def _first(stream: AsyncIterator[RoutedOutput]) -> RoutedOutput | None:
-    """The first output of a fresh stream (None when it ends without one); a stream that fails is closed."""
-    try:
-        return await anext(stream)
-    except StopAsyncIteration:
-        return None
-    except BaseException:
-        await stream.aclose()
-        raise
+
+class _Call:
+    """One engine request on one model: its bulkhead slot, breaker call, engine stream and deadlines,
+    held from `open` (which reads the first output) until the router leaves `async with`."""
+
+    def __init__(self, router: ModelRouter, name: str, req: GenerateRequest, first_token_deadline: float,
+                 has_next: bool) -> None:
+        self.router, self.name, self.req = router, name, req
+        self.engine = router.engines[name]
+        self.first_token_deadline = first_token_deadline
+        self.deadlines = Deadlines(router.config.stall_timeout_s, req.deadline,
+                                   first_item_deadline=first_token_deadline if has_next else None,
+                                   clock=router.clock, alive_at=lambda: self.engine.last_progress_time)
+        self.slow_after = first_token_deadline  # an output later than this makes the call slow
+        self.first: RequestOutput | None = None
+        self._stack = contextlib.AsyncExitStack()
+
+    async def open(self, request_id: str, is_retry: bool) -> None:
+        """Admit the call and read its first output (None: the stream ended without one). On any error
+        the call is closed with it: the breaker counts it, the slot is freed, the engine request aborted."""
+        router, name, req = self.router, self.name, self.req
+        num_tokens = req.num_prompt_tokens + req.params.n * (req.params.max_tokens or 0)
+        async with contextlib.AsyncExitStack() as stack:
+            stack.enter_context(router.bulkhead(name).try_acquire(num_tokens, req.params.n))
+            self.breaker_call = await stack.enter_async_context(router.breaker(name).calling_async())
+            router.num_engine_requests[name] += 1
+            if is_retry:
+                router.num_retries[name] += 1
+            token_ids = req.prompt_token_ids if req.encoded_by == name else None
+            self.stream = self.engine.generate(req.prompt, req.params, request_id, req.priority, token_ids)
+            stack.push_async_callback(_aclose, self.stream)
+            self.first = await self._next()
+            self._stack = stack.pop_all()
+
+    async def next(self) -> RequestOutput | None:
+        """The next output, None at the end."""
+        # from when the consumer asks again: a slow client is not a slow model
+        self.slow_after = self.router.clock() + self.router.config.first_token_timeout_s
+        return await self._next()
+
+    async def _next(self) -> RequestOutput | None:
+        router = self.router
+        try:
+            output = await self.deadlines.next(self.stream)
+        except StopAsyncIteration:
+            return None
+        except DeadlineExceeded as exc:
+            is_late = self.deadlines.is_first and router.clock() >= self.first_token_deadline
+            router._on_deadline(self.name, self.breaker_call, exc, is_late)
+            raise
+        if router.clock() > self.slow_after and not self.breaker_call.is_slow:
+            router._slow(self.name, self.breaker_call)
+        return output
+
+    async def __aenter__(self) -> "_Call":
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> bool | None:
+        return await self._stack.__aexit__(*exc_info)
+
+
+async def _aclose(stream: AsyncIterator[object]) -> None:
+    aclose = getattr(stream, "aclose", None)  # an engine's stream is an async generator; a plain iterator has none
+    if aclose is not None:
+        await aclose()

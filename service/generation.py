@@ -147,10 +147,14 @@ class Generation:
                                     arrival=self.record.start + self.record.load_wait_s,
                                     prompt_token_ids=token_ids, encoded_by=self.encoded_by)
                     for i, (prompt, token_ids) in enumerate(zip(self.prompts, self.prompt_token_ids, strict=True))]
+        streams = [self.state.router.generate(r) for r in requests]
         try:
-            async for index, routed in merge([self.state.router.generate(r) for r in requests]):
-                self._observe(index, routed)
-                yield index, routed
+            # one prompt (the usual case): the router's deltas come straight through, no merge between
+            async with contextlib.aclosing(streams[0] if len(streams) == 1 else merge(streams)) as source:
+                async for item in source:
+                    index, routed = (0, item) if len(streams) == 1 else item
+                    self._observe(index, routed)
+                    yield index, routed
             self._finished()
         finally:
             self.state.generations.discard(task)
@@ -192,11 +196,6 @@ class Generation:
 async def merge(iterators: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
     """Items of several async iterators as they come, tagged with the iterator's index. Closing the
     merged iterator closes (or cancels) every source; the first error of any source is raised."""
-    if len(iterators) == 1:
-        async with contextlib.aclosing(iterators[0]) as only:
-            async for item in only:
-                yield 0, item
-        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, source: AsyncIterator[Any]) -> None:

@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from resilience.deadline import StallDetected, progress_deadline
+from resilience.deadline import Deadlines, StallDetected
 from resilience.errors import DeadlineExceeded
 from tests.resilience.fakes import FakeClock
 
@@ -35,8 +35,23 @@ class Source:
             self.closed_by = "end"
 
 
+async def watched(source, *args, **kwargs):
+    """What the router does with an engine stream: every item through `Deadlines.next`, the stream
+    closed on the way out."""
+    deadlines = Deadlines(*args, **kwargs)
+    try:
+        while True:
+            try:
+                yield await deadlines.next(source)
+            except StopAsyncIteration:
+                return
+    finally:
+        if hasattr(source, "aclose"):
+            await source.aclose()
+
+
 async def collect(source, *args, **kwargs) -> list[int]:
-    return [item async for item in progress_deadline(source, *args, **kwargs)]
+    return [item async for item in watched(source, *args, **kwargs)]
 
 
 async def test_passes_items_through_until_the_end():
@@ -57,7 +72,7 @@ async def test_stall_between_tokens_keeps_what_was_streamed():
     source = Source([7, 8], hang=True)
     received = []
     with pytest.raises(DeadlineExceeded) as info:
-        async for item in progress_deadline(source.stream(), TICK_S):
+        async for item in watched(source.stream(), TICK_S):
             received.append(item)
     assert (received, info.value.stage) == ([7, 8], "between_tokens")
     assert source.closed_by == "CancelledError"
@@ -68,7 +83,7 @@ async def test_total_deadline_on_the_fake_clock(clock):
     source = Source(list(range(100)), clock=clock, step_s=4.0)
     received = []
     with pytest.raises(DeadlineExceeded) as info:
-        async for item in progress_deadline(source.stream(), 5.0, clock.now + 10.0, clock=clock):
+        async for item in watched(source.stream(), 5.0, clock.now + 10.0, clock=clock):
             received.append(item)
     assert (received, info.value.stage) == ([0, 1, 2], "total")
     assert source.closed_by == "GeneratorExit"
@@ -102,7 +117,7 @@ async def test_source_timeout_error_is_not_a_deadline():
 
 async def test_consumer_leaving_early_closes_the_source():
     source = Source([1, 2, 3], hang=True)
-    wrapped = progress_deadline(source.stream(), 1.0)
+    wrapped = watched(source.stream(), 1.0)
     assert await anext(wrapped) == 1
     await wrapped.aclose()
     assert source.closed_by == "GeneratorExit"
@@ -152,10 +167,10 @@ async def test_a_late_item_from_a_busy_producer_is_queued_not_stalled():
         await asyncio.sleep(0.3)
         yield 1
 
-    busy = [i async for i in progress_deadline(late(), 0.1, alive_at=time.monotonic)]  # steps keep coming
+    busy = [i async for i in watched(late(), 0.1, alive_at=time.monotonic)]  # steps keep coming
     assert busy == [1]
     with pytest.raises(StallDetected) as info:  # its last step was a second ago: stalled
-        _ = [i async for i in progress_deadline(late(), 0.1, alive_at=lambda: time.monotonic() - 1.0)]
+        _ = [i async for i in watched(late(), 0.1, alive_at=lambda: time.monotonic() - 1.0)]
     assert info.value.stage == "first_token"
 
 
@@ -215,3 +230,30 @@ async def test_at_the_first_item_deadline_a_producer_silent_all_along_is_stalled
     with pytest.raises(StallDetected, match="deadline exceeded at first_token"):
         await collect(Source([], hang=True).stream(), 0.5, first_item_deadline=time.monotonic() + 0.05,
                       alive_at=lambda: silent_since)
+
+
+async def test_waits_in_the_callers_task_with_no_task_per_item():
+    tasks_seen = []
+
+    async def engine_like():
+        for i in range(3):
+            await asyncio.sleep(0)  # an item that is not ready at once: the caller waits for it
+            tasks_seen.append(len(asyncio.all_tasks()))
+            yield i
+
+    deadlines = Deadlines(1.0, time.monotonic() + 10.0, first_item_deadline=time.monotonic() + 5.0)
+    stream = engine_like()
+    assert [await deadlines.next(stream) for _ in range(3)] == [0, 1, 2]
+    assert tasks_seen == [1, 1, 1]  # the test's own task only
+    assert not deadlines.is_first
+
+
+async def test_a_timer_that_found_the_producer_busy_does_not_cancel_the_wait():
+    # three stall checks pass while the producer steps; the item then arrives in the same wait
+    async def late():
+        await asyncio.sleep(0.35)
+        yield "late"
+
+    deadlines = Deadlines(0.1, alive_at=time.monotonic)
+    assert await deadlines.next(late()) == "late"
+    assert asyncio.current_task().cancelling() == 0

@@ -3,7 +3,7 @@ import asyncio
 import pytest
 
 from resilience.breaker import OPEN, BreakerConfig, ModelBreaker
-from resilience.deadline import progress_deadline
+from resilience.deadline import Deadlines
 from resilience.errors import (
     AdmissionRejected,
     BreakerOpenError,
@@ -41,6 +41,5 @@ async def test_stalled_streams_trip_the_breaker_and_are_aborted(clock):
     for request_id in ("a", "b"):
         with pytest.raises(DeadlineExceeded, match="deadline exceeded at first_token after 0.005 s"):
             async with breaker.calling_async():
-                async for _ in progress_deadline(stalled_engine(request_id), 0.005):
-                    pass
+                await Deadlines(0.005).next(stalled_engine(request_id))
     assert (aborted, breaker.state) == (["a", "b"], OPEN)
