@@ -209,8 +209,15 @@ class AsyncEngine:
             self.faults.after_add(self.engine, request_id, arg[1])
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs reach each event loop in one callback (not one wake-up per request)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput | BaseException]]] = {}
         for output in outputs:
-            self._post(output.request_id, output.error or output)
+            waiter = self._waiters.get(output.request_id)
+            if waiter is not None:
+                by_loop.setdefault(waiter.loop, []).append((waiter.queue, output.error or output))
+        for loop, items in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # its event loop is closed: nobody is listening
+                loop.call_soon_threadsafe(_put_all, items)
 
     def _post(self, request_id: str, item: RequestOutput | BaseException) -> None:
         waiter = self._waiters.get(request_id)
@@ -225,3 +232,8 @@ class AsyncEngine:
     def _fail_all(self, error: BaseException) -> None:
         for request_id in list(self._waiters):
             self._post(request_id, error)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)

@@ -133,6 +133,34 @@ async def test_async_stream_and_abort_on_close(async_engine):
     await _wait_idle(async_engine)
 
 
+async def test_a_steps_outputs_wake_the_event_loop_once(async_engine):
+    loop = asyncio.get_running_loop()
+    wakeups = []
+    original = loop.call_soon_threadsafe
+
+    def counting(callback, *args, **kwargs):
+        wakeups.append(callback)
+        return original(callback, *args, **kwargs)
+
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    ids = async_engine.encode("def g(")  # pre-encoded: no worker-thread callbacks among the counted ones
+
+    async def consume(request_id: str) -> list:
+        return [d async for d in async_engine.generate("def g(", params, request_id, prompt_token_ids=ids)]
+
+    loop.call_soon_threadsafe = counting
+    try:
+        await consume("solo")
+        solo = len(wakeups)
+        wakeups.clear()
+        streams = await asyncio.gather(*(consume(f"b{i}") for i in range(8)))
+    finally:
+        del loop.call_soon_threadsafe
+    assert all(sum(len(d.outputs[0].token_ids) for d in s) == 6 for s in streams)
+    # 8 requests decoding side by side: about as many wake-ups as one request alone (one per step), not 8x
+    assert solo >= 6 and len(wakeups) <= solo + 4, (solo, len(wakeups))
+
+
 async def test_cancelled_consumer_aborts(async_engine):
     generating = asyncio.Event()
 
