@@ -16,12 +16,16 @@ from engine.config import EngineConfig
 from service.errors import InvalidRequestError
 from service.keys import RECORD_KEY, STATE_KEY
 from service.model_files import resolve_model_path
-from service.registry import ModelRegistry
+from service.registry import ModelEntry, ModelRegistry, ModelState
 from service.schemas import parse_json
 
 logger = logging.getLogger(__name__)
 
 ON_DEMAND_TIMEOUT_S = 60.0  # with no fallback, a request waits this long for its model to load, then 503
+# a failed on-demand load is tried again by the first request this long after the failure, the wait
+# doubling with each failure in a row; until then the model's fallback answers for it
+RETRY_FIRST_WAIT_S = 5.0
+RETRY_MAX_WAIT_S = 300.0
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
@@ -30,8 +34,12 @@ async def ensure_loaded(registry: ModelRegistry, name: str, models_dir: Path, op
     """On-demand: load <models_dir>/<name> unless the name is known already (or names no model
     directory: the request then gets its usual 404). Concurrent requests share one load; each
     waits up to `timeout_s`, then goes on: `fallback` answers while the load goes on (without
-    one, the request gets 503 model_loading). A load that fails is the request's error."""
-    if name in registry.entries or name in registry.state.engines or "/" in name or name.startswith("."):
+    one, the request gets 503 model_loading). A load that fails is the request's error; the first
+    request after a backoff (RETRY_FIRST_WAIT_S, doubling) tries it again."""
+    entry = registry.entries.get(name)
+    if entry is not None and not _may_retry(registry, entry):
+        return
+    if name in registry.state.engines or "/" in name or name.startswith("."):
         return
     task = registry.on_demand_loads.get(name)
     if task is None:
@@ -52,6 +60,12 @@ async def ensure_loaded(registry: ModelRegistry, name: str, models_dir: Path, op
     except TimeoutError:
         answer = f"model {fallback} answers it" if fallback else "the request gets 503"
         logger.warning("model %s still loading after %.1f s; %s", name, timeout_s, answer)
+
+
+def _may_retry(registry: ModelRegistry, entry: ModelEntry) -> bool:
+    """A failed on-demand load whose backoff is over (start-up models are rebuilt by supervision)."""
+    return (entry.state == ModelState.FAILED and not entry.is_pinned
+            and registry.clock() >= entry.retry_at(RETRY_FIRST_WAIT_S, RETRY_MAX_WAIT_S))
 
 
 def on_demand_middleware(models_dir: Path, options: dict[str, Any], fallback: str, wait_s: float) -> Callable:

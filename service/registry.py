@@ -67,6 +67,12 @@ class ModelEntry:
     error: str | None = None
     load_seconds: float | None = None
     engine_config: EngineConfig | None = None  # to rebuild it (recycle after a leak)
+    num_failures: int = 0  # loads of this name that failed in a row
+
+    def retry_at(self, first_wait_s: float, max_wait_s: float) -> float:
+        """When a FAILED load may be tried again: `first_wait_s` after the first failure, doubling with
+        each failure in a row up to `max_wait_s`."""
+        return self.loaded_at + min(first_wait_s * 2 ** max(self.num_failures - 1, 0), max_wait_s)
 
     @property
     def last_used(self) -> float:
@@ -138,7 +144,8 @@ class ModelRegistry:
             if fallback is not None and not is_pinned and fallback not in self.entries:  # config checked pinned ones
                 raise InvalidRequestError(f"fallback {fallback!r} is not a loaded model", param="fallback")
             entry = ModelEntry(name, config.model, fallback, quota_bytes, is_pinned, loaded_at=self.clock(),
-                               memory_bytes=quota_bytes or estimate_bytes, engine_config=config)
+                               memory_bytes=quota_bytes or estimate_bytes, engine_config=config,
+                               num_failures=old.num_failures if old is not None else 0)
             await self._make_room(entry)
             self.entries.pop(name, None)
             self.entries[name] = entry
@@ -159,6 +166,7 @@ class ModelRegistry:
                 await warm_up(engine, entry.name)
         except Exception as exc:  # noqa: BLE001 - any load failure is this model's, reported as such
             entry.state, entry.error = ModelState.FAILED, str(exc) or type(exc).__name__
+            entry.num_failures += 1
             logger.error("model %s failed to load: %s", entry.name, exc, exc_info=exc)
             if engine is not None:
                 await asyncio.to_thread(engine.stop)
@@ -180,12 +188,13 @@ class ModelRegistry:
             await self._make_room(entry)
         except MemoryBudgetError:
             entry.state, entry.error = ModelState.FAILED, "does not fit the memory budget once loaded"
+            entry.num_failures += 1
             await asyncio.to_thread(engine.stop)
             raise
 
     def _publish(self, entry: ModelEntry, engine: EngineClient) -> None:
         entry.engine = engine
-        entry.state, entry.loaded_at = ModelState.READY, self.clock()
+        entry.state, entry.loaded_at, entry.num_failures = ModelState.READY, self.clock(), 0
         self.fallbacks[entry.name] = entry.fallback
         self.state.engines[entry.name] = entry.engine
         self.num_loads += 1
