@@ -3,6 +3,7 @@
     python benchmarks/make_model.py --preset qwen2-1.5b --quantize awq      # once: the 1.5B shape (+ AWQ copy)
     python benchmarks/decode_bound.py                                         # benchmarks/models/qwen2-1.5b
     python benchmarks/decode_bound.py --model DIR --formats float32,int8 --tag small
+    python benchmarks/decode_bound.py --formats float32,float32-tp2 --tag tp        # tensor parallel, 2 ranks
 
 Decoding one sequence reads every weight once per token (the embedding only one row; a tied LM head
 reads the embedding whole), so tok/s can be at most bandwidth / bytes read per token. The bandwidth is
@@ -33,7 +34,9 @@ DEFAULT_MODEL = REPO_ROOT / "benchmarks" / "models" / "qwen2-1.5b"
 PROMPT_LEN, NEW_TOKENS = 128, 64
 # format -> (model directory suffix, LLM keyword arguments)
 FORMATS = {"float32": ("", dict(dtype="float32")), "bfloat16": ("", dict(dtype="bfloat16")),
-           "int8": ("", dict(dtype="float32", quantization="int8")), "awq": ("-awq", dict(dtype="float32"))}
+           "int8": ("", dict(dtype="float32", quantization="int8")), "awq": ("-awq", dict(dtype="float32")),
+           # the float32 model split over 2 processes (engine/parallel.py): on one socket both share its bandwidth
+           "float32-tp2": ("", dict(dtype="float32", tensor_parallel_size=2))}
 
 
 def matvec_bandwidth(seconds: float = 3.0) -> dict[str, float]:
@@ -63,10 +66,13 @@ def matvec_bandwidth(seconds: float = 3.0) -> dict[str, float]:
 
 
 def bytes_per_token(llm: LLM) -> int:
-    """What one decode step reads: every parameter but the embedding, plus the embedding if it is the LM head."""
-    model = llm.engine.model_runner.model
+    """What one decode step reads: every parameter but the embedding, plus the embedding if it is the LM head;
+    under tensor parallelism every rank reads its share of the layers (rank 0's times the ranks)."""
+    runner = llm.engine.model_runner
+    model, ranks = runner.model, runner.tp.size if runner.tp is not None else 1
     tensors = (*model.named_parameters(), *model.named_buffers())  # reordered oneDNN weights are buffers
-    read = sum(t.numel() * t.element_size() for name, t in tensors if not name.startswith("embed"))
+    read = sum(t.numel() * t.element_size() * (ranks if name.startswith("layers.") else 1)
+               for name, t in tensors if not name.startswith("embed"))
     return read + (model.embed_tokens.weight.nbytes if model.lm_head is None else 0)
 
 
@@ -130,6 +136,7 @@ def main() -> None:
                       "bound_tok_s": round(bandwidth / read, 3), "share_of_bound": round(tok_s * read / bandwidth, 3)}
         print(f"{name:>9}: {tok_s:7.2f} tok/s, {read / 1e9:.2f} GB per token, bound {bandwidth / read:6.2f} tok/s "
               f"-> {tok_s * read / bandwidth:.0%} of it", flush=True)
+        llm.engine.close()  # tensor-parallel ranks, if any
         del llm
     if "float32" in rows:
         for row in rows.values():

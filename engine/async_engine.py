@@ -80,6 +80,7 @@ class AsyncEngine:
             for request_id in list(self.engine.requests):
                 self.engine.abort_request(request_id)
         self._fail_all(EngineDeadError("the engine was stopped"))
+        self.engine.close()
 
     @property
     def is_dead(self) -> bool:
@@ -95,9 +96,11 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive()
 
     def memory_bytes(self) -> tuple[int, int]:
-        """(weights, KV block pool) in bytes, as loaded."""
+        """(weights, KV block pool) in bytes, as loaded; under tensor parallelism every rank's (each
+        holds its share of the layers and of the pool, and a whole embedding and LM head)."""
         runner = self.engine.model_runner
-        return int(runner.weight_bytes), int(runner.layout.total_bytes)
+        ranks = runner.tp.size if runner.tp is not None else 1
+        return int(runner.weight_bytes) * ranks, int(runner.layout.total_bytes) * ranks
 
     # --- requests (event-loop side) ---------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:

@@ -20,7 +20,7 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"
     block_size: int | str = 16  # tokens per KV block, or "auto" (8 under 16 GiB of device memory)
-    kv_cache_memory: int | None = None  # bytes for the KV pool; None = derived from the device
+    kv_cache_memory: int | None = None  # bytes for the KV pool (all ranks together); None = derived from the device
     gpu_memory_utilization: float = 0.9  # fraction of device memory on CUDA
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
@@ -41,6 +41,8 @@ class EngineConfig:
     # Not auto by default: oneDNN keeps ~22 MB per model load after the unload (10 load/unload cycles)
     linear_kernel: str = "aten"
     compile: bool = False  # torch.compile each layer's dense halves at load (artifacts cached on disk)
+    # ranks the model is split over (engine/parallel.py): heads and MLP columns, one process each
+    tensor_parallel_size: int = 1
     chat_template: str | None = field(default=None, repr=False)  # jinja text replacing the model's own
 
     def __post_init__(self) -> None:
@@ -76,6 +78,11 @@ class EngineConfig:
                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         _check(self.linear_kernel in LINEAR_KERNELS,
                f"linear_kernel must be one of {LINEAR_KERNELS}, got {self.linear_kernel!r}")
+        tp = self.tensor_parallel_size
+        _check(isinstance(tp, int) and tp >= 1, f"tensor_parallel_size must be a positive integer, got {tp!r}")
+        _check(tp == 1 or (self.quantization is None and self.linear_kernel == "aten" and not self.compile),
+               "tensor_parallel_size > 1 runs float weights on aten linear layers, uncompiled: leave "
+               "quantization, linear_kernel and compile at their defaults")
         _check(self.max_prefill_tokens is None or self.max_prefill_tokens >= 1,
                f"max_prefill_tokens must be at least 1, got {self.max_prefill_tokens}")
 

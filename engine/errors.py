@@ -26,6 +26,11 @@ class EngineNotRunningError(EngineDeadError):
     """Refused at arrival, before any work: the engine is dead, stopped or being replaced."""
 
 
+class RankDiedError(EngineDeadError):
+    """A tensor-parallel rank died, or a forward raised while the ranks ran it together (they are then
+    out of step): the engine cannot go on and is rebuilt."""
+
+
 class EngineStepError(EngineError):
     """The engine failed this request (the engine itself lives on); counts against the model's breaker."""
 

@@ -13,6 +13,7 @@ from engine.chat_template import render_bounded
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import (
+    EngineDeadError,
     EngineError,
     EngineStepError,
     ModelValidationError,
@@ -174,6 +175,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def close(self) -> None:
+        """Stop what the engine runs outside this process (tensor-parallel ranks); idempotent."""
+        self.model_runner.close()
+
     # --- the step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         # the phase ranges show only in a profile (engine/profiling.py); without one they are no-ops
@@ -190,6 +195,8 @@ class LLMEngine:
     def _run(self, batch: SchedulerOutput) -> dict[int, list[SampledToken]]:
         try:
             sampled = self.model_runner.run(batch)
+        except EngineDeadError:  # a tensor-parallel rank is gone: no step can run, the loop ends
+            raise
         except Exception:  # noqa: BLE001 - whatever a request provokes, the others go on
             logger.exception("a step of %d sequences raised; re-running it in parts to find the cause",
                              len(batch.scheduled))
@@ -218,6 +225,8 @@ class LLMEngine:
     def _bisect(self, items: list[ScheduledSeq], sampled: dict, failing: list) -> None:
         try:
             sampled.update(self.model_runner.run(SchedulerOutput(items, BlockCopies([], [], []))))  # copies done
+        except EngineDeadError:
+            raise
         except Exception as exc:  # noqa: BLE001
             if len(items) == 1:
                 failing.append((items[0], exc))

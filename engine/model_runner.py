@@ -1,5 +1,6 @@
 """Load a local HF checkpoint, own the KV block pool, and run one packed forward per step."""
 
+import dataclasses
 import logging
 import math
 import os
@@ -16,6 +17,7 @@ from engine.config import EngineConfig, KVCacheLayout
 from engine.dtype_probe import DtypeProbe, probe_cpu_dtype
 from engine.loader import ModelFiles
 from engine.models import load_model
+from engine.parallel import TPGroup, Workers
 from engine.sampler import Sampler, SampleRow
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.sequence import SampledToken
@@ -65,14 +67,30 @@ class _Batch:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, files: ModelFiles) -> None:
+    """The model and its KV pool on one device. With tensor_parallel_size N, rank 0's runner (tp None)
+    spawns ranks 1..N-1 (engine/parallel.py), each running a runner of its own with its `tp` group."""
+
+    def __init__(self, config: EngineConfig, files: ModelFiles, tp: TPGroup | None = None) -> None:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype, self.dtype_probe = resolve_dtype(config.dtype, files.config, self.device)
+        self.workers: Workers | None = None
+        if config.tensor_parallel_size > 1 and tp is None:  # rank 0: the workers load while it does
+            dtype_name = str(self.dtype).removeprefix("torch.")
+            self.workers = Workers(dataclasses.replace(config, dtype=dtype_name), self.device)
+            tp = self.workers.group
+        self.tp = tp
+        try:
+            self._load(config, files)
+        except BaseException:
+            self.close()
+            raise
+
+    def _load(self, config: EngineConfig, files: ModelFiles) -> None:
         self.quant = quantization.resolve(config.quantization, files.config)
-        self.model = load_model(files, self.dtype, self.device, self.quant)
+        self.model = load_model(files, self.dtype, self.device, self.quant, self.tp)
         self.int8_kernel_rows = quantization.calibrate_kernel_rows(self.model, self.dtype) if self.quant else None
         self.linear_probe, self.linear_kernel = self._choose_linear_kernel(config.linear_kernel)
         self.compile_s = self._compile() if config.compile else None
@@ -97,6 +115,14 @@ class ModelRunner:
                     if self.quant else "", self.attention_backend, self.weight_bytes / 2**20,
                     self.layout.num_blocks,
                     self.layout.block_size, self.layout.total_bytes / 2**20, self.layout.max_model_len)
+        if self.workers is not None:
+            self.workers.wait_ready()
+            logger.info("tensor parallel over %d ranks (worker pids %s)", self.tp.size, self.workers.pids)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent)."""
+        if self.workers is not None:
+            self.workers.close()
 
     def _choose_linear_kernel(self, requested: str) -> tuple[onednn_linear.LinearProbe | None, str]:
         """The decoder layers' float linear layers on CPU: aten's, or oneDNN's on reordered weights
@@ -126,24 +152,27 @@ class ModelRunner:
 
     # --- KV pool -----------------------------------------------------------------------------------
     def _plan_kv(self, model_config: dict) -> KVCacheLayout:
-        cfg = self.model.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        cfg, args = self.model.config, self.model.args
+        head_dim = args.head_dim
         block_size = self.config.block_size
         if block_size == "auto":
             block_size = 8 if device_memory(self.device) < 16 * GiB else 16
         max_model_len = cfg.max_position_embeddings
         max_model_len = min(self.config.max_model_len or max_model_len, max_model_len)
         dtype_bytes = torch.tensor([], dtype=self.dtype).element_size()
-        per_block = 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * head_dim * dtype_bytes
+        # this rank's KV heads (all of them without tensor parallelism)
+        per_block = 2 * cfg.num_hidden_layers * block_size * args.num_kv_heads * head_dim * dtype_bytes
         num_blocks = self._kv_budget(per_block // block_size, max_model_len) // per_block
         if not self.config.kv_cache_memory:  # a derived budget: no more than a full batch of full sequences
             num_blocks = min(num_blocks, self.config.max_num_seqs * math.ceil(max_model_len / block_size))
+        if self.tp is not None:  # one block table for every rank: the pool the smallest rank can hold
+            num_blocks = self.tp.agree_min(num_blocks)
         if num_blocks < math.ceil(max_model_len / block_size):
             raise ValueError(f"KV budget holds {num_blocks} blocks of {block_size} tokens ({per_block} bytes each), "
                              f"too few for one sequence of max_model_len {max_model_len}; raise kv_cache_memory "
                              f"or lower max_model_len")
         num_swap = int(self.config.swap_space * GiB) // per_block if self.config.preemption_mode == "swap" else 0
-        return KVCacheLayout(num_blocks, block_size, cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim,
+        return KVCacheLayout(num_blocks, block_size, cfg.num_hidden_layers, args.num_kv_heads, head_dim,
                              dtype_bytes, num_swap, max_model_len)
 
     def _kv_budget(self, bytes_per_token: int, max_model_len: int) -> int:
@@ -151,8 +180,8 @@ class ModelRunner:
         on CPU room for max_num_seqs sequences of CPU_TOKENS_PER_SEQ tokens plus one of max_model_len
         (at most 1 GiB): sized for the model and the batch, not for free memory, so it is the same
         on every run and next to other replicas (preemption covers a mix of longer sequences)."""
-        if self.config.kv_cache_memory:
-            return self.config.kv_cache_memory
+        if self.config.kv_cache_memory:  # the whole pool's: each rank holds its share of the KV heads
+            return self.config.kv_cache_memory // self.config.tensor_parallel_size
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             activations = 2 * GiB  # headroom for the forward's activations and logits
@@ -190,15 +219,31 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, output: SchedulerOutput) -> dict[int, list[SampledToken]]:
         """One forward over every scheduled token; returns seq_id -> sampled tokens."""
-        self.copy_blocks(output.copies)
+        copies = output.copies
+        self.copy_blocks(copies)
+        if self.workers is not None and (copies.swap_out or copies.swap_in or copies.copy):
+            self.workers.send(copies, [])  # every rank copies its blocks, whatever happens to this step next
         if output.is_empty:
             return {}
         batch = self._prepare(output.scheduled)
-        hidden = self.model(batch.input_ids, batch.positions, batch.metadata)
+        if self.workers is None:
+            hidden = self.model(batch.input_ids, batch.positions, batch.metadata)
+        else:
+            hidden = self.workers.run(output.scheduled,
+                                      lambda: self.model(batch.input_ids, batch.positions, batch.metadata))
         if not batch.rows:
             return {}
         logits = self.model.compute_logits(hidden[batch.sample_indices]).float()
         return self.sampler(logits, batch.rows)
+
+    @torch.inference_mode()
+    def run_rows(self, copies: BlockCopies, scheduled: list[ScheduledSeq]) -> None:
+        """A worker rank's part of a step (engine/parallel.py): the same copies and forward as rank 0,
+        no sampling."""
+        self.copy_blocks(copies)
+        if scheduled:
+            batch = self._prepare(scheduled)
+            self.model(batch.input_ids, batch.positions, batch.metadata)
 
     def _prepare(self, scheduled: list[ScheduledSeq]) -> _Batch:
         # one new token after some context is decode-shaped, whether or not it ends a prefill

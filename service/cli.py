@@ -201,6 +201,9 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", help="auto | torch | flex (auto: flex on CUDA, torch on CPU)")
     g.add_argument("--linear-kernel", help="aten (default) | onednn | auto: CPU float linear layers; auto measures "
                                            "at load (engine/onednn_linear.py)")
+    g.add_argument("--tensor-parallel-size", type=int,
+                   help="split each model over N processes (its heads and MLP columns; gloo on CPU, NCCL on CUDA: "
+                        "engine/parallel.py); float weights, aten linear layers, no --compile")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the layers at load (off by default: no gain measured on CPU; "
                         "compiled code cached in $TORCHINDUCTOR_CACHE_DIR, default ~/.cache/pagedserve/inductor)")
@@ -214,7 +217,7 @@ def engine_options(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str
     names = ("dtype", "device", "block_size", "kv_cache_memory", "gpu_memory_utilization", "max_num_seqs",
              "max_num_batched_tokens", "max_model_len", "max_num_waiting", "scheduler_policy", "preemption_mode",
              "swap_space", "enable_prefix_caching", "num_threads", "quantization", "attention_backend", "linear_kernel",
-             "compile")
+             "compile", "tensor_parallel_size")
     options = {n: getattr(args, n, None) for n in names}
     options["seed"] = getattr(args, "seed_engine", None)
     if getattr(args, "chat_template", None):

@@ -11,6 +11,7 @@ from transformers import AutoConfig, GenerationConfig
 
 from engine.loader import ModelFiles
 from engine.models.llama import LlamaForCausalLM
+from engine.parallel import TPGroup
 from engine.quantization import QuantConfig
 
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
@@ -23,12 +24,13 @@ SUPPORTED_ARCHITECTURES = tuple(MODEL_CLASSES)
 
 
 def load_model(files: ModelFiles, dtype: torch.dtype, device: torch.device,
-               quant: QuantConfig | None = None) -> LlamaForCausalLM:
+               quant: QuantConfig | None = None, tp: TPGroup | None = None) -> LlamaForCausalLM:
+    """The checkpoint's model; with `tp`, this rank's share of it (engine/parallel.py)."""
     if files.architecture not in MODEL_CLASSES:
         raise ValueError(f"{files.path}: architecture {files.architecture} is not supported; "
                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     config = AutoConfig.from_pretrained(files.path, local_files_only=True, trust_remote_code=False)
-    model = MODEL_CLASSES[files.architecture](config, dtype, device, quant)
+    model = MODEL_CLASSES[files.architecture](config, dtype, device, quant, tp)
     model.load_weights(_read_safetensors(files.weight_files))
     model.generation_config = _generation_config(files.path, config)  # EOS ids, as HF models carry it
     return model.eval()

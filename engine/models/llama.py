@@ -13,8 +13,8 @@ modules op for op (RMSNorm in float32, RoPE as q*cos + rotate_half(q)*sin in hal
 greedy tokens match HF `generate`. A step is one packed batch of T tokens, no batch axis.
 """
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,7 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.attention import StepAttention
+from engine.parallel import TPGroup
 from engine.quantization import Int8Linear, QuantConfig, check_g_idx, quantize_int8, unpack_layer
 
 # HF projection name -> (our fused module, its part); parts stack along the output rows in this order
@@ -65,6 +66,16 @@ class LlamaArgs:
             o_bias=attention_bias and family != "qwen2", mlp_bias=bool(getattr(config, "mlp_bias", False)),
             qk_norm=family == "qwen3", tie_word_embeddings=bool(config.tie_word_embeddings),
             sliding_windows=_sliding_windows(config))
+
+    def shard(self, size: int) -> "LlamaArgs":
+        """One rank's share under tensor parallelism over `size` ranks: its attention heads, K/V heads
+        and intermediate columns (engine/parallel.py)."""
+        for name in ("num_heads", "num_kv_heads", "intermediate_size"):
+            if getattr(self, name) % size:
+                raise ValueError(f"tensor_parallel_size {size} does not divide the model's {name} "
+                                 f"({getattr(self, name)})")
+        return replace(self, num_heads=self.num_heads // size, num_kv_heads=self.num_kv_heads // size,
+                       intermediate_size=self.intermediate_size // size)
 
 
 def _sliding_windows(config: PretrainedConfig) -> tuple[int | None, ...]:
@@ -159,9 +170,18 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+def _no_reduce(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, args: LlamaArgs, layer_idx: int, dtype: torch.dtype, quant: QuantConfig | None) -> None:
+    """`reduce`: sums a row-parallel layer's partial outputs over the tensor-parallel ranks (identity
+    on one rank)."""
+
+    def __init__(self, args: LlamaArgs, layer_idx: int, dtype: torch.dtype, quant: QuantConfig | None,
+                 reduce: Callable[[torch.Tensor], torch.Tensor] = _no_reduce) -> None:
         super().__init__()
+        self.reduce = reduce
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.self_attn = Attention(args, layer_idx, dtype, quant)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
@@ -176,8 +196,8 @@ class DecoderLayer(nn.Module):
         return self.self_attn.project(self.input_layernorm(x), cos, sin)
 
     def after_attention(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn.o_proj(attn.flatten(1))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.reduce(self.self_attn.o_proj(attn.flatten(1)))
+        return x + self.reduce(self.mlp(self.post_attention_layernorm(x)))
 
     def compile_dense(self) -> None:
         """torch.compile both dense halves, shapes dynamic (T changes every step); every layer runs the
@@ -192,14 +212,16 @@ class LlamaForCausalLM(nn.Module):
     layers' linear weights are int8 (engine/quantization.py)."""
 
     def __init__(self, config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
-                 quant: QuantConfig | None = None) -> None:
+                 quant: QuantConfig | None = None, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.config = config
         self.quant = quant
-        self.args = args = LlamaArgs.from_hf(config)
+        self.tp = tp
+        self.args = args = LlamaArgs.from_hf(config) if tp is None else LlamaArgs.from_hf(config).shard(tp.size)
+        reduce = _no_reduce if tp is None else tp.all_reduce
         with torch.device("meta"):  # every parameter comes from the checkpoint: no random init
             self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype)
-            self.layers = nn.ModuleList(DecoderLayer(args, i, dtype, quant) for i in range(args.num_layers))
+            self.layers = nn.ModuleList(DecoderLayer(args, i, dtype, quant, reduce) for i in range(args.num_layers))
             self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
             self.lm_head = None if args.tie_word_embeddings else nn.Linear(
                 args.hidden_size, args.vocab_size, bias=False, dtype=dtype)
@@ -268,6 +290,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name not in params:
                 raise ValueError(f"checkpoint tensor {hf_name} has no place in {type(self).__name__}")
+            tensor = self._shard(name, tensor)
             target = self._rows(params, name, part, tensor.shape, hf_name)
             if target.dtype == torch.int8:  # a float weight for an int8 layer: quantize it
                 tensor, scale = quantize_int8(tensor, self.get_submodule(module).group_size)
@@ -285,6 +308,22 @@ class LlamaForCausalLM(nn.Module):
         if target.shape != shape:
             raise ValueError(f"checkpoint tensor {hf_name}: shape {tuple(shape)}, expected {tuple(target.shape)}")
         return target
+
+    def _shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a checkpoint tensor: column-parallel q/k/v and gate/up keep their block of
+        output rows (heads in order), row-parallel o_proj and down_proj their block of input columns;
+        their biases count once, on rank 0 (the all-reduce sums the ranks). Everything else is whole."""
+        if self.tp is None:
+            return tensor
+        module, leaf = name.rsplit(".", 1)
+        kind = module.rsplit(".", 1)[-1]
+        if kind in ("qkv_proj", "gate_up_proj"):
+            return tensor.chunk(self.tp.size, 0)[self.tp.rank]
+        if kind in ("o_proj", "down_proj"):
+            if leaf == "bias":
+                return tensor if self.tp.rank == 0 else torch.zeros_like(tensor)
+            return tensor.chunk(self.tp.size, 1)[self.tp.rank]
+        return tensor
 
     @staticmethod
     def _our_name(hf_name: str) -> tuple[str, int]:

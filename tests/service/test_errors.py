@@ -4,6 +4,8 @@ real tiny engines: real overload, real loop deaths (the `crash` fault) and real 
 import asyncio
 import json
 import logging
+import os
+import signal
 import threading
 
 import pytest
@@ -138,6 +140,25 @@ async def test_a_crashed_engine_heals_in_process(start):
     assert "pagedserve:engine_rebuilds_total 2.0" in metrics
     done = await h.client.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 3, "ignore_eos": True})
     assert done.status == 200 and (await done.json())["usage"]["completion_tokens"] == 3
+
+
+async def test_a_killed_tensor_parallel_rank_heals_in_process(start):
+    """Both models split over 2 processes: killing the primary's second rank mid-stream ends that
+    stream with engine_dead, and the replica is ready again, with a new primary, without a restart."""
+    h = await start(engine_kwargs={"tensor_parallel_size": 2})
+    primary = h.engines["primary"]
+    in_flight = await h.client.post(COMPLETIONS, json=LONG)
+    assert (await in_flight.content.readline()).startswith(b"data: ")
+    os.kill(primary.engine.model_runner.workers.pids[0], signal.SIGKILL)
+    events = _events(await in_flight.read())
+    error = json.loads(events[-2][len("data: "):])["error"]
+    assert error["code"] == "engine_dead", error
+    await until(lambda: h.engines.get("primary") not in (None, primary), timeout=120)
+    await until(h.state.health.is_ready, timeout=60)
+    assert (await h.client.get("/health/ready")).status == 200
+    done = await h.client.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 3, "ignore_eos": True})
+    assert done.status == 200 and done.headers["x-pagedserve-served-model"] == "primary"
+    assert (await done.json())["usage"]["completion_tokens"] == 3
 
 
 async def test_loading_is_503_and_ready_turns_200_after(start):
