@@ -212,21 +212,21 @@ class AsyncEngine:
             self.faults.after_add(self.engine, request_id, arg[1])
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """A step's outputs reach each event loop in one callback (not one wake-up per request)."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput | BaseException]]] = {}
-        for output in outputs:
-            waiter = self._waiters.get(output.request_id)
-            if waiter is not None:
-                by_loop.setdefault(waiter.loop, []).append((waiter.queue, output.error or output))
-        for loop, items in by_loop.items():
-            with contextlib.suppress(RuntimeError):  # its event loop is closed: nobody is listening
-                loop.call_soon_threadsafe(_put_all, items)
+        self._send([(output.request_id, output.error or output) for output in outputs])
 
     def _post(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        waiter = self._waiters.get(request_id)
-        if waiter is not None:
+        self._send([(request_id, item)])
+
+    def _send(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        """Items reach each event loop in one callback (a step's outputs: not one wake-up per request)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput | BaseException]]] = {}
+        for request_id, item in items:
+            waiter = self._waiters.get(request_id)
+            if waiter is not None:
+                by_loop.setdefault(waiter.loop, []).append((waiter.queue, item))
+        for loop, queued in by_loop.items():
             with contextlib.suppress(RuntimeError):  # its event loop is closed: nobody is listening
-                waiter.loop.call_soon_threadsafe(waiter.queue.put_nowait, item)
+                loop.call_soon_threadsafe(_put_all, queued)
 
     def _fail_request(self, request_id: str, error: BaseException) -> None:
         self.engine.abort_request(request_id)
