@@ -160,6 +160,14 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self._stats
 
+    def queue_delay_s(self, priority: int = 0) -> float:
+        """How long the sequences a new request of `priority` would queue behind have waited so far (0:
+        none wait): its head's sojourn time, the queue's delay as CoDel measures it. Every waiting
+        sequence counts under fcfs; under priority and hybrid, those of this priority or a more
+        important one (hybrid's aging, which can put older, less important ones ahead too, is left out)."""
+        ordered_by_priority = self.config.scheduler_policy != "fcfs"
+        return self._stats.queue_delay_s(time.monotonic(), priority if ordered_by_priority else None)
+
     def _check_alive(self) -> None:
         if self.dead_error is not None:
             raise EngineNotRunningError(f"the engine is dead: {self.dead_error}")

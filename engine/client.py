@@ -57,6 +57,10 @@ class EngineClient(Protocol):
 
     def stats(self) -> EngineStats: ...
 
+    def queue_delay_s(self, priority: int = 0) -> float:
+        """Seconds the longest-waiting request a new one of `priority` would queue behind has waited (0: none)."""
+        ...
+
     def memory_bytes(self) -> tuple[int, int]:
         """(weights, KV block pool) in bytes, as loaded."""
         ...

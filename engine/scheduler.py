@@ -13,6 +13,7 @@ Policies (a sort key, lower first):
             before prefills, and prefill tokens per step capped to protect inter-token latency
 """
 
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -69,7 +70,16 @@ class Scheduler:
         if len(self.waiting) >= self.config.max_num_waiting:
             raise EngineOverloadedError(f"waiting queue is full ({self.config.max_num_waiting} requests)")
         seq.status = SequenceStatus.WAITING
+        seq.queued_time = seq.arrival_time
         self.waiting.append(seq)
+
+    def queue_heads(self) -> tuple[tuple[int, float], ...]:
+        """(priority, when its longest-queued sequence joined the queue) for each priority that has
+        sequences waiting or swapped out, most important first: how long the queue has held its head."""
+        heads: dict[int, float] = {}
+        for seq in itertools.chain(self.waiting, self.swapped):
+            heads[seq.priority] = min(heads.get(seq.priority, seq.queued_time), seq.queued_time)
+        return tuple(sorted(heads.items()))
 
     @property
     def has_unfinished(self) -> bool:
@@ -212,6 +222,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, preempted: list[Sequence]) -> None:
         self.running.remove(seq)
         seq.num_preemptions += 1
+        seq.queued_time = self.clock()
         preempted.append(seq)
         if self.config.preemption_mode == "swap" and self.block_manager.can_swap_out(seq):
             self.block_manager.swap_out(seq)

@@ -89,6 +89,7 @@ class Sequence:
     stop_reason: str | int | None = None
     is_forked: bool = False  # n > 1 fans out once, at the first sampled token
     num_preemptions: int = 0
+    queued_time: float = 0.0  # when it last joined the waiting or swapped queue (its arrival, or its preemption)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     is_poisoned: bool = False  # chaos tests: the sampler raises on this row (FaultInjector's `poison`)

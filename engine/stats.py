@@ -86,3 +86,11 @@ class EngineStats:
     iteration_tokens: Distribution = Distribution(ITERATION_TOKEN_BUCKETS)  # tokens run per step
     phase_times: PhaseTimes = PhaseTimes()
     cache: CacheInfo | None = None
+    # (priority, time.monotonic() its longest-queued waiting or swapped sequence joined the queue), by priority
+    queue_heads: tuple[tuple[int, float], ...] = ()
+
+    def queue_delay_s(self, now: float, max_priority: int | None = None) -> float:
+        """How long the longest-queued sequence (of priority <= `max_priority`, or any) has waited at
+        `now` (time.monotonic()); 0 when none waits."""
+        queued = [since for priority, since in self.queue_heads if max_priority is None or priority <= max_priority]
+        return max(0.0, now - min(queued)) if queued else 0.0

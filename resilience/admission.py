@@ -8,20 +8,30 @@ zero wait, as resilience4j recommends on event loops, so overload turns into fas
 of a queue whose every entry misses its deadline. The fallback model has its own bulkhead, so
 failing over cannot swamp it.
 
-    async with bulkhead.try_acquire(len(prompt_ids) + params.n * params.max_tokens, params.n):
+A bound on counts alone lets a queue grow as long as the engine's 1024 waiting places: under a
+steady overload every request admitted waits longer than the one before. So the bulkhead also
+refuses while the engine's queue delay (how long its head has waited, as CoDel measures a queue)
+is above `max_queue_delay_s`, with `QueueDelayExceeded`: the router then degrades the request to
+the next model of its ladder, and answers 429 when none is left. It refuses only while the queue
+stands that long, so it sheds what the engine cannot absorb and no more; a burst that the engine
+drains within the target is let in whole.
+
+    async with bulkhead.try_acquire(len(prompt_ids) + params.n * params.max_tokens, params.n, queue_delay_s):
         ...  # released exactly once: on return, error or cancellation
 """
 
 import logging
+from collections import Counter
 from dataclasses import dataclass
 from types import TracebackType
 
 from engine.errors import RequestRejectedError
 from resilience.clock import Clock
-from resilience.errors import AdmissionRejected
+from resilience.errors import AdmissionRejected, QueueDelayExceeded
 
 logger = logging.getLogger(__name__)
 
+REJECTION_REASONS = ("max_num_seqs", "max_num_tokens", "queue_delay")  # the keys of Bulkhead.num_rejected
 _HOLD_EWMA_WEIGHT = 0.2  # weight of the newest hold time in the running average
 
 
@@ -29,6 +39,9 @@ _HOLD_EWMA_WEIGHT = 0.2  # weight of the newest hold time in the running average
 class BulkheadConfig:
     max_num_seqs: int | None = None  # admitted, not yet released; None: the engine's own capacity
     max_num_tokens: int | None = None  # sum of prompt + n x max_tokens over them; None: unbounded
+    # refuse while the engine's queue has held its head longer than this (None: never); half the
+    # router's 10 s first-token deadline, so what is let in still has the time to be prefilled
+    max_queue_delay_s: float | None = 5.0
     min_retry_after_s: float = 1.0  # bounds of the Retry-After hint
     max_retry_after_s: float = 30.0
 
@@ -36,6 +49,8 @@ class BulkheadConfig:
         for name in ("max_num_seqs", "max_num_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_queue_delay_s is not None and not self.max_queue_delay_s > 0:
+            raise ValueError(f"max_queue_delay_s must be > 0 (None: off), got {self.max_queue_delay_s}")
         if not 0 < self.min_retry_after_s <= self.max_retry_after_s:
             raise ValueError("need 0 < min_retry_after_s <= max_retry_after_s, "
                              f"got {self.min_retry_after_s}, {self.max_retry_after_s}")
@@ -81,11 +96,11 @@ class Bulkhead:
         self._clock = clock
         self.num_seqs = 0
         self.num_tokens = 0
-        self.num_rejected = 0
+        self.num_rejected: Counter[str] = Counter()  # by one of REJECTION_REASONS
         self._mean_hold_s: float | None = None  # EWMA of how long permits are held
 
     def can_acquire(self, num_tokens: int, num_seqs: int = 1) -> bool:
-        return self._refusal(num_tokens, num_seqs) is None
+        return self._refusal(num_tokens, num_seqs) == (None, None)
 
     def check_fits(self, num_tokens: int, num_seqs: int = 1) -> None:
         """RequestRejectedError (a 4xx) for what can never be admitted, even into an empty bulkhead."""
@@ -97,15 +112,22 @@ class Bulkhead:
             raise RequestRejectedError(f"the request needs {num_tokens} tokens (prompt + n x max_tokens); "
                                        f"model {self.model!r} admits at most {limit} at a time")
 
-    def try_acquire(self, num_tokens: int, num_seqs: int = 1) -> Permit:
+    def try_acquire(self, num_tokens: int, num_seqs: int = 1, queue_delay_s: float = 0.0) -> Permit:
         """Admit a request of `num_seqs` sequences and `num_tokens` (prompt + n x max_tokens) or
-        raise AdmissionRejected at once (RequestRejectedError when it could never fit)."""
+        raise AdmissionRejected at once (RequestRejectedError when it could never fit);
+        `queue_delay_s`: the engine's (`EngineClient.queue_delay_s`), QueueDelayExceeded above the target."""
         if num_tokens < 0 or num_seqs < 1:
             raise ValueError(f"need num_tokens >= 0 and num_seqs >= 1, got {num_tokens}, {num_seqs}")
         self.check_fits(num_tokens, num_seqs)
-        refusal = self._refusal(num_tokens, num_seqs)
-        if refusal is not None:
-            self.num_rejected += 1
+        max_delay_s = self.config.max_queue_delay_s
+        if max_delay_s is not None and queue_delay_s > max_delay_s:
+            self.num_rejected["queue_delay"] += 1
+            # by then the queue's head has waited as long again: about what is queued now has been served
+            retry_after_s = min(max(queue_delay_s, self.config.min_retry_after_s), self.config.max_retry_after_s)
+            raise QueueDelayExceeded(self.model, queue_delay_s, max_delay_s, retry_after_s)
+        reason, refusal = self._refusal(num_tokens, num_seqs)
+        if reason is not None:
+            self.num_rejected[reason] += 1
             raise AdmissionRejected(self.model, refusal, self.retry_after_s())
         self.num_seqs += num_seqs
         self.num_tokens += num_tokens
@@ -116,13 +138,14 @@ class Bulkhead:
         hold_s = self._mean_hold_s if self._mean_hold_s is not None else self.config.min_retry_after_s
         return min(max(hold_s, self.config.min_retry_after_s), self.config.max_retry_after_s)
 
-    def _refusal(self, num_tokens: int, num_seqs: int) -> str | None:
+    def _refusal(self, num_tokens: int, num_seqs: int) -> tuple[str, str] | tuple[None, None]:
+        """(the bound that refuses, why) or (None, None)."""
         if self.max_num_seqs is not None and self.num_seqs + num_seqs > self.max_num_seqs:
-            return f"{self.num_seqs} + {num_seqs} sequences exceed {self.max_num_seqs}"
+            return "max_num_seqs", f"{self.num_seqs} + {num_seqs} sequences exceed {self.max_num_seqs}"
         limit = self.config.max_num_tokens
         if limit is not None and self.num_tokens + num_tokens > limit:
-            return f"{self.num_tokens} + {num_tokens} tokens exceed {limit}"
-        return None
+            return "max_num_tokens", f"{self.num_tokens} + {num_tokens} tokens exceed {limit}"
+        return None, None
 
     def _release(self, permit: Permit) -> None:
         self.num_seqs -= permit.num_seqs

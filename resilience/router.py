@@ -5,6 +5,8 @@ down the degrade ladder (a model's fallback, then its fallback's) when a model c
         engine dead, or breaker open / probing      -> next model, at once
         bulkhead full                               -> AdmissionRejected (429), no degrade: overload
                                                        is not sickness, and the fallback has its own
+        its queue has held its head past the         -> next model, at once (degraded; no breaker call,
+          bulkhead's max_queue_delay_s                 no retry budget); on the last, 429
         no first token by the first-token deadline  -> a slow call on the breaker; the request is
           (arrival + first_token_timeout_s for the     aborted there and moved to the next model (which
           asked model, queue time included; the        gets its own first_token_timeout_s); on the last
@@ -45,7 +47,7 @@ from resilience.admission import Bulkhead, BulkheadConfig
 from resilience.breaker import IGNORED_EXCEPTIONS, BreakerCall, BreakerConfig, ModelBreaker
 from resilience.clock import Clock
 from resilience.deadline import Deadlines, StallDetected
-from resilience.errors import DeadlineExceeded, NoModelAvailable, RetryLater
+from resilience.errors import DeadlineExceeded, NoModelAvailable, QueueDelayExceeded, RetryLater
 from resilience.retry import RetryBudget, RetryBudgetConfig, RetryConfig, retry_policy
 
 logger = logging.getLogger(__name__)
@@ -162,6 +164,10 @@ class ModelRouter:
             has_next = any(self._is_available(later) for later in ladder[index + 1:])
             try:
                 call = await self._start(name, req, window_from + self.config.first_token_timeout_s, has_next)
+            except QueueDelayExceeded as exc:  # shed before any work: the first-token window stays
+                logger.info("request %s: %s; next model", req.request_id, exc)
+                last_error = exc
+                continue
             except FAILOVER_ERRORS as exc:
                 logger.warning("request %s: no first token from model %s (%r); next model", req.request_id, name, exc)
                 last_error = exc
@@ -180,7 +186,8 @@ class ModelRouter:
     def _may_fail_over(self, req: GenerateRequest, error: BaseException) -> bool:
         if req.deadline is not None and self.clock() >= req.deadline:
             return False
-        if not isinstance(error, DeadlineExceeded) and not self.retry_budget.try_spend():
+        # a deadline paces failovers itself, and a queue-delay shed did no work
+        if not isinstance(error, DeadlineExceeded | QueueDelayExceeded) and not self.retry_budget.try_spend():
             logger.warning("request %s: retry budget spent, no failover", req.request_id)
             return False
         self.num_failovers += 1
@@ -257,7 +264,8 @@ class _Call:
         router, name, req = self.router, self.name, self.req
         num_tokens = req.num_prompt_tokens + req.params.n * (req.params.max_tokens or 0)
         async with contextlib.AsyncExitStack() as stack:
-            stack.enter_context(router.bulkhead(name).try_acquire(num_tokens, req.params.n))
+            stack.enter_context(router.bulkhead(name).try_acquire(num_tokens, req.params.n,
+                                                                  self.engine.queue_delay_s(req.priority)))
             self.breaker_call = await stack.enter_async_context(router.breaker(name).calling_async())
             router.num_engine_requests[name] += 1
             if is_retry:

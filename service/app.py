@@ -86,7 +86,8 @@ def create_app(config: ServerConfig, *, engine_factory: EngineFactory | None = N
     app[ROUTER_FACTORY_KEY] = router_factory or functools.partial(
         make_router, first_token_timeout_s=config.first_token_timeout_s, stall_timeout_s=config.stall_timeout_s,
         breaker_open_s=config.breaker_open_s,
-        bulkhead=BulkheadConfig(max_num_seqs=config.bulkhead_max_seqs, max_num_tokens=config.bulkhead_max_tokens))
+        bulkhead=BulkheadConfig(max_num_seqs=config.bulkhead_max_seqs, max_num_tokens=config.bulkhead_max_tokens,
+                                max_queue_delay_s=config.max_queue_delay_s or None))
     app.cleanup_ctx.append(engines_ctx)
     app.cleanup_ctx.append(supervision_ctx)
     app.on_shutdown.append(drain)

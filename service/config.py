@@ -22,7 +22,7 @@ MAX_SIZE_BYTES = 2**60  # an exabyte: any larger size is a typo or an attack
 ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name != "model")
 SERVER_OPTIONS = ("host", "port", "api_keys", "admin_key", "max_body_bytes", "auth_metrics", "warmup",
                   "shutdown_timeout", "first_token_timeout_s", "idle_timeout_s", "stall_timeout_s", "request_timeout_s", "heartbeat_interval_s", "leak_min_growth_bytes",
-                  "leak_action", "hang_timeout_s", "max_engine_rebuilds", "default_max_tokens", "bulkhead_max_seqs", "bulkhead_max_tokens", "breaker_open_s", "enable_fault_injection", "models",
+                  "leak_action", "hang_timeout_s", "max_engine_rebuilds", "default_max_tokens", "bulkhead_max_seqs", "bulkhead_max_tokens", "max_queue_delay_s", "breaker_open_s", "enable_fault_injection", "models",
                   "models_root", "memory_budget_bytes", "models_dir", "on_demand_fallback", "max_loaded_models", "health_details_auth",
                   "max_connections", "stream_write_timeout_s", "body_read_timeout_s", "header_timeout_s",
                   "keepalive_timeout_s", "allowed_origins", "otel_endpoint")
@@ -80,6 +80,7 @@ class ServerConfig:
     max_loaded_models: int | None = None  # more loaded models than this evicts the least recently used idle one
     bulkhead_max_seqs: int | None = None  # sequences admitted per model (n counted); None: the engine's capacity
     bulkhead_max_tokens: int | None = None  # prompt + n x max_tokens admitted per model; None: unbounded
+    max_queue_delay_s: float = 5.0  # a model whose queue held its head longer sheds to its fallback, else 429; 0: off
     default_max_tokens: int = 512  # chat requests that name no max_tokens (completions keep OpenAI's 16)
     health_generate_skip_s: float = 5.0  # /health/generate skips its probe when a token came this recently
     retry_after_overload: int = 1  # seconds, on 429
@@ -123,6 +124,9 @@ class ServerConfig:
         for name in ("bulkhead_max_seqs", "bulkhead_max_tokens"):
             value = getattr(self, name)
             _check(value is None or value >= 1, f"{name} must be at least 1, got {value}")
+        _check(isinstance(self.max_queue_delay_s, int | float) and math.isfinite(self.max_queue_delay_s)
+               and self.max_queue_delay_s >= 0,
+               f"max_queue_delay must be a non-negative number of seconds (0: off), got {self.max_queue_delay_s!r}")
         _check(self.max_engine_rebuilds >= 0,
                f"max_engine_rebuilds must be non-negative, got {self.max_engine_rebuilds}")
         _check(self.breaker_open_s > 0, f"breaker_open_seconds must be positive, got {self.breaker_open_s}")

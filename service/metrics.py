@@ -7,6 +7,7 @@ only it sees (tokens per step, time per request phase) and they are exported as 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -16,6 +17,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from engine.stats import SECONDS_BUCKETS, CacheInfo, Distribution
+from resilience.admission import REJECTION_REASONS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # seconds; vLLM's buckets, trimmed at the long end
@@ -145,6 +147,9 @@ def _families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
                                                   "Requests waiting to be scheduled", labels=labels),
         "num_requests_swapped": GaugeMetricFamily(f"{PREFIX}num_requests_swapped",
                                                   "Requests swapped out to host memory", labels=labels),
+        "queue_delay_seconds": GaugeMetricFamily(f"{PREFIX}queue_delay_seconds", "How long the longest-waiting "
+                                                 "request has waited so far (0: none waits); admission sheds "
+                                                 "above --max-queue-delay", labels=labels),
         "kv_cache_usage_perc": GaugeMetricFamily(f"{PREFIX}kv_cache_usage_perc",
                                                  "KV-cache usage, 1 means 100 percent", labels=labels),
         "prefix_cache_queries": CounterMetricFamily(f"{PREFIX}prefix_cache_queries",
@@ -168,7 +173,8 @@ def _families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
 def _figures(stats: Any) -> dict[str, float]:
     return {
         "num_requests_running": stats.num_running, "num_requests_waiting": stats.num_waiting,
-        "num_requests_swapped": stats.num_swapped, "kv_cache_usage_perc": stats.kv_cache_usage,
+        "num_requests_swapped": stats.num_swapped, "queue_delay_seconds": stats.queue_delay_s(time.monotonic()),
+        "kv_cache_usage_perc": stats.kv_cache_usage,
         "prefix_cache_queries": stats.prefix_cache_queries, "prefix_cache_hits": stats.prefix_cache_hits,
         "num_preemptions": stats.num_preemptions, "prompt_tokens": stats.num_prompt_tokens,
         "generation_tokens": stats.num_generation_tokens, "isolated_steps": stats.num_isolated_steps,
@@ -234,12 +240,14 @@ class ResilienceCollector(Collector):
             breaker.add_metric([name], BREAKER_STATES[model_breaker.state])
         for name, count in getattr(router, "num_engine_requests", {}).items():
             engine_requests.add_metric([name], count)
-        rejected = CounterMetricFamily(f"{PREFIX}admission_rejections", "Requests the bulkhead refused (429)",
-                                       labels=["model_name"])
+        rejected = CounterMetricFamily(f"{PREFIX}admission_rejections", "Requests the bulkhead refused, by "
+                                       "reason: max_num_seqs or max_num_tokens (429), queue_delay (degraded to "
+                                       "the fallback, 429 without one)", labels=["model_name", "reason"])
         admitted = GaugeMetricFamily(f"{PREFIX}admitted_seqs", "Sequences holding a bulkhead permit",
                                      labels=["model_name"])
         for name, bulkhead in getattr(router, "bulkheads", {}).items():
-            rejected.add_metric([name], bulkhead.num_rejected)
+            for reason in REJECTION_REASONS:
+                rejected.add_metric([name, reason], bulkhead.num_rejected[reason])
             admitted.add_metric([name], bulkhead.num_seqs)
         slow = CounterMetricFamily(f"{PREFIX}slow_calls", "Calls whose first token came after the first-token "
                                    "deadline, or not by it", labels=["model_name"])

@@ -1,6 +1,7 @@
 """Scheduler driven by hand over a tiny pool (block_size=4, num_blocks=8): schedule, sample chosen
 token ids, postprocess. Exact chunks, block tables and preemptions; every block free at the end."""
 
+import dataclasses
 from collections.abc import Callable
 
 import pytest
@@ -11,6 +12,7 @@ from engine.errors import EngineOverloadedError
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import SampledToken, Sequence, SequenceStatus
+from engine.stats import EngineStats
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 8
@@ -197,6 +199,28 @@ def test_recompute_preemption_of_the_latest_arrival():
     assert c.num_cached_tokens == 0  # counted at first admission only
     assert sched.block_manager.num_prefix_hits == 8
     assert_all_free(sched)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_queue_heads_say_since_when_each_priority_has_waited(mode):
+    """From arrival for a new request, from its preemption for a preempted one (waiting or swapped)."""
+    clock = FakeClock(5.0)
+    sched = make_scheduler(num_swap_blocks=4, preemption_mode=mode, clock=clock, scheduler_policy="priority")
+    assert sched.queue_heads() == ()
+    a, b, c = fill_pool(sched)
+    assert sched.queue_heads() == ()  # all three run
+    late = add(sched, list(range(50, 54)), arrival=3.0, priority=2)
+    later = add(sched, list(range(60, 64)), arrival=4.0, priority=2)
+    clock.now = 9.0
+    step(sched, 102)  # c preempted at 9.0 (by the pool); late and later still wait for room
+    assert c.num_preemptions == 1 and {late.status, later.status} == {SequenceStatus.WAITING}
+    assert sched.queue_heads() == ((0, 9.0), (2, 3.0))
+    required = {f.name: 0 for f in dataclasses.fields(EngineStats) if f.default is dataclasses.MISSING}
+    stats = EngineStats(**{**required, "last_step_time": None, "is_busy": True, "queue_heads": sched.queue_heads()})
+    assert (stats.queue_delay_s(10.0), stats.queue_delay_s(10.0, max_priority=0)) == (7.0, 1.0)
+    assert stats.queue_delay_s(10.0, max_priority=-1) == 0.0
+    drain(sched)
+    assert sched.queue_heads() == ()
 
 
 def test_swap_preemption_keeps_computed_tokens_and_records_copies():

@@ -5,7 +5,7 @@ import pytest
 
 from engine.errors import RequestRejectedError
 from resilience.admission import Bulkhead, BulkheadConfig
-from resilience.errors import AdmissionRejected
+from resilience.errors import AdmissionRejected, QueueDelayExceeded
 from tests.resilience.fakes import kwargs_id
 
 
@@ -16,6 +16,7 @@ def make(clock, **kwargs) -> Bulkhead:
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"max_num_seqs": 0}, "max_num_seqs must be >= 1, got 0"),
     ({"max_num_tokens": 0}, "max_num_tokens must be >= 1, got 0"),
+    ({"max_queue_delay_s": 0.0}, "max_queue_delay_s must be > 0 (None: off), got 0.0"),
     ({"min_retry_after_s": 0.0}, "need 0 < min_retry_after_s <= max_retry_after_s, got 0.0, 30.0"),
     ({"min_retry_after_s": 5.0, "max_retry_after_s": 2.0}, "need 0 < min_retry_after_s <= max_retry_after_s, got 5.0, 2.0"),
 ], ids=kwargs_id)
@@ -34,7 +35,7 @@ def test_request_cap_refuses_at_once_and_release_makes_room(clock):
     assert info.value.retry_after_s == 1.0
     first.release()
     assert bulkhead.can_acquire(1)
-    assert (bulkhead.num_seqs, bulkhead.num_tokens, bulkhead.num_rejected) == (1, 10, 1)
+    assert (bulkhead.num_seqs, bulkhead.num_tokens, bulkhead.num_rejected) == (1, 10, {"max_num_seqs": 1})
 
 
 def test_token_cap_counts_prompt_and_max_tokens(clock):
@@ -43,7 +44,7 @@ def test_token_cap_counts_prompt_and_max_tokens(clock):
     with pytest.raises(AdmissionRejected, match="60 \\+ 50 tokens exceed 100"):
         bulkhead.try_acquire(50)
     bulkhead.try_acquire(40)
-    assert (bulkhead.num_seqs, bulkhead.num_tokens) == (2, 100)
+    assert (bulkhead.num_seqs, bulkhead.num_tokens, bulkhead.num_rejected) == (2, 100, {"max_num_tokens": 1})
 
 
 def test_request_larger_than_the_bulkhead_is_a_request_error(clock):
@@ -53,7 +54,7 @@ def test_request_larger_than_the_bulkhead_is_a_request_error(clock):
         bulkhead.try_acquire(101)
     with pytest.raises(ValueError, match="need num_tokens >= 0 and num_seqs >= 1, got -1, 1"):
         bulkhead.try_acquire(-1)
-    assert bulkhead.num_rejected == 0
+    assert not bulkhead.num_rejected
 
 
 def test_sequences_count_n_and_default_to_the_engine_capacity(clock):
@@ -120,3 +121,27 @@ def test_retry_after_follows_hold_times_within_bounds(clock):
         with bulkhead.try_acquire(1):
             pass
     assert bulkhead.retry_after_s() == 1.0
+
+
+def test_a_queue_that_held_its_head_past_the_target_refuses_until_it_drains(clock):
+    bulkhead = make(clock, max_num_seqs=4, max_queue_delay_s=5.0, max_retry_after_s=30.0)
+    bulkhead.try_acquire(1, queue_delay_s=5.0)  # at the target: still admitted
+    with pytest.raises(QueueDelayExceeded) as info:
+        bulkhead.try_acquire(1, queue_delay_s=7.5)
+    assert isinstance(info.value, AdmissionRejected)  # a 429 when no other model takes it
+    assert (info.value.model, info.value.delay_s, info.value.retry_after_s) == ("small", 7.5, 7.5)
+    assert info.value.reason == "its queue has held a request 7.5 s (target 5 s)"
+    with pytest.raises(QueueDelayExceeded) as info:
+        bulkhead.try_acquire(1, queue_delay_s=90.0)
+    assert info.value.retry_after_s == 30.0  # within the Retry-After bounds
+    bulkhead.try_acquire(1, queue_delay_s=0.0)  # drained: admitted again
+    assert (bulkhead.num_seqs, bulkhead.num_rejected) == (2, {"queue_delay": 2})
+
+
+def test_the_queue_delay_target_is_checked_after_what_never_fits_and_can_be_off(clock):
+    bulkhead = make(clock, max_num_tokens=10, max_queue_delay_s=1.0)
+    with pytest.raises(RequestRejectedError):  # a 4xx wins over a 429: waiting would never help
+        bulkhead.try_acquire(11, queue_delay_s=60.0)
+    unbounded = make(clock, max_queue_delay_s=None)
+    unbounded.try_acquire(1, queue_delay_s=3600.0)
+    assert not unbounded.num_rejected

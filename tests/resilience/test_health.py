@@ -26,6 +26,9 @@ class Loop:
     def is_dead(self) -> bool:
         return self.dead_error is not None
 
+    def queue_delay_s(self, priority: int = 0) -> float:
+        return 0.0
+
 
 class Replica:
     """Engines, registry states and a router wired to one HealthState, as ServerState does."""
@@ -68,7 +71,8 @@ def test_starts_loading_then_ready(clock):
     assert report == {"status": "ready", "live": True, "ready": True, "degraded": False, "reasons": [],
                       "loading": False, "draining": False, "leak": None, "num_leaks": 0, "last_recycle": None,
                       "rebuilding": [], "models": {"primary": "ready"}, "breakers": {"primary": "closed"},
-                      "engines": {"primary": {"is_dead": False, "seconds_since_progress": 0.0, "dtype": "float32",
+                      "engines": {"primary": {"is_dead": False, "seconds_since_progress": 0.0, "queue_delay_s": 0.0,
+                                              "dtype": "float32",
                                               "dtype_probe": None, "quantization": None,
                                               "attention_backend": "torch"}}, "memory": None}
     assert json.loads(json.dumps(report)) == report

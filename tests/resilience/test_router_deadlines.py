@@ -13,9 +13,10 @@ import resilience.router
 from engine.config import EngineConfig
 from engine.errors import EngineStepError, RequestFailedError
 from engine.sampling_params import SamplingParams
+from resilience.admission import BulkheadConfig
 from resilience.breaker import BreakerConfig
 from resilience.deadline import StallDetected
-from resilience.errors import DeadlineExceeded, NoModelAvailable
+from resilience.errors import DeadlineExceeded, NoModelAvailable, QueueDelayExceeded
 from resilience.retry import RetryBudgetConfig, retry_policy
 from resilience.router import GenerateRequest, ModelRouter, RouterConfig
 
@@ -25,12 +26,14 @@ PARAMS = SamplingParams(max_tokens=3)
 
 class FakeEngine:
     """Yields `num_outputs` outputs after `ttft_s`, after raising `errors` (one per request) first.
-    `hang_after`: outputs before it hangs; `is_stalled`: its loop makes no progress meanwhile."""
+    `hang_after`: outputs before it hangs; `is_stalled`: its loop makes no progress meanwhile;
+    `queue_delay`: how long its queue has held its head, for each priority asked."""
 
     def __init__(self, ttft_s: float = 0.0, errors: list[BaseException] | None = None, num_outputs: int = 3,
-                 hang_after: int | None = None, is_stalled: bool = False) -> None:
+                 hang_after: int | None = None, is_stalled: bool = False, queue_delay: float = 0.0) -> None:
         self.ttft_s, self.errors, self.num_outputs = ttft_s, list(errors or []), num_outputs
-        self.hang_after, self.is_stalled = hang_after, is_stalled
+        self.hang_after, self.is_stalled, self.queue_delay = hang_after, is_stalled, queue_delay
+        self.delay_asked_for: list[int] = []  # the priorities queue_delay_s was asked for
         self.is_dead = False
         self.tokenizer = None  # carried on each routed output; these tests decode nothing
         self.config = EngineConfig(model="fake")  # its capacity bounds the router's bulkhead
@@ -41,6 +44,10 @@ class FakeEngine:
     @property
     def last_progress_time(self) -> float:
         return self._stalled_since if self.is_stalled else time.monotonic()  # busy: always stepping
+
+    def queue_delay_s(self, priority: int = 0) -> float:
+        self.delay_asked_for.append(priority)
+        return self.queue_delay
 
     async def generate(self, prompt, params, request_id, priority=0, prompt_token_ids=None):
         self.request_ids.append(request_id)
@@ -233,6 +240,31 @@ async def test_an_error_after_the_first_output_is_never_retried():
         async for routed in router.generate(GenerateRequest("r", "big", "x", PARAMS)):
             received.append(routed.output)
     assert received == ["r:0"] and engines["big"].request_ids == ["r"] and engines["small"].request_ids == []
+
+
+async def test_a_queue_standing_past_the_target_sheds_to_the_fallback_at_once():
+    engines = {"big": FakeEngine(queue_delay=6.0), "small": FakeEngine(queue_delay=1.0)}  # target: 5 s
+    router = make_router(engines)
+    started = time.monotonic()
+    assert await serve(router, priority=3) == ({"small"}, {True}, ["r:0", "r:1", "r:2"])
+    assert time.monotonic() - started < TIMEOUT_S  # no first-token window spent waiting on big
+    assert engines["big"].request_ids == [] and engines["big"].delay_asked_for == [3]
+    assert router.bulkhead("big").num_rejected == {"queue_delay": 1} and router.bulkhead("big").num_seqs == 0
+    breaker = router.breaker("big")  # overload is not sickness: no call, no failure, no budget spent
+    assert (breaker.num_failed_calls, breaker.num_slow_calls, breaker.circuit.fail_counter) == (0, 0, 0)
+    assert router.num_failovers == 1 and router.retry_budget.num_retries == 0
+
+
+async def test_when_every_queue_stands_past_the_target_the_request_is_refused_with_retry_after():
+    engines = {"big": FakeEngine(queue_delay=6.0), "small": FakeEngine(queue_delay=8.0)}
+    router = make_router(engines)
+    with pytest.raises(NoModelAvailable) as info:
+        await serve(router)
+    cause = info.value.__cause__
+    assert isinstance(cause, QueueDelayExceeded) and (cause.model, cause.retry_after_s) == ("small", 8.0)
+    assert engines["big"].request_ids == engines["small"].request_ids == []
+    assert await serve(make_router(engines, bulkhead=BulkheadConfig(max_queue_delay_s=None))) == (
+        {"big"}, {False}, ["r:0", "r:1", "r:2"])  # off: admitted whatever the queue
 
 
 def test_stall_is_a_deadline_kind_of_its_own():

@@ -17,7 +17,9 @@ async def test_resilience_series_after_a_request(start):
     samples = await _samples(h)
     primary = (("model_name", "primary"),)
     assert samples[("pagedserve:admitted_seqs", primary)] == 0  # the permit of n=2 was given back
-    assert samples[("pagedserve:admission_rejections_total", primary)] == 0
+    for reason in ("max_num_seqs", "max_num_tokens", "queue_delay"):
+        assert samples[("pagedserve:admission_rejections_total", (*primary, ("reason", reason)))] == 0
+    assert samples[("pagedserve:queue_delay_seconds", primary)] == 0  # nothing waits
     assert samples[("pagedserve:retry_budget_requests", ())] >= 1
     assert samples[("pagedserve:retry_budget_retries", ())] == 0
     assert samples[("pagedserve:isolated_steps_total", primary)] == 0
