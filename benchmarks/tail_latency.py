@@ -14,7 +14,7 @@ First the baseline's capacity is measured (loadtests/calibrate.py: Little's law 
 requests always in flight), then both servers get Poisson arrivals (loadtests/open_loop.py, one Locust
 process per run) at the same rates, --fractions of that capacity, with a mixed workload (short chat
 turns, chat under one shared system prompt, long completions). pagedserve's own capacity is measured too,
-and one more run at --overload x that shows what it does past it (shed with 429/503, degrade to the
+and runs at --overload x that show what it does past it (shed with 429/503, degrade to the
 fallback, or queue without bound). Every run is bounded (arrivals for --duration, then --drain for what
 is in flight; the rest counts as unfinished, at its age) and the whole benchmark stops by itself before
 --max-minutes, skipping the runs that would not fit.
@@ -64,7 +64,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--baseline-max-batch", type=int, default=32)
     p.add_argument("--pagedserve-args", default="", help="extra `pagedserve serve` flags, one string")
     p.add_argument("--fractions", default="0.5,0.8,1.0,1.2", help="rates, as fractions of the FIFO capacity")
-    p.add_argument("--overload", type=float, default=1.2, help="x pagedserve's own capacity; 0: no such run")
+    p.add_argument("--overload", default="1.2", help="rates past pagedserve's own capacity, as multiples of it "
+                   "(comma-separated; '' or 0: none)")
+    p.add_argument("--baseline-from", type=Path, help="take the FIFO side (its capacity and runs) from this "
+                   "earlier result instead of measuring it again: the baseline does not change with our code")
     p.add_argument("--duration", type=parse_duration, default=parse_duration("300s"), help="arrivals per run")
     p.add_argument("--drain", type=parse_duration, default=parse_duration("120s"),
                    help="after the arrivals, how long requests in flight get")
@@ -78,7 +81,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tag", default="", help="suffix of the result files: tail_latency-TAG.json")
     args = p.parse_args()
     args.fractions = [float(f) for f in args.fractions.split(",") if f]
-    if not args.fractions or min(args.fractions) <= 0 or args.overload < 0:
+    args.overload = [float(x) for x in args.overload.split(",") if x and float(x) != 0]
+    if not args.fractions or min(args.fractions) <= 0 or min(args.overload, default=1) <= 0:
         p.error("--fractions must be positive numbers and --overload not negative")
     if not (args.model / "config.json").is_file():
         p.error(f"no model in {args.model} (run `make models`)")
@@ -171,8 +175,8 @@ def measure_side(side: str, args: argparse.Namespace, fifo_rps: float | None, de
                                              args.calibrate_duration, **options)
             own_rps = result["calibration"]["capacity_rps"]
             plan = [(f, "FIFO", f * (fifo_rps or own_rps)) for f in args.fractions]
-            if side == "pagedserve" and args.overload:
-                plan.append((args.overload, "own", args.overload * own_rps))
+            if side == "pagedserve":
+                plan += [(x, "own", x * own_rps) for x in args.overload]
             for fraction, of, rate in plan:
                 load = Load(args.duration, args.drain, rate=rate, **options)
                 if time.monotonic() + load.max_seconds > deadline:
@@ -223,7 +227,11 @@ def main() -> int:
     deadline = time.monotonic() + args.max_minutes * 60 - STOP_SPARE_S
     results: dict = {}
     with tempfile.TemporaryDirectory(prefix="tail-latency-") as tmp:
-        results["baseline"] = measure_side("baseline", args, None, deadline, Path(tmp))
+        if args.baseline_from:
+            results["baseline"] = {**json.loads(args.baseline_from.read_text())["baseline"],
+                                   "taken_from": str(args.baseline_from)}
+        else:
+            results["baseline"] = measure_side("baseline", args, None, deadline, Path(tmp))
         if "calibration" not in results["baseline"]:
             raise SystemExit(f"no FIFO capacity, so no rates: {results['baseline']}")
         fifo_rps = results["baseline"]["calibration"]["capacity_rps"]
