@@ -39,9 +39,10 @@ _HOLD_EWMA_WEIGHT = 0.2  # weight of the newest hold time in the running average
 class BulkheadConfig:
     max_num_seqs: int | None = None  # admitted, not yet released; None: the engine's own capacity
     max_num_tokens: int | None = None  # sum of prompt + n x max_tokens over them; None: unbounded
-    # refuse while the engine's queue has held its head longer than this (None: never); half the
-    # router's 10 s first-token deadline, so what is let in still has the time to be prefilled
-    max_queue_delay_s: float | None = 5.0
+    # refuse while the engine's queue has held its head longer than this (None: never). A quarter of the
+    # router's 10 s first-token deadline: a new request queues behind more than the head did when the
+    # queue grows, about twice the head's wait at twice the rate it drains, and must still be prefilled
+    max_queue_delay_s: float | None = 2.5
     min_retry_after_s: float = 1.0  # bounds of the Retry-After hint
     max_retry_after_s: float = 30.0
 

@@ -152,8 +152,8 @@ def _add_server_options(p: argparse.ArgumentParser) -> None:
                    help="prompt + n x max_tokens admitted per model at once; beyond it 429 (default: no bound)")
     p.add_argument("--max-queue-delay", dest="max_queue_delay_s", type=float,
                    help="seconds a model's queue may hold its longest-waiting request before new requests go "
-                        "to its fallback (degraded), or get 429 without one (default 5, half the first-token "
-                        "timeout; 0 = off)")
+                        "to its fallback (degraded), or get 429 without one (default: a quarter of "
+                        "--first-token-timeout, 2.5; 0 = off)")
     p.add_argument("--max-engine-rebuilds", type=int,
                    help="dead engine loops rebuilt in process within 10 minutes before the process exits 75 "
                         "for its supervisor (default 3; 0 = exit at the first death)")

@@ -80,7 +80,8 @@ class ServerConfig:
     max_loaded_models: int | None = None  # more loaded models than this evicts the least recently used idle one
     bulkhead_max_seqs: int | None = None  # sequences admitted per model (n counted); None: the engine's capacity
     bulkhead_max_tokens: int | None = None  # prompt + n x max_tokens admitted per model; None: unbounded
-    max_queue_delay_s: float = 5.0  # a model whose queue held its head longer sheds to its fallback, else 429; 0: off
+    # a model whose queue held its head longer sheds to its fallback, else 429; None: a quarter of first_token_timeout_s; 0: off
+    max_queue_delay_s: float | None = None
     default_max_tokens: int = 512  # chat requests that name no max_tokens (completions keep OpenAI's 16)
     health_generate_skip_s: float = 5.0  # /health/generate skips its probe when a token came this recently
     retry_after_overload: int = 1  # seconds, on 429
@@ -124,8 +125,8 @@ class ServerConfig:
         for name in ("bulkhead_max_seqs", "bulkhead_max_tokens"):
             value = getattr(self, name)
             _check(value is None or value >= 1, f"{name} must be at least 1, got {value}")
-        _check(isinstance(self.max_queue_delay_s, int | float) and math.isfinite(self.max_queue_delay_s)
-               and self.max_queue_delay_s >= 0,
+        _check(self.max_queue_delay_s is None or (isinstance(self.max_queue_delay_s, int | float)
+                                                   and math.isfinite(self.max_queue_delay_s) and self.max_queue_delay_s >= 0),
                f"max_queue_delay must be a non-negative number of seconds (0: off), got {self.max_queue_delay_s!r}")
         _check(self.max_engine_rebuilds >= 0,
                f"max_engine_rebuilds must be non-negative, got {self.max_engine_rebuilds}")
@@ -144,6 +145,13 @@ class ServerConfig:
     def idle_timeout_s(self) -> float:
         """The old name of `first_token_timeout_s` (--idle-timeout)."""
         return self.first_token_timeout_s
+
+    @property
+    def queue_delay_target_s(self) -> float | None:
+        """What the bulkheads shed above (None: off): max_queue_delay_s, by default a quarter of the first-token timeout."""
+        if self.max_queue_delay_s is None:
+            return self.first_token_timeout_s / 4
+        return self.max_queue_delay_s or None
 
     @property
     def models_root_path(self) -> Path:

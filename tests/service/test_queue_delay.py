@@ -22,9 +22,10 @@ def test_the_flag_its_default_and_off():
     def config(*argv: str):
         return build_config(build_parser().parse_args(["serve", *argv]), {})
 
-    assert config().max_queue_delay_s == 5.0
-    assert config("--max-queue-delay", "0.5").max_queue_delay_s == 0.5
-    assert config("--max-queue-delay", "0").max_queue_delay_s == 0  # off
+    assert config().queue_delay_target_s == 2.5  # a quarter of the first-token timeout
+    assert config("--first-token-timeout", "4").queue_delay_target_s == 1.0
+    assert config("--max-queue-delay", "0.5").queue_delay_target_s == 0.5
+    assert config("--max-queue-delay", "0").queue_delay_target_s is None  # off
     for bad in ("-1", "inf", "nan"):
         with pytest.raises(ConfigError, match=f"max_queue_delay must be a non-negative number of seconds "
                                               f"\\(0: off\\), got {bad}"):
