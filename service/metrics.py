@@ -253,6 +253,11 @@ class ResilienceCollector(Collector):
                                    "deadline, or not by it", labels=["model_name"])
         for name, count in getattr(router, "num_slow_calls", {}).items():
             slow.add_metric([name], count)
+        late = CounterMetricFamily(f"{PREFIX}late_in_queue", "Calls as late as slow ones while every seat of the "
+                                   "batch was taken and requests waited: overload, not counted on the breaker",
+                                   labels=["model_name"])
+        for name, count in getattr(router, "num_late_in_queue", {}).items():
+            late.add_metric([name], count)
         hits = CounterMetricFamily(f"{PREFIX}deadline_hits", "Requests stopped by a deadline (first_token: moved "
                                    "on; stall: the loop made no progress; total: the request's own budget)",
                                    labels=["model_name", "kind"])
@@ -265,6 +270,7 @@ class ResilienceCollector(Collector):
         yield breaker
         yield engine_requests
         yield slow
+        yield late
         yield hits
         yield retries
         yield rejected

@@ -6,6 +6,7 @@ a transient engine error before the first output, never a poison request, never 
 
 import asyncio
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -33,6 +34,7 @@ class FakeEngine:
                  hang_after: int | None = None, is_stalled: bool = False, queue_delay: float = 0.0) -> None:
         self.ttft_s, self.errors, self.num_outputs = ttft_s, list(errors or []), num_outputs
         self.hang_after, self.is_stalled, self.queue_delay = hang_after, is_stalled, queue_delay
+        self.is_full = False
         self.delay_asked_for: list[int] = []  # the priorities queue_delay_s was asked for
         self.is_dead = False
         self.tokenizer = None  # carried on each routed output; these tests decode nothing
@@ -48,6 +50,11 @@ class FakeEngine:
     def queue_delay_s(self, priority: int = 0) -> float:
         self.delay_asked_for.append(priority)
         return self.queue_delay
+
+    def stats(self) -> SimpleNamespace:
+        """`is_full`: every seat of its batch taken, requests waiting for one."""
+        seats = self.config.max_num_seqs
+        return SimpleNamespace(num_running=seats if self.is_full else 1, num_waiting=5 if self.is_full else 0)
 
     async def generate(self, prompt, params, request_id, priority=0, prompt_token_ids=None):
         self.request_ids.append(request_id)
@@ -265,6 +272,18 @@ async def test_when_every_queue_stands_past_the_target_the_request_is_refused_wi
     assert engines["big"].request_ids == engines["small"].request_ids == []
     assert await serve(make_router(engines, bulkhead=BulkheadConfig(max_queue_delay_s=None))) == (
         {"big"}, {False}, ["r:0", "r:1", "r:2"])  # off: admitted whatever the queue
+
+
+async def test_a_request_late_behind_a_full_batch_moves_on_without_blaming_the_model():
+    engines = {"big": FakeEngine(ttft_s=60.0), "small": FakeEngine(ttft_s=2 * TIMEOUT_S)}
+    engines["big"].is_full = engines["small"].is_full = True  # a burst: every seat taken, more waiting
+    router = make_router(engines)
+    assert (await serve(router))[:2] == ({"small"}, {True})  # still moved on at the deadline
+    assert router.num_deadline_hits == {("big", "first_token"): 1}
+    assert router.num_slow_calls == {} and router.num_late_in_queue == {"big": 1, "small": 1}  # late on the last too
+    for name in engines:
+        breaker = router.breaker(name)
+        assert (breaker.num_slow_calls, breaker.num_failed_calls, breaker.circuit.fail_counter) == (0, 0, 0)
 
 
 def test_stall_is_a_deadline_kind_of_its_own():
