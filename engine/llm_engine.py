@@ -335,7 +335,7 @@ class LLMEngine:
             last_step_time=self.last_step_time, is_busy=sched.has_unfinished,
             num_isolated_steps=self.num_isolated_steps, num_failed_requests=self.num_failed_requests,
             iteration_tokens=self.iteration_tokens, phase_times=self.phase_times, cache=self.cache_info,
-            queue_heads=sched.queue_heads())
+            queue_heads=sched.queue_heads(), is_full=sched.is_full)
 
 
 def _live_usage(bm: BlockManager, sched: Scheduler) -> float:

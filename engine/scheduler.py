@@ -64,6 +64,7 @@ class Scheduler:
         self.swapped: list[Sequence] = []
         self.make_detokenizer: Callable[[Sequence], Detokenizer | None] = lambda seq: None
         self.num_preemptions = 0
+        self.is_full = False  # the last step left a queued sequence out for lack of seats or KV blocks
 
     # --- queues ----------------------------------------------------------------------------------
     def add_seq(self, seq: Sequence) -> None:
@@ -110,6 +111,7 @@ class Scheduler:
         if self.config.scheduler_policy != "fcfs":
             self._preempt_for_waiting(preempted)
         self._schedule_running(budget, scheduled, preempted)
+        self.is_full = bool(preempted)  # and below, when a queued sequence does not fit
         if not preempted:
             self._schedule_swapped(budget, scheduled)
             self._schedule_waiting(budget, scheduled)
@@ -165,6 +167,7 @@ class Scheduler:
             if first_waiting is not None and first_waiting < self._key(seq):
                 return
             if not self._has_seats_for(seq) or not self.block_manager.can_swap_in(seq):
+                self.is_full = True
                 return
             self.block_manager.swap_in(seq)
             self.swapped.remove(seq)
@@ -179,9 +182,10 @@ class Scheduler:
         for seq in sorted(self.waiting, key=self._key):
             if first_swapped is not None and first_swapped < self._key(seq):
                 return
-            if not self._has_seats_for(seq) or budget.tokens == 0:
+            if budget.tokens == 0 or budget.prefill_tokens == 0:  # this step's budget: room next step
                 return
-            if budget.prefill_tokens == 0 or not self._admit(seq, budget):
+            if not self._has_seats_for(seq) or not self._admit(seq, budget):
+                self.is_full = True
                 return
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING

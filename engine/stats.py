@@ -88,6 +88,7 @@ class EngineStats:
     cache: CacheInfo | None = None
     # (priority, time.monotonic() its longest-queued waiting or swapped sequence joined the queue), by priority
     queue_heads: tuple[tuple[int, float], ...] = ()
+    is_full: bool = False  # the last step left a queued sequence out for lack of seats or KV blocks
 
     def queue_delay_s(self, now: float, max_priority: int | None = None) -> float:
         """How long the longest-queued sequence (of priority <= `max_priority`, or any) has waited at

@@ -12,8 +12,8 @@ down the degrade ladder (a model's fallback, then its fallback's) when a model c
           asked model, queue time included; the        gets its own first_token_timeout_s); on the last
           moment it moved for the next ones)           model that can serve there is no such deadline:
                                                        a late first token is only counted slow
-                                                       (neither counts while every seat of the batch is
-                                                       taken and requests wait: that is overload)
+                                                       (neither counts while the batch is full, seats or
+                                                       KV blocks, and requests wait: that is overload)
         a later token more than first_token_timeout_s -> a slow call too (the stream goes on): a half-open
           after the one before it                      probe is judged on its whole call, not its first token
         a transient engine error (EngineStepError)  -> resubmitted once to the same model (tenacity),
@@ -236,20 +236,16 @@ class ModelRouter:
             self._slow(name, call)
 
     def _slow(self, name: str, call: BreakerCall) -> None:
-        if self._is_saturated(name):  # late because it queued behind a full batch: overload, not sickness
+        if self._is_saturated(name):  # late because it queued for room in a full batch: overload, not sickness
             self.num_late_in_queue[name] += 1
             return
         call.mark_slow()
         self.num_slow_calls[name] += 1
 
     def _is_saturated(self, name: str) -> bool:
-        """Every seat of the model's batch is taken and requests wait for one. (A queue that waits for
-        KV room instead is not told apart from a slow model.)"""
+        """The model's last step left a queued request out for lack of seats or KV blocks."""
         engine = self.engines.get(name)
-        if engine is None:
-            return False
-        stats = engine.stats()
-        return stats.num_waiting > 0 and stats.num_running >= engine.config.max_num_seqs
+        return engine is not None and engine.stats().is_full
 
     def _retry_after_s(self, model: str) -> float:
         waits = [self.breaker(name).retry_after_s() for name in self.ladder(model) if name in self.engines]

@@ -253,8 +253,8 @@ class ResilienceCollector(Collector):
                                    "deadline, or not by it", labels=["model_name"])
         for name, count in getattr(router, "num_slow_calls", {}).items():
             slow.add_metric([name], count)
-        late = CounterMetricFamily(f"{PREFIX}late_in_queue", "Calls as late as slow ones while every seat of the "
-                                   "batch was taken and requests waited: overload, not counted on the breaker",
+        late = CounterMetricFamily(f"{PREFIX}late_in_queue", "Calls as late as slow ones while the batch was full "
+                                   "(seats or KV blocks) and requests waited: overload, not counted on the breaker",
                                    labels=["model_name"])
         for name, count in getattr(router, "num_late_in_queue", {}).items():
             late.add_metric([name], count)

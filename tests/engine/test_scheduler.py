@@ -223,6 +223,32 @@ def test_queue_heads_say_since_when_each_priority_has_waited(mode):
     assert sched.queue_heads() == ()
 
 
+def test_is_full_when_a_queued_sequence_finds_no_seat_or_no_blocks_not_when_the_budget_runs_out():
+    sched = make_scheduler(max_num_seqs=1)
+    add(sched, list(range(10, 14)), arrival=0, max_tokens=3)
+    step(sched)
+    assert not sched.is_full  # nothing waited
+    add(sched, list(range(20, 24)), arrival=1, max_tokens=3)
+    step(sched)
+    assert sched.is_full  # no seat
+    drain(sched)
+    assert not sched.is_full
+
+    sched = make_scheduler()
+    fill_pool(sched)  # every block taken
+    add(sched, list(range(50, 54)), arrival=3)
+    step(sched, 102)  # a's decode preempts c for a block; the newcomer waits
+    assert sched.is_full
+    drain(sched)
+
+    sched = make_scheduler(max_num_batched_tokens=8)
+    add(sched, list(range(10, 18)), arrival=0, max_tokens=2)
+    add(sched, list(range(20, 28)), arrival=1, max_tokens=2)
+    step(sched)  # the token budget went to the first: the second gets it next step
+    assert len(sched.waiting) == 1 and not sched.is_full
+    drain(sched)
+
+
 def test_swap_preemption_keeps_computed_tokens_and_records_copies():
     sched = make_scheduler(num_swap_blocks=4, preemption_mode="swap")
     a, b, c = fill_pool(sched)

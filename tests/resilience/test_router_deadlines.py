@@ -52,9 +52,8 @@ class FakeEngine:
         return self.queue_delay
 
     def stats(self) -> SimpleNamespace:
-        """`is_full`: every seat of its batch taken, requests waiting for one."""
-        seats = self.config.max_num_seqs
-        return SimpleNamespace(num_running=seats if self.is_full else 1, num_waiting=5 if self.is_full else 0)
+        """`is_full`: its batch has no room (seats or KV blocks) for what waits."""
+        return SimpleNamespace(is_full=self.is_full)
 
     async def generate(self, prompt, params, request_id, priority=0, prompt_token_ids=None):
         self.request_ids.append(request_id)
