@@ -72,7 +72,8 @@ class Sampler:
         constrained = [i for i, r in enumerate(rows) if r.seq.grammar is not None]
         if constrained:
             banned = [i for i in constrained if rows[i].seq.num_output_tokens < rows[i].seq.params.min_tokens]
-            apply_masks(logits, raw, constrained, [rows[i].seq.grammar for i in constrained], banned)
+            apply_masks(logits, raw, constrained, [rows[i].seq.grammar for i in constrained],
+                        [rows[i].seq.max_tokens - rows[i].seq.num_output_tokens for i in constrained], banned)
         return logits
 
     def _probabilities(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor | None:

@@ -27,6 +27,7 @@ import torch
 from llguidance.gbnf_to_lark import any_to_lark
 
 from engine.errors import EngineOverloadedError, RequestRejectedError
+from engine.json_closer import JsonCloser, TokenTable
 from engine.sampling_params import StructuredOutputs
 
 logger = logging.getLogger(__name__)
@@ -62,14 +63,17 @@ def to_grammar(spec: StructuredOutputs) -> str:
 
 
 class Grammar:
-    """One sequence's matcher: it has consumed exactly the sequence's output tokens."""
+    """One sequence's matcher: it has consumed exactly the sequence's output tokens. A JSON constraint
+    also has a closer, which ends the reply within its token budget (engine/json_closer.py)."""
 
-    def __init__(self, matcher: llguidance.LLMatcher) -> None:
-        self.matcher = matcher
+    def __init__(self, matcher: llguidance.LLMatcher, closer: JsonCloser | None = None) -> None:
+        self.matcher, self.closer = matcher, closer
 
     def accept(self, token_id: int) -> None:
         if not self.matcher.consume_token(token_id):  # the mask allowed it, so this is a bug, not the request's
             raise RuntimeError(f"the grammar refused token {token_id}: {self.matcher.get_error()[:MAX_ERROR_CHARS]}")
+        if self.closer is not None:
+            self.closer.accept(token_id)
 
     @property
     def is_finished(self) -> bool:
@@ -77,25 +81,31 @@ class Grammar:
         return self.matcher.is_stopped()
 
     def fork(self) -> "Grammar":
-        return Grammar(self.matcher.deep_copy())
+        return Grammar(self.matcher.deep_copy(), self.closer.fork() if self.closer is not None else None)
 
-    def fill_mask(self, row: torch.Tensor) -> None:
-        """row: [ceil(vocab / 32)] int32, one bit per token allowed next."""
+    def fill_mask(self, row: torch.Tensor, budget: int) -> None:
+        """row: [ceil(vocab / 32)] int32, one bit per token allowed next; budget: the tokens the sequence
+        may still generate, this one included."""
+        forced = self.closer.forced(self.matcher, budget) if self.closer is not None else None
+        if forced is not None:
+            row.zero_()
+            row[forced >> 5] = (1 << (forced & 31)) - (1 << 32 if forced & 31 == 31 else 0)  # int32 bit 31
+            return
         self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
         if self.matcher.is_error():  # a step over llguidance's per-step fuel
             raise StructuredOutputError(f"structured output: {self.matcher.get_error()[:MAX_ERROR_CHARS]}")
 
 
 def apply_masks(logits: torch.Tensor, raw: torch.Tensor, rows: list[int], grammars: list[Grammar],
-                banned: list[int]) -> None:
+                budgets: list[int], banned: list[int]) -> None:
     """Set to -inf, in place, every token each row's grammar forbids. logits and raw: [num_rows, vocab],
-    raw before penalties. `banned`: rows whose penalties set tokens to -inf (min_tokens); one left
+    raw before penalties; budgets: each row's tokens left (Grammar.fill_mask). `banned`: rows whose penalties set tokens to -inf (min_tokens); one left
     with no token (min_tokens bans the end of a grammar that can only end) falls back to raw under
     its mask: the grammar wins."""
     vocab = logits.shape[-1]
     bitmask = torch.empty(len(rows), (vocab + 31) // 32, dtype=torch.int32)
     for k, grammar in enumerate(grammars):
-        grammar.fill_mask(bitmask[k])
+        grammar.fill_mask(bitmask[k], budgets[k])
     # [rows, words, 32] bits -> [rows, vocab]; ~allowed at once: one pass over the logits, not two
     forbidden = ((bitmask[:, :, None] >> _BITS) & 1).flatten(1)[:, :vocab].to(logits.device) == 0
     if len(rows) == logits.shape[0]:  # every row constrained: no gather, no scatter
@@ -127,6 +137,7 @@ class GrammarCompiler:
         self._hf_tokenizer, self._vocab_size, self._eos_token_ids = tokenizer, vocab_size, eos_token_ids
         self.timeout_s = timeout_s
         self._tokenizer: llguidance.LLTokenizer | None = None  # built on first use (~0.2 s)
+        self._table: TokenTable | None = None  # the JSON closer's, built on first use
         self._lock = threading.Lock()
         self._tokenizer_lock = threading.Lock()
         self._cache: OrderedDict[StructuredOutputs, llguidance.LLMatcher | str] = OrderedDict()
@@ -138,7 +149,8 @@ class GrammarCompiler:
 
     def start(self, spec: StructuredOutputs) -> Grammar:
         """A fresh matcher for one sequence (compiled, or taken from the cache)."""
-        return Grammar(self._compiled(spec).deep_copy())
+        closer = JsonCloser(self._token_table()) if spec.kind in ("json", "json_object") else None
+        return Grammar(self._compiled(spec).deep_copy(), closer)
 
     def _compiled(self, spec: StructuredOutputs) -> llguidance.LLMatcher:
         with self._lock:
@@ -188,11 +200,20 @@ class GrammarCompiler:
 
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
         with self._tokenizer_lock:
-            if self._tokenizer is None:
-                size = max(self._vocab_size, len(self._hf_tokenizer))
-                self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=size,
-                                                               eos_token=sorted(self._eos_token_ids) or None)
-            return self._tokenizer
+            return self._llg_tokenizer_locked()
+
+    def _llg_tokenizer_locked(self) -> llguidance.LLTokenizer:
+        if self._tokenizer is None:
+            size = max(self._vocab_size, len(self._hf_tokenizer))
+            self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=size,
+                                                           eos_token=sorted(self._eos_token_ids) or None)
+        return self._tokenizer
+
+    def _token_table(self) -> TokenTable:
+        with self._tokenizer_lock:
+            if self._table is None:
+                self._table = TokenTable(self._llg_tokenizer_locked(), self._eos_token_ids)
+            return self._table
 
     def _remember(self, spec: StructuredOutputs, value: llguidance.LLMatcher | str) -> None:
         with self._lock:

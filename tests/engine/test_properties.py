@@ -203,6 +203,9 @@ def test_engine_serves_every_mix_to_the_end_and_returns_every_block(engine, requ
                 assert len(choice["token_ids"]) == params.max_tokens
             if params.structured_outputs is not None:  # a fresh matcher takes every token the row got
                 grammar = engine.grammars.start(params.structured_outputs)
+                if grammar.closer is not None and choice["finish_reason"] == "length":  # JSON is closed in time
+                    shortest = grammar.closer.table.closing_path(grammar.matcher, grammar.closer.cursor, 64)
+                    assert params.max_tokens < len(shortest), (request_id, choice)
                 for token_id in choice["token_ids"]:
                     grammar.accept(token_id)
 

@@ -12,6 +12,7 @@ import pytest
 
 from engine import EngineConfig, LLMEngine
 from engine.errors import EngineOverloadedError, RequestRejectedError
+from engine.json_closer import JsonCursor
 from engine.sampling_params import MAX_STRUCTURED_CHARS, SamplingParams, StructuredOutputs
 from engine.structured import MAX_PENDING, GrammarCompiler, StructuredOutputError
 from tests.service.server import TINY
@@ -124,13 +125,51 @@ def test_min_tokens_cannot_hold_a_grammar_that_may_only_end(engine):
     assert (text, finish) == ("ab", "stop")
 
 
-def test_json_object_is_an_object_or_runs_out_of_tokens(engine):
-    results = _run(engine, {f"o{i}": _constrained(spec={"json_object": True}, seed=i, max_tokens=64)
+def test_json_object_is_always_a_closed_object(engine):
+    results = _run(engine, {f"o{i}": _constrained(spec={"json_object": True}, seed=i, max_tokens=64, n=2)
                             for i in range(4)})
     for text, _, finish in results.values():
-        assert text.startswith("{")
-        if finish == "stop":
-            assert isinstance(json.loads(text), dict)
+        assert finish == "stop" and isinstance(json.loads(text), dict), text
+
+
+# unbounded strings, open objects, arrays, bare values: a small model at temperature 1 rambles in them,
+# and without the closer about a third of its replies were cut by max_tokens (structured_validity.py)
+OPEN_SCHEMAS = {
+    "object": {"type": "object"},
+    "strings": {"type": "object", "required": ["name", "notes"], "properties": {
+        "name": {"type": "string"}, "notes": {"type": "array", "items": {"type": "string"}}}},
+    "nested": {"type": "object", "required": ["a"], "properties": {"a": {"type": "object", "required": ["b"],
+               "properties": {"b": {"type": "array", "items": {"type": "number"}}}}}},
+    "number": {"type": "number"},
+    "string": {"type": "string"},
+}
+
+
+@pytest.mark.parametrize("max_tokens", [20, 40])
+def test_a_json_reply_is_closed_within_its_token_budget(engine, max_tokens):
+    requests = {f"{name}-{seed}": _constrained(spec={"json": schema}, temperature=1.0, seed=seed, max_tokens=max_tokens,
+                                               ignore_eos=seed % 2 == 1, n=1 + seed % 2)
+                for name, schema in OPEN_SCHEMAS.items() for seed in range(4)}
+    for (request_id, _), (text, token_ids, finish) in _run(engine, requests).items():
+        assert finish == "stop" and len(token_ids) <= max_tokens, (request_id, text)
+        jsonschema.validate(json.loads(text), OPEN_SCHEMAS[request_id.rsplit("-", 1)[0]])
+
+
+def test_a_budget_below_the_shortest_reply_ends_at_length_with_what_fits(engine):
+    params = _constrained(spec={"json": PERSON}, temperature=1.0, seed=0, max_tokens=4)
+    [(text, token_ids, finish)] = _run(engine, {"short": params}).values()
+    assert finish == "length" and len(token_ids) == 4 and text.startswith('{"name"')
+
+
+def test_the_json_cursor_follows_strings_escapes_and_containers():
+    cursor = JsonCursor()
+    cursor.feed(b'{"a": [1, {"b": "x\\\"}]')  # the string holds x \ \" and ends at none of them
+    assert (cursor.in_string, cursor.escaped, cursor.stack) == (True, False, [0x7B, 0x5B, 0x7B])
+    twin = cursor.copy()
+    twin.feed(b'"}]')
+    assert (twin.in_string, twin.stack, cursor.stack) == (False, [0x7B], [0x7B, 0x5B, 0x7B])
+    cursor.feed("é\\".encode())  # a multi-byte character, then an escape pending
+    assert cursor.in_string and cursor.escaped and cursor.preferences()[0] == b"n"
 
 
 @pytest.mark.parametrize(("spec", "reason"), [
