@@ -14,7 +14,7 @@ the engine loaded it, and pynvml is imported by `make_probe` (or passed in, as t
 import logging
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import ModuleType
@@ -88,15 +88,38 @@ class CpuMemoryProbe:
         self._torch_getter = torch_getter
 
     def __call__(self) -> MemorySample:
+        """This process's resident memory plus its child processes' (an engine process, tensor-parallel
+        ranks): a leak in any of them is this replica's."""
         try:
             rss = read_kib_field((self._proc_dir / "status").read_text(), "VmRSS")
         except OSError as exc:
             raise ProbeError(f"cannot read process memory: {exc}") from exc
         if rss is None:
             raise ProbeError(f"no VmRSS in {self._proc_dir / 'status'}")
+        rss += sum(self._children_rss(self._proc_dir))
         allocated, reserved = _torch_host_figures(self._torch_getter())
         return MemorySample("cpu", used_bytes=rss, allocated_bytes=allocated, reserved_bytes=reserved,
                             rss_bytes=rss, pss_bytes=self._read_pss())
+
+    def _children_rss(self, proc_dir: Path) -> Iterator[int]:
+        """VmRSS of every descendant of the process at proc_dir (one that exits meanwhile counts 0)."""
+        pids = set()
+        try:
+            tasks = list((proc_dir / "task").iterdir())
+        except OSError:  # the process is gone
+            return
+        for task in tasks:
+            try:
+                pids.update((task / "children").read_text().split())
+            except OSError:  # a thread that ended meanwhile
+                continue
+        for pid in pids:
+            child = proc_dir.parent / pid
+            try:
+                yield read_kib_field((child / "status").read_text(), "VmRSS") or 0
+            except OSError:
+                continue
+            yield from self._children_rss(child)
 
     def _read_pss(self) -> int | None:
         try:  # smaps_rollup: Linux >= 4.14; PSS is optional

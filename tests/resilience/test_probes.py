@@ -99,6 +99,26 @@ def test_cpu_probe_without_torch_cuda_or_smaps(tmp_path):
     assert probe() == MemorySample("cpu", used_bytes=2 * MIB, rss_bytes=2 * MIB)
 
 
+def test_cpu_probe_counts_every_descendant_process(tmp_path):
+    """An engine process or tensor-parallel ranks are the replica's memory too; a child that exits
+    while it is read, or a thread that ends, counts nothing."""
+    def process(pid: int, rss_kib: int, children: dict[int, str]) -> Path:
+        path = (tmp_path / str(pid))
+        path.mkdir()
+        write_proc(path, rss_kib=rss_kib)
+        for tid, text in children.items():
+            (path / "task" / str(tid)).mkdir(parents=True)
+            (path / "task" / str(tid) / "children").write_text(text)
+        return path
+
+    me = process(100, 2048, {100: "200 300 ", 101: ""})
+    process(200, 1024, {200: "400"})
+    process(400, 512, {400: ""})  # a grandchild; 300 is gone
+    (me / "task" / "102").mkdir()  # a thread that ended: no children file
+    probe = CpuMemoryProbe(me, torch_getter=lambda: fake_torch(False))
+    assert probe().used_bytes == probe().rss_bytes == (2048 + 1024 + 512) * 1024
+
+
 def test_cpu_probe_without_proc_is_a_probe_error(tmp_path):
     with pytest.raises(ProbeError, match="cannot read process memory") as info:
         CpuMemoryProbe(tmp_path)()
