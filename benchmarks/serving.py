@@ -126,8 +126,8 @@ async def _preemptions(session: aiohttp.ClientSession, url: str) -> int:
                if line.startswith("pagedserve:num_preemptions_total{"))
 
 
-def start_server(model: str, port: int) -> subprocess.Popen:
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE_FLAGS.items()]
+def start_server(model: str, port: int, engine_process: bool = False) -> subprocess.Popen:
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE_FLAGS.items()] + ["--engine-process"] * engine_process
     command = [sys.executable, "-m", "service", "serve", "--model", model, "--served-model-name", "bench",
                "--port", str(port), "--max-num-waiting", "4096", *flags]
     return subprocess.Popen(command, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -164,6 +164,9 @@ def main() -> None:
     p.add_argument("--max-output", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=2, help="workload runs per side; the ratio compares the last")
+    p.add_argument("--engine-process", action="store_true",
+                   help="the server runs its engine loop in a process of its own (--engine-process)")
+    p.add_argument("--tag", default="", help="suffix of the result file")
     p.add_argument("--probe", metavar="URL", help=argparse.SUPPRESS)  # the /health/live prober's own process
     args = p.parse_args()
     if args.probe:
@@ -173,7 +176,7 @@ def main() -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     loadavg_before = os.getloadavg()
-    server = start_server(args.model, port)
+    server = start_server(args.model, port, args.engine_process)
     try:
         asyncio.run(wait_ready(url))
         http = asyncio.run(run_http(url, "bench", workloads))
@@ -182,13 +185,14 @@ def main() -> None:
         server.wait(60)
     offline = run_offline(args, workloads)  # after the server is gone: the two never share the CPU
     live_p99 = max(run["health_live_ms"]["p99"] for run in http)
-    result = {"model": args.model, "engine": ENGINE_FLAGS, "workload": vars(args), "http": http, "offline": offline,
+    result = {"model": args.model, "engine": ENGINE_FLAGS, "engine_process": args.engine_process, "workload": vars(args), "http": http, "offline": offline,
               "http_vs_offline": round(http[-1]["tokens_per_s"] / offline[-1]["tokens_per_s"], 3),
               "http_vs_offline_first_run": round(http[0]["tokens_per_s"] / offline[0]["tokens_per_s"], 3),
               "health_live_p99_ms": live_p99, "loadavg_before": loadavg_before, "loadavg_after": os.getloadavg(),
               "targets": {"http_vs_offline_min": 0.95, "health_live_p99_ms_max": 20}}
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    path = RESULTS.with_name(f"serving{'-' + args.tag if args.tag else ''}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"HTTP {http[-1]['tokens_per_s']} tok/s vs offline {offline[-1]['tokens_per_s']} tok/s "
           f"({result['http_vs_offline']:.0%}; first runs {result['http_vs_offline_first_run']:.0%}); "
           f"/health/live p99 {live_p99} ms; load {loadavg_before[0]:.2f} -> {result['loadavg_after'][0]:.2f}")

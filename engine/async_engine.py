@@ -3,6 +3,8 @@
 The event loop never runs the model: `generate()` validates on the caller's side, hands the
 request to the loop thread through a command queue, and awaits deltas that the loop thread
 posts back with `call_soon_threadsafe`. If the loop dies, every waiter gets `EngineDeadError`.
+`EngineFrontend` is that callers' side alone; `engine.process_engine.ProcessEngine` puts the same
+loop in a process of its own behind it.
 """
 
 import asyncio
@@ -13,7 +15,9 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
+from engine.chat_template import chat_prompt, encode_prompt
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError, EngineError, EngineNotRunningError, EngineOverloadedError
 from engine.faults import FaultInjector
@@ -33,54 +37,63 @@ class _Waiter:
     queue: asyncio.Queue
 
 
-class AsyncEngine:
-    """Implements `engine.client.EngineClient`, the seam the service and resilience layers use."""
+@dataclass(frozen=True)
+class EngineInfo:
+    """What a loaded engine tells its callers about itself (sent from an engine process as it is)."""
+    max_model_len: int
+    vocab_size: int
+    sampling_defaults: dict
+    dtype: str
+    dtype_probe: Any
+    quantization: str | None
+    attention_backend: str
+    chat_template: str | None
+    memory_bytes: tuple[int, int]  # (weights, KV block pool), every rank's under tensor parallelism
 
-    def __init__(self, config: EngineConfig) -> None:
-        self.engine = LLMEngine(config)
+    @classmethod
+    def of(cls, engine: LLMEngine) -> "EngineInfo":
+        runner = engine.model_runner
+        ranks = runner.tp.size if runner.tp is not None else 1
+        return cls(engine.max_model_len, engine.vocab_size, engine.sampling_defaults,
+                   str(runner.dtype).removeprefix("torch."), runner.dtype_probe,
+                   runner.quant.method if runner.quant else None, runner.attention_backend, engine.chat_template,
+                   (int(runner.weight_bytes) * ranks, int(runner.layout.total_bytes) * ranks))
+
+
+class EngineFrontend:
+    """The callers' side of an engine, wherever its loop runs: a request's deltas reach the asyncio
+    queue of its own event loop. Subclasses hand commands to the loop (`_submit`), check requests,
+    and feed `_send` with the loop's outputs."""
+
+    faults: Any  # FaultInjector, or a stand-in forwarding to the loop's
+
+    def __init__(self, config: EngineConfig, info: EngineInfo, tokenizer: Any) -> None:
         self.config = config
-        self.tokenizer = self.engine.tokenizer
-        self.max_model_len = self.engine.max_model_len
-        self.vocab_size = self.engine.vocab_size
-        self.sampling_defaults = self.engine.sampling_defaults
-        self.dtype = str(self.engine.model_runner.dtype).removeprefix("torch.")
-        self.dtype_probe = self.engine.model_runner.dtype_probe  # how --dtype auto chose, on CPU
-        quant = self.engine.model_runner.quant
-        self.quantization = quant.method if quant else None
-        self.attention_backend = self.engine.model_runner.attention_backend
-        self.faults = FaultInjector()
-        self._commands: collections.deque = collections.deque()  # ("add", args) | ("abort", request_id)
-        self._num_queued_adds = 0  # "add" commands not yet taken by the loop (a count: the deque is
-        self._adds_lock = threading.Lock()  # popped on the loop thread, never iterated from here)
-        self._wake = threading.Event()
+        self.tokenizer = tokenizer
+        self.info = info
+        self.max_model_len = info.max_model_len
+        self.vocab_size = info.vocab_size
+        self.sampling_defaults = info.sampling_defaults
+        self.dtype = info.dtype
+        self.dtype_probe = info.dtype_probe  # how --dtype auto chose, on CPU
+        self.quantization = info.quantization
+        self.attention_backend = info.attention_backend
+        self._num_adds_sent = 0  # "add" commands handed to the loop
+        self._num_adds_taken = 0  # ... and taken by it (the loop's count)
+        self._adds_lock = threading.Lock()
         self._waiters: dict[str, _Waiter] = {}
-        self._thread: threading.Thread | None = None
         self._running = False
         self.dead_error: BaseException | None = None
-        self._stats = self.engine.stats()
+        self._stats: EngineStats | None = None
         self.last_progress_time = time.monotonic()  # end of the loop's last iteration (step or idle tick)
         self.last_used = time.monotonic()  # the start or end of its last request
 
-    # --- lifecycle ---------------------------------------------------------------------------------
-    def start(self) -> None:
-        if self._thread is None:
-            self._running = True
-            self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
-            self._thread.start()
+    def _submit(self, command: tuple) -> None:
+        """Hand ("add", args) or ("abort", request_id) to the loop."""
+        raise NotImplementedError
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Stop the loop; requests still in flight get EngineDeadError and their blocks are freed."""
-        self._running = False
-        self.faults.clear()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
-        if self.dead_error is None:
-            for request_id in list(self.engine.requests):
-                self.engine.abort_request(request_id)
-        self._fail_all(EngineDeadError("the engine was stopped"))
-        self.engine.close()
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        raise NotImplementedError
 
     @property
     def is_dead(self) -> bool:
@@ -91,26 +104,17 @@ class AsyncEngine:
         """Requests a caller is still iterating (each from its start to its last output or abort)."""
         return len(self._waiters)
 
-    @property
-    def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
     def memory_bytes(self) -> tuple[int, int]:
         """(weights, KV block pool) in bytes, as loaded; under tensor parallelism every rank's (each
         holds its share of the layers and of the pool, and a whole embedding and LM head)."""
-        runner = self.engine.model_runner
-        ranks = runner.tp.size if runner.tp is not None else 1
-        return int(runner.weight_bytes) * ranks, int(runner.layout.total_bytes) * ranks
+        return self.info.memory_bytes
 
     # --- requests (event-loop side) ---------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
-        return self.engine.encode(prompt)
+        return encode_prompt(self.tokenizer, prompt)
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
-        return self.engine.apply_chat_template(messages, tools)
-
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.engine.check_request(prompt_token_ids, params)
+        return chat_prompt(self.tokenizer, self.info.chat_template, messages, tools)
 
     def _encode_checked(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         prompt_token_ids = self.encode(prompt)
@@ -134,11 +138,10 @@ class AsyncEngine:
         self._waiters[request_id] = waiter
         self.last_used = time.monotonic()
         with self._adds_lock:
-            self._num_queued_adds += 1
-        self._commands.append(("add", (request_id, prompt, params, priority, time.monotonic(), prompt_token_ids)))
-        self._wake.set()
+            self._num_adds_sent += 1
         finished = False
         try:
+            self._submit(("add", (request_id, prompt, params, priority, time.monotonic(), prompt_token_ids)))
             self._check_alive()  # the loop may have died after the first check, before it saw us
             while not finished:
                 item = await waiter.queue.get()
@@ -154,8 +157,7 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Idempotent; safe from any thread. Unknown ids are a no-op."""
-        self._commands.append(("abort", request_id))
-        self._wake.set()
+        self._submit(("abort", request_id))
 
     def stats(self) -> EngineStats:
         return self._stats
@@ -175,53 +177,11 @@ class AsyncEngine:
             raise EngineNotRunningError("the engine is not running")
 
     def _check_room(self) -> None:
-        queued = self._stats.num_waiting + self._num_queued_adds
+        queued = self._stats.num_waiting + self._num_adds_sent - self._num_adds_taken
         if queued >= self.config.max_num_waiting:
             raise EngineOverloadedError(f"waiting queue is full ({self.config.max_num_waiting} requests)")
 
-    # --- the loop thread ---------------------------------------------------------------------------
-    def _loop(self) -> None:
-        try:
-            while self._running:
-                self._drain_commands()
-                self.faults.before_step(self.engine, self._fail_request)
-                if self.engine.has_unfinished_requests:
-                    self._deliver(self.engine.step())
-                else:
-                    self._wake.wait(IDLE_WAIT_S)
-                    self._wake.clear()
-                self._stats = self.engine.stats()
-                self.last_progress_time = time.monotonic()
-        except BaseException as exc:  # noqa: BLE001 - any death of the loop must reach every waiter
-            logger.exception("engine loop died")
-            self.dead_error = exc
-            self._fail_all(EngineDeadError(f"the engine loop died: {exc!r}"))
-        finally:
-            self._running = False
-
-    def _drain_commands(self) -> None:
-        while self._commands:
-            kind, arg = self._commands.popleft()
-            if kind == "abort":
-                output = self.engine.abort_request(arg)
-                if output is not None:
-                    self._deliver([output])
-                continue
-            with self._adds_lock:
-                self._num_queued_adds -= 1
-            request_id = arg[0]
-            if request_id not in self._waiters:  # its caller left before the loop saw it
-                continue
-            try:
-                self.engine.add_request(*arg)
-            except EngineError as exc:
-                self._post(request_id, exc)
-                continue
-            self.faults.after_add(self.engine, request_id, arg[1])
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        self._send([(output.request_id, output.error or output) for output in outputs])
-
+    # --- the loop's outputs ------------------------------------------------------------------------
     def _post(self, request_id: str, item: RequestOutput | BaseException) -> None:
         self._send([(request_id, item)])
 
@@ -236,13 +196,108 @@ class AsyncEngine:
             with contextlib.suppress(RuntimeError):  # its event loop is closed: nobody is listening
                 loop.call_soon_threadsafe(_put_all, queued)
 
-    def _fail_request(self, request_id: str, error: BaseException) -> None:
-        self.engine.abort_request(request_id)
-        self._post(request_id, error)
-
     def _fail_all(self, error: BaseException) -> None:
         for request_id in list(self._waiters):
             self._post(request_id, error)
+
+
+class AsyncEngine(EngineFrontend):
+    """Implements `engine.client.EngineClient`, the seam the service and resilience layers use: the
+    engine loop in a thread of this process."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.engine = LLMEngine(config)
+        super().__init__(config, EngineInfo.of(self.engine), self.engine.tokenizer)
+        self.faults = FaultInjector()
+        self._commands: collections.deque = collections.deque()  # ("add", args) | ("abort", request_id)
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stats = self.engine.stats()
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._running = True
+            self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the loop; requests still in flight get EngineDeadError and their blocks are freed."""
+        self._running = False
+        self.faults.clear()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        if self.dead_error is None:
+            for request_id in list(self.engine.requests):
+                self.engine.abort_request(request_id)
+        self._fail_all(EngineDeadError("the engine was stopped"))
+        self.engine.close()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.engine.check_request(prompt_token_ids, params)
+
+    def _submit(self, command: tuple) -> None:
+        self._commands.append(command)
+        self._wake.set()
+
+    # --- the loop thread ---------------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while self._running:
+                self._drain_commands()
+                self.faults.before_step(self.engine, self._fail_request)
+                if self.engine.has_unfinished_requests:
+                    self._deliver(self.engine.step())
+                else:
+                    self._wake.wait(IDLE_WAIT_S)
+                    self._wake.clear()
+                self._stats = self.engine.stats()
+                self.last_progress_time = time.monotonic()
+                self._after_iteration()
+        except BaseException as exc:  # noqa: BLE001 - any death of the loop must reach every waiter
+            logger.exception("engine loop died")
+            self.dead_error = exc
+            self._fail_all(EngineDeadError(f"the engine loop died: {exc!r}"))
+        finally:
+            self._running = False
+
+    def _after_iteration(self) -> None:
+        """A hook: the engine process sends the iteration's outputs and stats from here."""
+
+    def _is_wanted(self, request_id: str) -> bool:
+        return request_id in self._waiters  # else its caller left before the loop saw it
+
+    def _drain_commands(self) -> None:
+        while self._commands:
+            kind, arg = self._commands.popleft()
+            if kind == "abort":
+                output = self.engine.abort_request(arg)
+                if output is not None:
+                    self._deliver([output])
+                continue
+            self._num_adds_taken += 1
+            request_id = arg[0]
+            if not self._is_wanted(request_id):
+                continue
+            try:
+                self.engine.add_request(*arg)
+            except EngineError as exc:
+                self._post(request_id, exc)
+                continue
+            self.faults.after_add(self.engine, request_id, arg[1])
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        self._send([(output.request_id, output.error or output) for output in outputs])
+
+    def _fail_request(self, request_id: str, error: BaseException) -> None:
+        self.engine.abort_request(request_id)
+        self._post(request_id, error)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:

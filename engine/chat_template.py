@@ -45,3 +45,20 @@ def render_bounded(render: Callable[[], str], timeout_s: float = RENDER_TIMEOUT_
     if len(text) > max_chars:
         raise RequestRejectedError(f"the chat template rendered {len(text)} characters, more than {max_chars}")
     return text
+
+
+def encode_prompt(tokenizer, prompt: str | list[int]) -> list[int]:
+    """A prompt's token ids: a text encoded without special tokens (the chat template or the client
+    puts them), ids as they are."""
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt, add_special_tokens=False)
+    return list(prompt)
+
+
+def chat_prompt(tokenizer, chat_template: str | None, messages: list[dict], tools: list[dict] | None = None) -> str:
+    """The prompt of a conversation; `tools` (OpenAI function definitions) reach a template that
+    knows them (one that does not ignores them)."""
+    if not chat_template:
+        raise RequestRejectedError("this model has no chat template; use the completions API")
+    return render_bounded(lambda: tokenizer.apply_chat_template(
+        messages, tools=tools or None, chat_template=chat_template, tokenize=False, add_generation_prompt=True))

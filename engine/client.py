@@ -1,8 +1,8 @@
 """`EngineClient`: what the serving and resilience layers may use of an engine, as one typed seam.
 
-`engine.AsyncEngine` implements it (and so, in part, do the stand-ins of a few resilience tests). Code above the engine holds engines as
-`EngineClient`, never reaches inside them (`.engine`, `.model_runner`), and needs no torch to
-import this module."""
+`engine.AsyncEngine` and `engine.process_engine.ProcessEngine` implement it (and so, in part, do the
+stand-ins of a few resilience tests). Code above the engine holds engines as `EngineClient`, never
+reaches inside them (`.engine`, `.model_runner`), and needs no torch to import this module."""
 
 from __future__ import annotations
 

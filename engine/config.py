@@ -43,6 +43,8 @@ class EngineConfig:
     compile: bool = False  # torch.compile each layer's dense halves at load (artifacts cached on disk)
     # ranks the model is split over (engine/parallel.py): heads and MLP columns, one process each
     tensor_parallel_size: int = 1
+    # run the engine loop in a process of its own (engine/process_engine.py): no GIL shared with the server
+    engine_process: bool = False
     chat_template: str | None = field(default=None, repr=False)  # jinja text replacing the model's own
 
     def __post_init__(self) -> None:
@@ -80,6 +82,8 @@ class EngineConfig:
                f"linear_kernel must be one of {LINEAR_KERNELS}, got {self.linear_kernel!r}")
         tp = self.tensor_parallel_size
         _check(isinstance(tp, int) and tp >= 1, f"tensor_parallel_size must be a positive integer, got {tp!r}")
+        _check(tp == 1 or not self.engine_process, "engine_process runs one engine process; it cannot split it "
+               "over tensor_parallel_size ranks (each rank is a process already)")
         _check(tp == 1 or (self.quantization is None and self.linear_kernel == "aten" and not self.compile),
                "tensor_parallel_size > 1 runs float weights on aten linear layers, uncompiled: leave "
                "quantization, linear_kernel and compile at their defaults")

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from transformers import AutoTokenizer
 
 from engine.block_manager import BlockCopies, BlockManager
-from engine.chat_template import render_bounded
+from engine.chat_template import chat_prompt, encode_prompt
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import (
@@ -94,17 +94,10 @@ class LLMEngine:
 
     # --- requests --------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
-        return list(prompt)
+        return encode_prompt(self.tokenizer, prompt)
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
-        """The prompt of a conversation; `tools` (OpenAI function definitions) reach a template that
-        knows them (one that does not ignores them)."""
-        if not self.chat_template:
-            raise RequestRejectedError("this model has no chat template; use the completions API")
-        return render_bounded(lambda: self.tokenizer.apply_chat_template(
-            messages, tools=tools or None, chat_template=self.chat_template, tokenize=False, add_generation_prompt=True))
+        return chat_prompt(self.tokenizer, self.chat_template, messages, tools)
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Reject what can never be served, with the numbers. The KV pool always holds one sequence

@@ -104,20 +104,20 @@ async def inject_fault(request: web.Request) -> web.Response:
                       delay_ms=float(_number(body, "delay_ms") or 0), marker=body.get("marker"))
     except (TypeError, ValueError, OverflowError) as exc:
         raise InvalidRequestError(str(exc), param="kind") from exc
-    engine.faults.inject(fault)
-    return web.json_response({"model": body["model"], "faults": _describe(engine)})
+    await asyncio.to_thread(engine.faults.inject, fault)  # a call into an engine process waits for it
+    return web.json_response({"model": body["model"], "faults": await asyncio.to_thread(_describe, engine)})
 
 
 async def clear_faults(request: web.Request) -> web.Response:
     engines = request.app[STATE_KEY].engines
     for engine in engines.values():
-        engine.faults.clear()
+        await asyncio.to_thread(engine.faults.clear)
     return web.json_response({"cleared": list(engines)})
 
 
 async def list_faults(request: web.Request) -> web.Response:
     engines = request.app[STATE_KEY].engines
-    return web.json_response({name: _describe(engine) for name, engine in engines.items()})
+    return web.json_response({name: await asyncio.to_thread(_describe, engine) for name, engine in engines.items()})
 
 
 def _engine(request: web.Request, model: Any) -> EngineClient:

@@ -195,6 +195,10 @@ class _Runner(web.AppRunner):
 
 
 def _real_engine(config: EngineConfig) -> EngineClient:
+    if config.engine_process:
+        from engine.process_engine import ProcessEngine
+
+        return ProcessEngine(config)
     from engine import AsyncEngine  # torch loads here, in the loader's worker thread
 
     return AsyncEngine(config)
