@@ -8,7 +8,7 @@ object or array, the shortest value the schema allows, llguidance's forced token
 and when that path plus CLOSE_SLACK tokens no longer fits in the budget it forces the path token by
 token. The reply keeps everything the model wrote and ends as soon as the schema allows. A play-forward
 costs 0.2-3 ms on the shipped tokenizer; it runs at the first step, then a quarter of the way to the
-commit point each time, so about 20 times for a 256-token budget, never once committed.
+commit point each time (about 20 times for a 256-token budget), and no more once committed.
 
 Only JSON constraints (json_schema, json_object, tools) are closed: for them the tokens' bytes say
 where a string or a container ends. A regex or grammar may still be cut at max_tokens."""
@@ -70,7 +70,8 @@ class TokenTable:
             if len(data) == 1 and not special[i]:
                 self.single.setdefault(data, i)
         # fallback choice: the shortest allowed token; special tokens last
-        self.length = torch.tensor([1 << 20 if s else len(b) for s, b in zip(special, self.bytes)], dtype=torch.int32)
+        self.length = torch.tensor([1 << 20 if s else len(b) for s, b in zip(special, self.bytes, strict=True)],
+                                   dtype=torch.int32)
         self.eos = min(eos_token_ids) if eos_token_ids else tokenizer.eos_token
         self._mask = torch.empty((tokenizer.vocab_size + 31) // 32, dtype=torch.int32)
 

@@ -18,6 +18,7 @@ import contextlib
 import itertools
 import logging
 import multiprocessing as mp
+import pickle
 import signal
 import threading
 import time
@@ -122,6 +123,8 @@ class ProcessEngine(EngineFrontend):
 
     def _call(self, name: str, *args: Any) -> Any:
         """Run `name` in the child (outside its loop) and return its result or raise its error."""
+        if self._reader is None or not self._reader.is_alive():
+            raise EngineNotRunningError("the engine process is not running")
         call_id = next(self._call_ids)
         slot = self._calls[call_id] = [threading.Event(), None, None]
         try:
@@ -181,10 +184,14 @@ class _RemoteFaults:
         self._call("inject_fault", fault)
 
     def clear(self) -> None:
-        self._call("clear_faults")
+        with contextlib.suppress(EngineNotRunningError):  # a gone process has no faults
+            self._call("clear_faults")
 
     def active(self) -> list[Fault]:
-        return self._call("active_faults")
+        try:
+            return self._call("active_faults")
+        except EngineNotRunningError:
+            return []
 
 
 class _EngineProcess(AsyncEngine):
@@ -245,6 +252,10 @@ class _EngineProcess(AsyncEngine):
                 raise EngineError(f"no such engine call: {name}")
         except Exception as exc:  # noqa: BLE001 - the caller raises it
             error = exc
+        try:
+            pickle.dumps(error)
+        except Exception:  # noqa: BLE001 - an error that cannot cross the pipe crosses as its words
+            error = EngineError(f"{type(error).__name__}: {error}")
         self._write(("reply", call_id, error, value))
 
     def _is_wanted(self, request_id: str) -> bool:

@@ -39,6 +39,7 @@ EXIT_WAIT_S = 60.0
 MAX_CACHED = 64  # compiled constraints kept per engine (each holds its lazily built lexer), LRU
 MAX_ERROR_CHARS = 400
 # compact JSON: a small model given free whitespace may emit newlines until max_tokens
+JSON_KINDS = ("json", "json_object")  # constraints whose replies the JSON closer ends in time
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _BITS = torch.arange(32, dtype=torch.int32)
 
@@ -87,7 +88,7 @@ class Grammar:
         """row: [ceil(vocab / 32)] int32, one bit per token allowed next; budget: the tokens the sequence
         may still generate, this one included."""
         forced = self.closer.forced(self.matcher, budget) if self.closer is not None else None
-        if forced is not None:
+        if forced is not None and forced < row.numel() * 32:
             row.zero_()
             row[forced >> 5] = (1 << (forced & 31)) - (1 << 32 if forced & 31 == 31 else 0)  # int32 bit 31
             return
@@ -99,9 +100,9 @@ class Grammar:
 def apply_masks(logits: torch.Tensor, raw: torch.Tensor, rows: list[int], grammars: list[Grammar],
                 budgets: list[int], banned: list[int]) -> None:
     """Set to -inf, in place, every token each row's grammar forbids. logits and raw: [num_rows, vocab],
-    raw before penalties; budgets: each row's tokens left (Grammar.fill_mask). `banned`: rows whose penalties set tokens to -inf (min_tokens); one left
-    with no token (min_tokens bans the end of a grammar that can only end) falls back to raw under
-    its mask: the grammar wins."""
+    raw before penalties; budgets: each row's tokens left (Grammar.fill_mask). `banned`: rows whose
+    penalties set tokens to -inf (min_tokens); one left with no token (min_tokens bans the end of a
+    grammar that can only end) falls back to raw under its mask: the grammar wins."""
     vocab = logits.shape[-1]
     bitmask = torch.empty(len(rows), (vocab + 31) // 32, dtype=torch.int32)
     for k, grammar in enumerate(grammars):
@@ -144,12 +145,15 @@ class GrammarCompiler:
         self._pending: dict[StructuredOutputs, _Compile] = {}
 
     def check(self, spec: StructuredOutputs) -> None:
-        """Raise StructuredOutputError unless spec compiles (EngineOverloadedError: too many compiling)."""
+        """Raise StructuredOutputError unless spec compiles (EngineOverloadedError: too many compiling).
+        Runs off the engine loop, so the JSON closer's token table is built here too."""
         self._compiled(spec)
+        if spec.kind in JSON_KINDS:
+            self._token_table()
 
     def start(self, spec: StructuredOutputs) -> Grammar:
         """A fresh matcher for one sequence (compiled, or taken from the cache)."""
-        closer = JsonCloser(self._token_table()) if spec.kind in ("json", "json_object") else None
+        closer = JsonCloser(self._token_table()) if spec.kind in JSON_KINDS else None
         return Grammar(self._compiled(spec).deep_copy(), closer)
 
     def _compiled(self, spec: StructuredOutputs) -> llguidance.LLMatcher:
