@@ -14,6 +14,7 @@ way every waiter gets EngineDeadError, as when AsyncEngine's thread dies, and th
 The child's memory is not this process's: the memory heartbeat does not see it (as with tensor
 parallelism's ranks)."""
 
+import atexit
 import contextlib
 import itertools
 import logging
@@ -22,6 +23,7 @@ import pickle
 import signal
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -52,19 +54,11 @@ class ProcessEngine(EngineFrontend):
         self._process.start()
         child.close()
         try:
-            if not self._conn.poll(START_TIMEOUT_S):
-                raise EngineDeadError(f"the engine process did not load within {START_TIMEOUT_S:g} s")
-            kind, payload = self._conn.recv()
-        except (EOFError, OSError) as exc:
-            raise EngineDeadError(f"the engine process exited while loading (code {self._process.exitcode})") from exc
+            info, stats = self._wait_loaded()
+            tokenizer = AutoTokenizer.from_pretrained(validate_model_dir(config.model).path, local_files_only=True)
         except BaseException:
             self._kill()
             raise
-        if kind == "error":
-            self._process.join(10)
-            raise payload  # the load's own error: ModelValidationError, out of memory, ...
-        info, stats = payload
-        tokenizer = AutoTokenizer.from_pretrained(validate_model_dir(config.model).path, local_files_only=True)
         super().__init__(config, info, tokenizer)
         self._stats = stats
         self.faults = _RemoteFaults(self._call)
@@ -72,6 +66,20 @@ class ProcessEngine(EngineFrontend):
         self._calls: dict[int, list] = {}  # call id -> [done Event, error, value]
         self._call_ids = itertools.count()
         self._reader: threading.Thread | None = None
+        _LIVE.add(self)
+
+    def _wait_loaded(self) -> tuple:
+        """The child's EngineInfo and first stats, or the error its load raised."""
+        if not self._conn.poll(START_TIMEOUT_S):
+            raise EngineDeadError(f"the engine process did not load within {START_TIMEOUT_S:g} s")
+        try:
+            kind, payload = self._conn.recv()
+        except (EOFError, OSError) as exc:
+            self._process.join(10)
+            raise EngineDeadError(f"the engine process exited while loading (code {self._process.exitcode})") from exc
+        if kind == "error":
+            raise payload  # the load's own error: ModelValidationError, out of memory, ...
+        return payload
 
     # --- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -84,6 +92,7 @@ class ProcessEngine(EngineFrontend):
         """Stop the child's loop (its requests are aborted there); requests still in flight here get
         EngineDeadError. A child that does not leave within `timeout` is killed."""
         self._running = False
+        _LIVE.discard(self)
         with contextlib.suppress(EngineNotRunningError):
             self._write(("stop",))
         self._process.join(timeout)
@@ -172,6 +181,15 @@ class ProcessEngine(EngineFrontend):
     def _kill(self) -> None:
         self._process.kill()
         self._process.join(10)
+
+
+_LIVE: "weakref.WeakSet[ProcessEngine]" = weakref.WeakSet()  # started and not stopped
+
+
+@atexit.register  # before multiprocessing's own exit hook (registered earlier, run later), which would
+def _stop_engines_left_running() -> None:  # wait forever for a child that ignores its SIGTERM
+    for engine in list(_LIVE):
+        engine.stop()
 
 
 class _RemoteFaults:

@@ -5,6 +5,8 @@ memory probe counting the child's, and a stop that leaves no process behind. A c
 killed engine process: tests/service/test_engine_process.py, on a real server."""
 
 import asyncio
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -69,7 +71,12 @@ def test_a_mixed_batch_gives_what_the_in_process_engine_gives_and_every_block_co
         expected = asyncio.run(_collect(alone))
     finally:
         alone.stop()
-    assert asyncio.run(_collect(engine)) == expected
+    got = asyncio.run(_collect(engine))
+    for request_id, (texts, finishes, logprobs) in expected.items():  # the same tokens; logprobs to float noise
+        assert got[request_id][:2] == (texts, finishes), request_id
+        assert [list(step) for step in got[request_id][2]] == [list(step) for step in logprobs]
+        assert [v for step in got[request_id][2] for v in step.values()] == pytest.approx(
+            [v for step in logprobs for v in step.values()], abs=1e-4)
     _wait(lambda: engine.stats().num_running == 0)
     stats = engine.stats()
     assert stats.num_free_blocks == stats.num_total_blocks and stats.num_waiting == 0
@@ -127,3 +134,25 @@ def test_a_model_that_does_not_load_raises_its_own_error_here(tmp_path):
 def test_engine_process_and_tensor_parallelism_do_not_mix():
     with pytest.raises(ValueError, match="engine_process"):
         EngineConfig(**CONFIG, engine_process=True, tensor_parallel_size=2)
+
+
+def test_a_script_that_never_stops_its_engine_exits_and_leaves_no_process(tmp_path):
+    """multiprocessing's exit hook would wait forever for a child that ignores SIGTERM (it must, so a
+    TERM to the process group does not cut the server's drain short): ours stops the engine first."""
+    script = tmp_path / "leave.py"
+    script.write_text("from engine import EngineConfig\nfrom engine.process_engine import ProcessEngine\n"
+                      "if __name__ == '__main__':  # spawn imports this module again in the child\n"
+                      f"    engine = ProcessEngine(EngineConfig(**{CONFIG!r}, engine_process=True))\n"
+                      "    engine.start()\n    print(engine.pid, flush=True)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr[-2000:]
+    child = int(done.stdout.split()[-1])
+    _wait(lambda: _gone(child))
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return b"zombie" in Path(f"/proc/{pid}/status").read_bytes()
+    except OSError:
+        return True
