@@ -1,18 +1,18 @@
 """`ProcessEngine`: the engine loop in a process of its own (`--engine-process`).
 
-In one process, the event loop and the engine loop share one GIL: every time the engine's thread
-comes back from a torch op while the event loop runs Python (HTTP, SSE, metrics), it waits, and on
-2 cores that cost the HTTP server a fifth of the engine's offline throughput. Here the engine loop is
+In one process, the event loop and the engine loop share one GIL. Here the engine loop is
 `AsyncEngine`'s own loop, run by a spawned child (`_EngineProcess`), and this process keeps only the
-callers' side (`EngineFrontend`): the tokenizer, chat template and the requests' queues.
+callers' side (`EngineFrontend`): the tokenizer, chat template and the requests' queues. A native
+crash in the engine ends the child, not the replica. On 2 CPU cores it measured no faster than the
+loop in a thread (benchmarks/serving.py --engine-process): the HTTP side then waits for a core
+instead of the GIL.
 
 Over one pipe, the parent sends ("add", args), ("abort", id), ("call", id, name, args) (a request
 check, fault injection) and ("stop",); the child answers each loop iteration with ("step", outputs,
 stats, adds taken), which also keeps `last_progress_time`, and ("reply", id, error, value). A loop that
 dies sends ("dead", why) and the child exits; a child that dies any other way closes the pipe. Either
 way every waiter gets EngineDeadError, as when AsyncEngine's thread dies, and the server rebuilds.
-The child's memory is not this process's: the memory heartbeat does not see it (as with tensor
-parallelism's ranks)."""
+The memory heartbeat counts the child's memory with this process's (resilience/probes.py)."""
 
 import atexit
 import contextlib
@@ -183,7 +183,7 @@ class ProcessEngine(EngineFrontend):
         self._process.join(10)
 
 
-_LIVE: "weakref.WeakSet[ProcessEngine]" = weakref.WeakSet()  # started and not stopped
+_LIVE: "weakref.WeakSet[ProcessEngine]" = weakref.WeakSet()  # loaded and not stopped
 
 
 @atexit.register  # before multiprocessing's own exit hook (registered earlier, run later), which would
@@ -230,10 +230,7 @@ class _EngineProcess(AsyncEngine):
         self._loop()
         if self.dead_error is not None:
             self._write(("dead", repr(self.dead_error)))
-        else:
-            for request_id in list(self.engine.requests):
-                self.engine.abort_request(request_id)
-        self.engine.close()
+        self.stop()  # AsyncEngine's: aborts what runs (unless the loop died) and closes the engine
 
     def _read(self) -> None:
         while True:
