@@ -98,7 +98,7 @@ def run_pagedserve(args, requests: list[Request], dtype: str) -> dict:
               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
               num_threads=args.threads, seed=args.seed,
               kv_cache_memory=int(args.kv_cache_gib * 2**30) if args.kv_cache_gib else None,
-              linear_kernel=args.linear_kernel)
+              linear_kernel=args.linear_kernel, compile=args.compile)
     engine = llm.engine
     _drive(engine, [Request(list(range(NUM_SPECIAL_IDS, NUM_SPECIAL_IDS + 8)), 4)], "warmup")  # untimed
     steps0 = engine.num_steps
@@ -350,6 +350,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="pagedserve KV pool in GiB (default: the same as vLLM's, so neither preempts more for want "
                         "of memory; 0 = the engine's own default)")
     p.add_argument("--linear-kernel", default="aten", help="pagedserve's CPU linear layers: aten | onednn | auto")
+    p.add_argument("--compile", action="store_true", help="pagedserve's --compile (compiled at load, outside tok/s)")
     p.add_argument("--peer-kv-cache-gib", type=int, default=2, help="vLLM's KV pool (VLLM_CPU_KVCACHE_SPACE)")
     # vLLM's own default, "auto", keeps one core for its scheduler and frontend and computes on the rest
     # (on 2 cores: one OpenMP thread); "0-1" computes on both, sharing them with the scheduler
@@ -444,6 +445,7 @@ def main() -> None:
                           "num_key_value_heads", "head_dim", "vocab_size")},
                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                       prompt_ids="uniform over the vocabulary, special ids 0-3 excluded"),
+        pagedserve_options=dict(linear_kernel=args.linear_kernel, compile=args.compile, threads=args.threads),
         systems=figures, best_dtype=best_dtype, ratios=ratios, targets_met=targets, machine=machine_info(),
         uptime_before=uptime_before, uptime_after=uptime(),
         notes="Systems run one after another, each after an untimed warm-up request; pagedserve, static and cb in "

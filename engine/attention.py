@@ -76,10 +76,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     """Write k/v [T, KVH, D] into the caches, attend q [T, H, D]; returns [T, H, D]."""
     k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
     v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
-    out = torch.empty_like(q)
     num_decodes = meta.num_decodes
+    window_mask = meta.decode_window_mask if is_windowed else None
+    if num_decodes and not meta.prefills:  # a decode-only step: the decodes' output is the whole output
+        return _decode(q, k_cache, v_cache, meta, scale, window_mask)
+    out = torch.empty_like(q)
     if num_decodes:
-        window_mask = meta.decode_window_mask if is_windowed else None
         out[:num_decodes] = _decode(q[:num_decodes], k_cache, v_cache, meta, scale, window_mask)
     for seg in meta.prefills:
         mask = seg.window_mask if is_windowed and seg.window_mask is not None else seg.mask
