@@ -113,6 +113,9 @@ class DecodeKernel:
             fn.argtypes = [_ptr] * 6 + [_i64] * 6 + [ctypes.c_float, _i64, _i64]
             fn.restype = ctypes.c_int
         self.threads = threads
+        # 0: the portable kernel only; bit 1: an AVX-512 one for head_dim % 32 == 0; bit 2: its bf16 scores
+        # on AVX512-BF16 (what the compiler targeted: this machine's CPU)
+        self.features = library.paged_decode_features()
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:

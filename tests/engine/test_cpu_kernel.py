@@ -59,6 +59,14 @@ def test_kernel_matches_reference(num_heads, num_kv_heads, head_dim, block_size,
                                rtol=tol, atol=tol)
 
 
+def test_the_build_has_the_paths_this_cpu_can_run():
+    """The AVX-512 kernel (and its AVX512-BF16 scores) is built where the CPU has it, so the test above ran
+    it (its head_dims are multiples of 32 but one); elsewhere only the portable one is."""
+    flags = set(cpu_kernel._cpu_flags().split())
+    expected = ({"avx512f", "avx512bw"} <= flags) | (2 if {"avx512f", "avx512bw", "avx512_bf16"} <= flags else 0)
+    assert cpu_kernel.load(1).features == expected
+
+
 def test_engine_uses_kernel_on_cpu_fp32_and_bf16(random_model):
     for dtype in ("float32", "bfloat16"):
         assert LLM(random_model("tiny-llama"), dtype=dtype, max_model_len=128).engine.model_runner.decode_kernel \
