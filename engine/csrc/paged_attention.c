@@ -185,7 +185,7 @@ static inline __m512 sum16x16(__m512 v[16])
 }
 
 /* e^x for x <= 0 (scores minus their max), to about 1 ulp: Cephes' expf polynomial on x - n ln2, then
- * scaled by 2^n (scalef underflows to 0 below e^-87) */
+ * scaled by 2^n (scalef); x is clamped at -88, so -inf gives e^-88 (about 6e-39), not 0 */
 static inline __m512 exp512(__m512 x)
 {
     x = _mm512_max_ps(x, _mm512_set1_ps(-88.0f));
@@ -260,8 +260,8 @@ static int paged_decode_avx512(const float *q, const void *k_cache, const void *
                         }
 #endif
                         for (int64_t d = 0; d < head_dim; d += 16)
-                            acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(qh + g * head_dim + d), load16(kp + d * elem, kv_bf16),
-                                                     acc[i]);
+                            acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(qh + g * head_dim + d),
+                                                     load16(kp + d * elem, kv_bf16), acc[i]);
                     }
                     _mm512_mask_storeu_ps(scores + g * stride + pos + i0, (__mmask16)((1u << m) - 1),
                                           _mm512_mul_ps(sum16x16(acc), _mm512_set1_ps(scale)));
@@ -270,7 +270,8 @@ static int paged_decode_avx512(const float *q, const void *k_cache, const void *
         }
         for (int64_t g = 0; g < groups; ++g) {
             float *sg = scores + g * stride;
-            for (int64_t j = len; j < (len + 15) / 16 * 16; ++j) sg[j] = -INFINITY; /* exp512 makes these e^-88: nothing beside the max's 1 */
+            /* the padding up to 16: e^-88 each after exp512, nothing beside the max's 1 (and pass 2 skips it) */
+            for (int64_t j = len; j < (len + 15) / 16 * 16; ++j) sg[j] = -INFINITY;
             __m512 mx = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
             for (int64_t j = 0; j < len; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sg + j));
             const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
@@ -292,7 +293,8 @@ static int paged_decode_avx512(const float *q, const void *k_cache, const void *
                     for (int64_t i = 0; i < n; ++i) {
                         const __m512 p = _mm512_set1_ps(sg[pos + i]);
                         const char *vp = vb + i * row_bytes + d0 * elem;
-                        for (int c = 0; c < nv; ++c) acc[c] = _mm512_fmadd_ps(p, load16(vp + c * 16 * elem, kv_bf16), acc[c]);
+                        for (int c = 0; c < nv; ++c)
+                            acc[c] = _mm512_fmadd_ps(p, load16(vp + c * 16 * elem, kv_bf16), acc[c]);
                     }
                 }
                 float *o = out + (seq * num_heads + kv_head * groups + g) * head_dim + d0;
