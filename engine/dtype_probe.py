@@ -6,9 +6,8 @@ Our machines differ: an Intel Xeon with AMX-BF16 ran bf16 GEMMs 2.7-3.3x faster 
 rows, an AMD EPYC without AMX ran bf16 slower at every shape. So nothing is assumed from the CPU's
 name or flags: the probe times the shapes a step runs (decode of one sequence, a decode batch, a
 prefill chunk) against a weight of the model's own hidden x intermediate size, in both dtypes, and
-calls bf16 faster only when it wins clearly over the geometric mean of the shapes (the rest of the CPU path,
-the decode-attention kernel included, is tuned for fp32: a tie keeps fp32). It stays well under a
-second: fp32 first (fast everywhere), then bf16 from the smallest shape up, given up at the first
+calls bf16 faster only when it wins clearly over the geometric mean of the shapes (a tie is fp32's).
+It stays well under a second: fp32 first (fast everywhere), then bf16 from the smallest shape up, given up at the first
 shape where one bf16 product takes several times the fp32 one (on a CPU without native bf16, a
 256-row product of a 1536 x 8960 weight took 22 s against 0.3 s in fp32); the weight is capped.
 The product is the one the model runs: F.linear on a weight laid out [out, in], as nn.Linear holds it.

@@ -63,6 +63,39 @@ static inline const char *block_rows(const char *head, const int64_t *table, int
     return head + table[blk] * stride;
 }
 
+/* the longest context among work items [work_begin, work_end) (work item = seq * num_kv_heads + kv_head) */
+static inline int64_t max_context_len(const int64_t *context_lens, int64_t num_kv_heads, int64_t work_begin,
+                                      int64_t work_end)
+{
+    int64_t max_len = 0;
+    for (int64_t w = work_begin; w < work_end; ++w) {
+        const int64_t len = context_lens[w / num_kv_heads];
+        if (len > max_len) max_len = len;
+    }
+    return max_len;
+}
+
+/* what one work item (a sequence and one KV head) reads: its context length, block table, the query rows
+ * of the KV head's group, and the head's K and V pools */
+struct work_item {
+    int64_t seq, kv_head, len;
+    const int64_t *table;
+    const float *qh;
+    const char *kh, *vh;
+};
+
+static inline struct work_item work_item(int64_t w, const float *q, const void *k_cache, const void *v_cache,
+                                         const int64_t *block_tables, const int64_t *context_lens, int64_t num_heads,
+                                         int64_t num_kv_heads, int64_t head_dim, int64_t num_slots,
+                                         int64_t max_blocks, int64_t row_bytes)
+{
+    const int64_t seq = w / num_kv_heads, kv_head = w % num_kv_heads, groups = num_heads / num_kv_heads;
+    return (struct work_item){seq, kv_head, context_lens[seq], block_tables + seq * max_blocks,
+                              q + (seq * num_heads + kv_head * groups) * head_dim,
+                              (const char *)k_cache + kv_head * num_slots * row_bytes,
+                              (const char *)v_cache + kv_head * num_slots * row_bytes};
+}
+
 static inline void add_scaled(float *restrict acc, float p, const float *restrict v, int64_t n)
 {
     for (int64_t i = 0; i < n; ++i) acc[i] += p * v[i];
@@ -88,22 +121,18 @@ static inline int paged_decode(const float *q,             /* [num_seqs, num_hea
 {
     const int64_t groups = num_heads / num_kv_heads; /* query heads per KV head */
     const int64_t row_bytes = head_dim * (kv_bf16 ? 2 : 4);
-    int64_t max_len = 0;
-    for (int64_t w = work_begin; w < work_end; ++w) {
-        const int64_t len = context_lens[w / num_kv_heads];
-        if (len > max_len) max_len = len;
-    }
+    const int64_t max_len = max_context_len(context_lens, num_kv_heads, work_begin, work_end);
     /* scratch: scores [groups, max_len], running max and 1/sum [groups], accumulators [groups, head_dim] */
     float *scratch = malloc(sizeof(float) * (size_t)(groups * (max_len + 2 + head_dim)));
     if (scratch == NULL) return -1;
     float *scores = scratch, *mx = scores + groups * max_len, *inv = mx + groups, *acc = inv + groups;
 
     for (int64_t w = work_begin; w < work_end; ++w) {
-        const int64_t seq = w / num_kv_heads, kv_head = w % num_kv_heads, len = context_lens[seq];
-        const int64_t *table = block_tables + seq * max_blocks;
-        const float *qh = q + (seq * num_heads + kv_head * groups) * head_dim;
-        const char *kh = (const char *)k_cache + kv_head * num_slots * row_bytes;
-        const char *vh = (const char *)v_cache + kv_head * num_slots * row_bytes;
+        const struct work_item it = work_item(w, q, k_cache, v_cache, block_tables, context_lens, num_heads,
+                                              num_kv_heads, head_dim, num_slots, max_blocks, row_bytes);
+        const int64_t seq = it.seq, kv_head = it.kv_head, len = it.len, *table = it.table;
+        const float *qh = it.qh;
+        const char *kh = it.kh, *vh = it.vh;
 
         for (int64_t g = 0; g < groups; ++g) mx[g] = -INFINITY;
         for (int64_t pos = 0; pos < len; pos += block_size) {
@@ -213,11 +242,7 @@ static int paged_decode_avx512(const float *q, const void *k_cache, const void *
                                float scale, int64_t work_begin, int64_t work_end, const int kv_bf16)
 {
     const int64_t groups = num_heads / num_kv_heads, elem = kv_bf16 ? 2 : 4, row_bytes = head_dim * elem;
-    int64_t max_len = 0;
-    for (int64_t w = work_begin; w < work_end; ++w) {
-        const int64_t len = context_lens[w / num_kv_heads];
-        if (len > max_len) max_len = len;
-    }
+    const int64_t max_len = max_context_len(context_lens, num_kv_heads, work_begin, work_end);
     /* scratch: scores [groups, max_len rounded up to 16], q as bf16 [groups, head_dim] (half a float each) */
     const int64_t stride = (max_len + 15) / 16 * 16;
     float *scores = malloc(sizeof(float) * (size_t)(groups * (stride + head_dim / 2)));
@@ -229,11 +254,11 @@ static int paged_decode_avx512(const float *q, const void *k_cache, const void *
     const int use_dp = 0;
 #endif
     for (int64_t w = work_begin; w < work_end; ++w) {
-        const int64_t seq = w / num_kv_heads, kv_head = w % num_kv_heads, len = context_lens[seq];
-        const int64_t *table = block_tables + seq * max_blocks;
-        const float *qh = q + (seq * num_heads + kv_head * groups) * head_dim;
-        const char *kh = (const char *)k_cache + kv_head * num_slots * row_bytes;
-        const char *vh = (const char *)v_cache + kv_head * num_slots * row_bytes;
+        const struct work_item it = work_item(w, q, k_cache, v_cache, block_tables, context_lens, num_heads,
+                                              num_kv_heads, head_dim, num_slots, max_blocks, row_bytes);
+        const int64_t seq = it.seq, kv_head = it.kv_head, len = it.len, *table = it.table;
+        const float *qh = it.qh;
+        const char *kh = it.kh, *vh = it.vh;
         if (use_dp)
             for (int64_t j = 0; j < groups * head_dim; j += 16)
                 _mm256_storeu_si256((__m256i *)(q16 + j), _mm512_cvtepi32_epi16(_mm512_srli_epi32(
