@@ -1,12 +1,13 @@
 """`--dtype auto` on CPU: measure, at start-up, whether this machine multiplies the model's matrices
-faster in float32 or bfloat16, and report it (log, /health). For now auto serves float32 either way,
-for memory (BF16_HELD_BACK below); where bf16 wins, the report says so and how to take it.
+faster in float32 or bfloat16, serve that one and report it (log, /health).
 
 Our machines differ: an Intel Xeon with AMX-BF16 ran bf16 GEMMs 2.7-3.3x faster than fp32 at 32-512
 rows, an AMD EPYC without AMX ran bf16 slower at every shape. So nothing is assumed from the CPU's
 name or flags: the probe times the shapes a step runs (decode of one sequence, a decode batch, a
 prefill chunk) against a weight of the model's own hidden x intermediate size, in both dtypes, and
-calls bf16 faster only when it wins clearly over the geometric mean of the shapes (a tie is fp32's).
+chooses bf16 only when it wins clearly over the geometric mean of the shapes (a tie is fp32's).
+bf16 products run through oneDNN, which keeps memory for every row count it has run: the model
+runner bounds a step's row counts and runs them all at load (engine/onednn_linear.py's bucket).
 It stays well under a second: fp32 first (fast everywhere), then bf16 from the smallest shape up, given up at the first
 shape where one bf16 product takes several times the fp32 one (on a CPU without native bf16, a
 256-row product of a 1536 x 8960 weight took 22 s against 0.3 s in fp32); the weight is capped.
@@ -34,14 +35,6 @@ GIVE_UP_SLOWDOWN = 4.0  # a bf16 warm-up this many times the fp32 best ends the 
 KERNEL_BUILD_S = 0.05
 MAX_WEIGHT_ELEMENTS = 1024 * 4096  # the probe's weight is capped: 16 MiB in fp32
 REPEATS = 3  # timed runs per shape and dtype (after one warm-up); the fastest counts
-# Where bf16 measures faster, auto still serves float32, for memory: aten's bf16 products (oneDNN) keep
-# about 1 MiB per distinct row count they have run, for good (measured: +627 MiB after rows 1..599 on one
-# 576 x 1536 weight, flat on a second pass; float32 +22 MiB), and a server's step sizes vary, so its memory
-# climbs for hours and the leak detector rightly takes it out of rotation (the 10-minute soak did). Row
-# counts bounded and run at load would fix it: engine/onednn_linear.py does that for its layers, not for
-# aten's nor for the LM head. Until then bf16 is asked for by name (--dtype bfloat16).
-BF16_HELD_BACK = ("bf16 measured faster, but aten's bf16 GEMMs keep ~1 MiB per distinct row count (a server's "
-                  "memory would climb): pass --dtype bfloat16 to serve it anyway")
 
 
 @dataclass(frozen=True)
@@ -53,17 +46,16 @@ class DtypeProbe:
     seconds: dict[str, dict[int, float]] = field(default_factory=dict)  # dtype -> rows -> best time (bf16:
     # the shapes measured before the probe gave up)
     probe_seconds: float = 0.0  # the probe's own cost
-    held_back: str | None = None  # why the faster dtype is not served, when it is not
 
     def to_dict(self) -> dict[str, object]:
         return {"chosen": self.chosen, "bf16_speedup": round(self.speedup, 3), "probe_seconds": round(self.probe_seconds, 3),
                 "seconds": {dtype: {str(rows): round(s, 6) for rows, s in by_rows.items()}
-                            for dtype, by_rows in self.seconds.items()}, "held_back": self.held_back}
+                            for dtype, by_rows in self.seconds.items()}}
 
 
 @functools.cache  # once per shape and process: the machine does not change while it runs
 def probe_cpu_dtype(hidden_size: int, intermediate_size: int) -> DtypeProbe:
-    """Time F.linear(x[rows, hidden], w[intermediate, hidden]) in fp32 and bf16; report which is faster."""
+    """Time F.linear(x[rows, hidden], w[intermediate, hidden]) in fp32 and bf16; choose the faster."""
     start = time.perf_counter()
     hidden, inner = _capped(hidden_size, intermediate_size)
     generator = torch.Generator().manual_seed(0)
@@ -78,11 +70,10 @@ def probe_cpu_dtype(hidden_size: int, intermediate_size: int) -> DtypeProbe:
         if gave_up:
             break
     speedup = math.exp(sum(math.log(fp32[r] / bf16[r]) for r in bf16) / len(bf16))
-    bf16_faster = speedup >= MIN_SPEEDUP and len(bf16) == len(ROWS)
-    seconds = {"float32": fp32, "bfloat16": bf16}
-    probe = DtypeProbe("float32", speedup, seconds, time.perf_counter() - start, BF16_HELD_BACK if bf16_faster else None)
-    logger.info("dtype auto on CPU: float32 (bf16 %.2fx fp32 on %dx%d GEMMs; probe %.0f ms)%s", speedup, hidden,
-                inner, 1000 * probe.probe_seconds, f"; bf16 held back: {BF16_HELD_BACK}" if bf16_faster else "")
+    chosen = "bfloat16" if speedup >= MIN_SPEEDUP and len(bf16) == len(ROWS) else "float32"
+    probe = DtypeProbe(chosen, speedup, {"float32": fp32, "bfloat16": bf16}, time.perf_counter() - start)
+    logger.info("dtype auto on CPU: %s (bf16 %.2fx fp32 on %dx%d GEMMs; probe %.0f ms)", chosen, speedup, hidden,
+                inner, 1000 * probe.probe_seconds)
     return probe
 
 

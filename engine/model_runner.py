@@ -94,6 +94,7 @@ class ModelRunner:
         self.int8_kernel_rows = quantization.calibrate_kernel_rows(self.model, self.dtype) if self.quant else None
         self.linear_probe, self.linear_kernel = self._choose_linear_kernel(config.linear_kernel)
         self.compile_s = self._compile() if config.compile else None
+        self.row_counts = self._bound_row_counts()
         # reordered oneDNN weights are buffers
         self.weight_bytes = sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
         self.layout = self._plan_kv(files.config)
@@ -136,9 +137,21 @@ class ModelRunner:
         chosen = "onednn" if requested == "onednn" else probe.chosen
         if chosen == "onednn":
             onednn_linear.pack_linears(self.model.layers)
-            onednn_linear.warm_up(self.model.layers[0], self.config.max_num_batched_tokens)
         logger.info("linear layers: %s (probe %s)", chosen, probe.to_dict())
         return probe, chosen
+
+    def _bound_row_counts(self) -> list[int] | None:
+        """Where the model's products run through oneDNN on CPU (aten's for bf16 and fp16, the packed
+        ones), which keeps memory for every row count it has run: pad each step to a bounded set of
+        counts and run them all now (engine/onednn_linear.py). Returns the counts (None: unbounded)."""
+        if self.device.type != "cpu" or (self.dtype == torch.float32 and self.linear_kernel != "onednn"):
+            return None
+        started = time.perf_counter()
+        self.model.row_bucket = onednn_linear.bucket
+        counts = self.model.warm_up_rows(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        logger.info("row counts bounded for oneDNN: steps padded to %d counts up to %d, each run once in %.2f s",
+                    len(counts), counts[-1], time.perf_counter() - started)
+        return counts
 
     def _compile(self) -> float:
         """Compile the layers now; inductor's on-disk caches make a restart's compile a cache read."""

@@ -22,14 +22,18 @@ from engine.quantization import fastest
 PROBE_ROWS = (1, 32)  # a decode step of one sequence, a batch of them
 MIN_GAIN = 1.1  # oneDNN must be this much faster over the probe's shapes
 BATCH_HINT = 32  # rows the reorder is tuned for (vLLM's CPU build uses the same)
-# oneDNN keeps memory for every row count it has run (measured: 600 distinct counts on one 384x1024
-# weight, +615 MiB, and still growing on a second pass), which a leak detector rightly flags. So the
-# row counts are bounded: exact up to EXACT_ROWS (decode batches), above that padded up to a multiple
-# of ROW_BUCKET (prefill chunks: at most ROW_BUCKET - 1 wasted rows), and all of them run once at load
-# (`warm_up`). Measured on coder-small: +79 MiB in the first pass of a varied workload, then flat
-# (aten: +51 -> +73 MiB).
-EXACT_ROWS = 64
-ROW_BUCKET = 64
+# oneDNN keeps memory for every row count a product has run, for good: about 0.7 MiB per count and weight
+# shape whatever the shape (measured on an AVX512-BF16 EPYC: bf16 F.linear on five weights from 384 x 640
+# to 1536 x 8960, rows 2..41), and across 2048 distinct counts it kept growing on a second pass (+925 then
+# +1914 MiB on coder-small's five shapes). That holds for aten's own bf16 and fp16 products (oneDNN runs
+# them) as for PackedLinear; aten's float32 products (MKL) stay flat (+24 MiB over rows 1..599 of 1536 x 8960,
+# twice). A server's step sizes vary, so a model that runs oneDNN products runs them at a bounded set of row
+# counts (`bucket`): exact up to EXACT_ROWS (decode batches), above that rounded up to one of STEPS_PER_OCTAVE
+# counts per doubling (at most 1/STEPS_PER_OCTAVE of a product's rows wasted: a product's time grows about
+# linearly in its rows above ~16). LlamaForCausalLM pads its steps to them (`row_bucket`) and runs them all
+# at load (`warm_up_rows`): up to 2048 tokens a step, 44 counts (coder-small bf16: +~150 MiB, once).
+EXACT_ROWS = 16
+STEPS_PER_OCTAVE = 4  # a power of two, at most EXACT_ROWS
 
 
 class PackedLinear(nn.Module):
@@ -42,11 +46,7 @@ class PackedLinear(nn.Module):
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        padded = bucket(rows)
-        if padded != rows:
-            x = torch.cat((x, x.new_zeros(padded - rows, x.shape[1])))
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")[:rows]
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
 
 @dataclass(frozen=True)
@@ -91,19 +91,8 @@ def pack_linears(module: nn.Module) -> int:
 
 
 def bucket(rows: int) -> int:
-    """The row count a product of `rows` rows runs at."""
-    return rows if rows <= EXACT_ROWS else -(-rows // ROW_BUCKET) * ROW_BUCKET
-
-
-@torch.inference_mode()
-def warm_up(module: nn.Module, max_rows: int) -> int:
-    """Run every PackedLinear shape under `module` once at every row count a step of up to max_rows
-    tokens can use, so oneDNN's memory for them is taken before serving (and before a leak detector's
-    baseline), not as new counts arrive. Layers of one model share shapes: pass one layer. Returns the
-    number of row counts run."""
-    counts = sorted({bucket(rows) for rows in range(1, max_rows + 1)})
-    shapes = {(m.in_features, m.out_features): m for m in module.modules() if isinstance(m, PackedLinear)}
-    for linear in shapes.values():
-        for rows in counts:
-            linear(torch.zeros(rows, linear.in_features, dtype=linear.weight.dtype))
-    return len(counts)
+    """The row count a product of `rows` rows runs at (see EXACT_ROWS)."""
+    if rows <= EXACT_ROWS:
+        return rows
+    step = 1 << ((rows - 1).bit_length() - STEPS_PER_OCTAVE.bit_length())  # rows in (2^k, 2^(k+1)]: 2^k / STEPS
+    return -(-rows // step) * step

@@ -174,6 +174,11 @@ def _no_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x [n, ...] with zero rows appended up to `rows`."""
+    return x if x.shape[0] == rows else F.pad(x, (0, 0) * (x.dim() - 1) + (0, rows - x.shape[0]))
+
+
 class DecoderLayer(nn.Module):
     """`reduce`: sums a row-parallel layer's partial outputs over the tensor-parallel ranks (identity
     on one rank)."""
@@ -187,9 +192,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.mlp = MLP(args, dtype, quant)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: StepAttention) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: StepAttention,
+                num_tokens: int) -> torch.Tensor:
+        """x [rows, hidden]: the step's num_tokens tokens, then padding rows (see row_bucket) that the
+        dense halves carry along and attention never sees."""
         q, k, v = self.before_attention(x, cos, sin)
-        return self.after_attention(x, self.self_attn.attend(q, k, v, meta))
+        attn = self.self_attn.attend(q[:num_tokens], k[:num_tokens], v[:num_tokens], meta)
+        return self.after_attention(x, _pad_rows(attn, x.shape[0]))
 
     # the two dense halves of a layer around the paged attention: what --compile compiles
     def before_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -227,6 +236,9 @@ class LlamaForCausalLM(nn.Module):
                 args.hidden_size, args.vocab_size, bias=False, dtype=dtype)
         self.to_empty(device=device).requires_grad_(False)
         self.inv_freq, self.rope_scale = rope_frequencies(config, args.head_dim, device)
+        # the row count a step of n tokens runs its dense layers at (padding rows after the tokens): set
+        # where the products keep memory per row count (engine/onednn_linear.py's bucket); None: n itself
+        self.row_bucket: Callable[[int], int] | None = None
 
     def bind_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Hand each attention layer its (K, V) pool views; copies between pools happen in place."""
@@ -234,13 +246,15 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.k_cache, layer.self_attn.v_cache = k_cache, v_cache
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepAttention) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        freqs = positions[:, None].float() * self.inv_freq  # [T, D/2], float32 as HF computes it
+        num_tokens = input_ids.shape[0]
+        rows = num_tokens if self.row_bucket is None else self.row_bucket(num_tokens)
+        x = self.embed_tokens(_pad_rows(input_ids, rows))
+        freqs = _pad_rows(positions, rows)[:, None].float() * self.inv_freq  # [rows, D/2], float32 as HF has it
         cos = (freqs.cos() * self.rope_scale).to(x.dtype)[:, None]
         sin = (freqs.sin() * self.rope_scale).to(x.dtype)[:, None]
         for layer in self.layers:
-            x = layer(x, cos, sin, meta)
-        return self.norm(x)
+            x = layer(x, cos, sin, meta, num_tokens)
+        return self.norm(x[:num_tokens])
 
     @torch.inference_mode()
     def compile_layers(self) -> None:
@@ -259,7 +273,28 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, head.weight)
+        num_rows = hidden.shape[0]
+        rows = num_rows if self.row_bucket is None else self.row_bucket(num_rows)
+        return F.linear(_pad_rows(hidden, rows), head.weight)[:num_rows]
+
+    @torch.inference_mode()
+    def warm_up_rows(self, max_tokens: int, max_logit_rows: int) -> list[int]:
+        """Run every linear product of a step once at each row count row_bucket makes of 1..max_tokens
+        tokens (the LM head: of 1..max_logit_rows rows), so the memory oneDNN keeps per count is taken
+        at load, before serving and before a leak detector's baseline, not as new counts arrive. Every
+        layer has the same shapes: one layer's products stand for all. Returns the counts."""
+        a, layer, dtype, device = self.args, self.layers[0], self.norm.weight.dtype, self.inv_freq.device
+        counts = sorted({self.row_bucket(n) for n in range(1, max_tokens + 1)})
+        head_counts = {self.row_bucket(n) for n in range(1, max_logit_rows + 1)}
+        for rows in counts:
+            hidden = torch.zeros(rows, a.hidden_size, dtype=dtype, device=device)
+            layer.self_attn.qkv_proj(hidden)
+            layer.self_attn.o_proj(torch.zeros(rows, a.num_heads * a.head_dim, dtype=dtype, device=device))
+            layer.mlp.gate_up_proj(hidden)
+            layer.mlp.down_proj(torch.zeros(rows, a.intermediate_size, dtype=dtype, device=device))
+            if rows in head_counts:
+                self.compute_logits(hidden)
+        return counts
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -130,4 +130,5 @@ def test_linear_kernels_match_transformers(references, preset, kernel):
     llm = LLM(path, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=32, linear_kernel=kernel,
               **SCENARIOS["chunked_prefill"])
     assert llm.engine.model_runner.linear_kernel == kernel
+    assert (llm.engine.model_runner.row_counts is not None) == (kernel == "onednn")  # steps padded to them
     _check(llm, prompts, expected)

@@ -3,26 +3,20 @@ The products against F.linear, the probe's report, the swap of every float nn.Li
 layers (and nothing else), and the engine's choice; greedy parity with HF on both kernels is in
 test_equivalence.py."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
 
-from engine import LLM
-from engine.onednn_linear import (
-    EXACT_ROWS,
-    PROBE_ROWS,
-    ROW_BUCKET,
-    PackedLinear,
-    bucket,
-    pack_linears,
-    probe,
-    warm_up,
-)
+from engine import LLM, SamplingParams
+from engine.onednn_linear import EXACT_ROWS, PROBE_ROWS, STEPS_PER_OCTAVE, PackedLinear, bucket, pack_linears, probe
 from engine.quantization import Int8Linear
+from resilience.probes import read_kib_field
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 7, 64, 65, 130])  # above 64 rows the product runs padded
+@pytest.mark.parametrize("rows", [1, 7, 64, 65, 130])
 def test_packed_linear_computes_the_linear_product(rows, bias):
     torch.manual_seed(rows)
     linear = nn.Linear(96, 160, bias=bias)
@@ -31,14 +25,40 @@ def test_packed_linear_computes_the_linear_product(rows, bias):
         torch.testing.assert_close(PackedLinear(linear.weight, linear.bias)(x), linear(x), rtol=1e-5, atol=1e-5)
 
 
-def test_row_counts_are_bounded_and_warmed_up_at_once():
-    """oneDNN keeps memory per row count it has run: counts above EXACT_ROWS round up to ROW_BUCKET."""
-    assert [bucket(r) for r in (1, EXACT_ROWS, EXACT_ROWS + 1, 2 * ROW_BUCKET, 2 * ROW_BUCKET + 1)] == [
-        1, EXACT_ROWS, -(-(EXACT_ROWS + 1) // ROW_BUCKET) * ROW_BUCKET, 2 * ROW_BUCKET, 3 * ROW_BUCKET]
-    assert len({bucket(r) for r in range(1, 2049)}) == EXACT_ROWS + 2048 // ROW_BUCKET - EXACT_ROWS // ROW_BUCKET
-    layer = nn.Sequential(nn.Linear(16, 32), nn.Linear(16, 32), nn.Linear(32, 16))
-    pack_linears(layer)
-    assert warm_up(layer, 200) == len({bucket(r) for r in range(1, 201)})
+def test_row_counts_are_bounded_with_little_padding():
+    """oneDNN keeps memory per row count it has run: exact counts up to EXACT_ROWS, then STEPS_PER_OCTAVE
+    per doubling, each at most 1/STEPS_PER_OCTAVE padding."""
+    buckets = [bucket(rows) for rows in range(1, 4097)]
+    assert buckets[:EXACT_ROWS] == list(range(1, EXACT_ROWS + 1))
+    assert buckets == sorted(buckets) and all(bucket(b) == b for b in buckets)
+    assert all(0 <= b - rows < b / STEPS_PER_OCTAVE for rows, b in enumerate(buckets, 1))
+    assert [bucket(r) for r in (17, 33, 1000, 1025)] == [20, 40, 1024, 1280]
+    assert len(set(buckets[:2048])) == EXACT_ROWS + STEPS_PER_OCTAVE * 7  # (16, 32], ..., (1024, 2048]
+
+
+def _rss_mib() -> float:
+    return read_kib_field(Path("/proc/self/status").read_text(), "VmRSS") / 2**20
+
+
+@pytest.mark.parametrize(("dtype", "kernel"), [("bfloat16", "aten"), ("float32", "onednn"), ("float32", "aten")])
+def test_steps_of_every_size_keep_memory_flat_after_load(random_model, dtype, kernel):
+    """Where the products run through oneDNN (aten's bf16 ones, the packed ones), each step runs at one of
+    the row counts that were all run at load; unbounded, 150 distinct step sizes kept ~0.7 MiB each per
+    weight shape. aten's float32 products need no bounds."""
+    llm = LLM(random_model("tiny-llama"), dtype=dtype, max_model_len=512, max_num_batched_tokens=512,
+              linear_kernel=kernel)
+    runner = llm.engine.model_runner
+    if dtype == "float32" and kernel == "aten":
+        assert runner.row_counts is None and runner.model.row_bucket is None
+    else:
+        assert runner.row_counts == sorted({bucket(n) for n in range(1, 513)})
+    params = SamplingParams(temperature=0, max_tokens=1)
+    llm.generate([{"prompt_token_ids": [5] * 3}], params, use_tqdm=False)  # the step path's own first-call costs
+    before = _rss_mib()
+    for length in range(20, 320, 2):  # one prompt a step, no two alike (no prefix hits): 150 step sizes
+        prompt = [(31 * length + i) % 200 + 4 for i in range(length)]
+        llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    assert _rss_mib() - before < 40  # measured: +4 MiB bounded, +400 MiB unbounded (bf16, AVX512-BF16 EPYC)
 
 
 def test_probe_times_both_kernels_on_the_shape_it_is_given():

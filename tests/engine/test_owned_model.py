@@ -90,6 +90,18 @@ def test_bf16_close_to_fp32(random_model, preset):
     assert (got.argmax(-1) == reference.argmax(-1)).float().mean().item() >= BF16_MIN_ARGMAX_AGREEMENT
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_padding_rows_leave_the_tokens_alone(random_model, dtype):
+    """row_bucket pads a step with rows that the dense layers carry and attention never sees: every
+    token's logits stay as they were, to float rounding (another row count, another GEMM blocking)."""
+    model = _owned(random_model("tiny-qwen2"), dtype)
+    ids = _prompt(model.args.vocab_size)
+    unpadded = _logits(model, ids, chunk=17)
+    model.row_bucket = lambda rows: rows + 5
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(_logits(model, ids, chunk=17), unpadded, rtol=tolerance, atol=tolerance)
+
+
 def test_fused_weights_hold_hf_projections(random_model):
     path = random_model("tiny-qwen2")
     model = _owned(path)
