@@ -349,7 +349,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-gib", type=float, default=2.0,
                    help="pagedserve KV pool in GiB (default: the same as vLLM's, so neither preempts more for want "
                         "of memory; 0 = the engine's own default)")
-    p.add_argument("--linear-kernel", default="aten", help="pagedserve's CPU linear layers: aten | onednn | auto")
+    p.add_argument("--linear-kernel", default="auto", help="pagedserve's CPU linear layers: auto | aten | onednn")
     p.add_argument("--compile", action="store_true", help="pagedserve's --compile (compiled at load, outside tok/s)")
     p.add_argument("--peer-kv-cache-gib", type=int, default=2, help="vLLM's KV pool (VLLM_CPU_KVCACHE_SPACE)")
     # vLLM's own default, "auto", keeps one core for its scheduler and frontend and computes on the rest

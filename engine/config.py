@@ -37,9 +37,9 @@ class EngineConfig:
     quantization: str | None = None  # "int8" (at load), "awq" / "gptq" (the checkpoint's); engine/quantization.py
     # "torch" (engine/attention.py: C decode kernel + SDPA), "flex" (engine/flex_attention.py); auto: flex on CUDA
     attention_backend: str = "auto"
-    # CPU float linear layers (engine/onednn_linear.py): aten; onednn; auto, the faster one, measured at load.
-    # Not auto by default: oneDNN keeps ~22 MB per model load after the unload (10 load/unload cycles)
-    linear_kernel: str = "aten"
+    # CPU float linear layers (engine/onednn_linear.py): aten; onednn; auto, the faster one, measured at load
+    # (aten under tensor parallelism and with compile)
+    linear_kernel: str = "auto"
     compile: bool = False  # torch.compile each layer's dense halves at load (artifacts cached on disk)
     # ranks the model is split over (engine/parallel.py): heads and MLP columns, one process each
     tensor_parallel_size: int = 1
@@ -84,9 +84,12 @@ class EngineConfig:
         _check(isinstance(tp, int) and tp >= 1, f"tensor_parallel_size must be a positive integer, got {tp!r}")
         _check(tp == 1 or not self.engine_process, "engine_process runs one engine process; it cannot split it "
                "over tensor_parallel_size ranks (each rank is a process already)")
-        _check(tp == 1 or (self.quantization is None and self.linear_kernel == "aten" and not self.compile),
+        _check(tp == 1 or (self.quantization is None and self.linear_kernel != "onednn" and not self.compile),
                "tensor_parallel_size > 1 runs float weights on aten linear layers, uncompiled: leave "
                "quantization, linear_kernel and compile at their defaults")
+        _check(not (self.compile and self.linear_kernel == "onednn"),
+               "compile runs aten's linear layers (inductor cannot lower the reordered oneDNN weights): "
+               "drop linear_kernel 'onednn' or compile")
         _check(self.max_prefill_tokens is None or self.max_prefill_tokens >= 1,
                f"max_prefill_tokens must be at least 1, got {self.max_prefill_tokens}")
 

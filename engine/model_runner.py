@@ -127,8 +127,10 @@ class ModelRunner:
 
     def _choose_linear_kernel(self, requested: str) -> tuple[onednn_linear.LinearProbe | None, str]:
         """The decoder layers' float linear layers on CPU: aten's, or oneDNN's on reordered weights
-        (auto: whichever this machine runs the model's MLP shape faster, probed now)."""
-        if self.device.type != "cpu" or requested == "aten" or self.quant is not None:
+        (auto: whichever this machine runs the model's MLP shape faster, probed now; aten under tensor
+        parallelism and with compile)."""
+        if (self.device.type != "cpu" or requested == "aten" or self.quant is not None or self.tp is not None
+                or self.config.compile):
             return None, "int8" if self.quant is not None else "aten"
         args = self.model.args
         probe = onednn_linear.probe(args.hidden_size, args.intermediate_size, self.dtype)

@@ -203,8 +203,8 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", help="int8: quantize linear weights at load (weight-only, per channel); "
                                           "AWQ / GPTQ 4-bit checkpoints are read as they are (awq | gptq)")
     g.add_argument("--attention-backend", help="auto | torch | flex (auto: flex on CUDA, torch on CPU)")
-    g.add_argument("--linear-kernel", help="aten (default) | onednn | auto: CPU float linear layers; auto measures "
-                                           "at load (engine/onednn_linear.py)")
+    g.add_argument("--linear-kernel", help="auto (default) | aten | onednn: CPU float linear layers; auto measures "
+                                           "at load which is faster (engine/onednn_linear.py)")
     g.add_argument("--tensor-parallel-size", type=int,
                    help="split each model over N processes (its heads and MLP columns; gloo on CPU, NCCL on CUDA: "
                         "engine/parallel.py); float weights, aten linear layers, no --compile")

@@ -21,6 +21,7 @@ from engine.loader import validate_model_dir
     (dict(max_num_seqs=0), "max_num_seqs"),
     (dict(attention_backend="triton"), "attention_backend must be one of"),
     (dict(linear_kernel="mkl"), "linear_kernel must be one of"),
+    (dict(linear_kernel="onednn", compile=True), "compile runs aten's linear layers"),
 ])
 def test_config_rejects_bad_values(options, message):
     with pytest.raises(ValueError, match=message):
