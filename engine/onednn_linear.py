@@ -8,8 +8,8 @@ it pays is measured at load on the model's own shape (`probe`, tens of milliseco
 EngineConfig.linear_kernel "auto" takes oneDNN only where it is at least 10% faster at 1 and 32 rows
 together; it is the default (aten under tensor parallelism and --compile). On a 2-core EPYC with
 AVX512-BF16, benchmarks/offline.py ran 222 tok/s on oneDNN against 145 on aten in float32, 333 against
-320 in bf16. Ten load/unload cycles keep no memory (-7 MiB fp32, -3 MiB bf16; an earlier +225 MB across
-a server's reloads is gone since the row counts are bounded, test_registry's memory test).
+320 in bf16. Ten load/unload cycles keep no memory (-7 MiB fp32, -3 MiB bf16, offline); the +225 MB an
+earlier server kept across ten reloads did not recur (test_registry's memory test passes on oneDNN).
 Results differ from F.linear by float rounding only (another summation order).
 bf16 weights need AVX512 (BW/VL/DQ) or AVX-NE-CONVERT for the reorder; without, bf16 stays on aten.
 """

@@ -1,6 +1,6 @@
 """engine/onednn_linear.py: CPU linear layers on weights reordered for oneDNN, chosen at load by a probe.
 The products against F.linear, the probe's report, the swap of every float nn.Linear of the decoder
-layers (and nothing else), and the engine's choice; greedy parity with HF on both kernels is in
+layers (and nothing else), the engine's choice, and the bounded row counts that keep oneDNN's memory flat; greedy parity with HF on both kernels is in
 test_equivalence.py."""
 
 from pathlib import Path
