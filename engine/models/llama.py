@@ -247,7 +247,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepAttention) -> torch.Tensor:
         num_tokens = input_ids.shape[0]
-        rows = num_tokens if self.row_bucket is None else self.row_bucket(num_tokens)
+        rows = self._padded_rows(num_tokens)
         x = self.embed_tokens(_pad_rows(input_ids, rows))
         freqs = _pad_rows(positions, rows)[:, None].float() * self.inv_freq  # [rows, D/2], float32 as HF has it
         cos = (freqs.cos() * self.rope_scale).to(x.dtype)[:, None]
@@ -274,8 +274,11 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         num_rows = hidden.shape[0]
-        rows = num_rows if self.row_bucket is None else self.row_bucket(num_rows)
-        return F.linear(_pad_rows(hidden, rows), head.weight)[:num_rows]
+        return F.linear(_pad_rows(hidden, self._padded_rows(num_rows)), head.weight)[:num_rows]
+
+    def _padded_rows(self, n: int) -> int:
+        """The row count n rows run at: row_bucket's, or n where it is unset."""
+        return n if self.row_bucket is None else self.row_bucket(n)
 
     @torch.inference_mode()
     def warm_up_rows(self, max_tokens: int, max_logit_rows: int) -> list[int]:
@@ -284,8 +287,8 @@ class LlamaForCausalLM(nn.Module):
         at load, before serving and before a leak detector's baseline, not as new counts arrive. Every
         layer has the same shapes: one layer's products stand for all. Returns the counts."""
         a, layer, dtype, device = self.args, self.layers[0], self.norm.weight.dtype, self.inv_freq.device
-        counts = sorted({self.row_bucket(n) for n in range(1, max_tokens + 1)})
-        head_counts = {self.row_bucket(n) for n in range(1, max_logit_rows + 1)}
+        counts = sorted({self._padded_rows(n) for n in range(1, max_tokens + 1)})
+        head_counts = {self._padded_rows(n) for n in range(1, max_logit_rows + 1)}
         for rows in counts:
             hidden = torch.zeros(rows, a.hidden_size, dtype=dtype, device=device)
             layer.self_attn.qkv_proj(hidden)
