@@ -8,12 +8,15 @@ it pays is measured at load on the model's own shape (`probe`, tens of milliseco
 EngineConfig.linear_kernel "auto" takes oneDNN only where it is at least 10% faster at 1 and 32 rows
 together; it is the default (aten under tensor parallelism and --compile). On a 2-core EPYC with
 AVX512-BF16, benchmarks/offline.py ran 222 tok/s on oneDNN against 145 on aten in float32, 333 against
-320 in bf16. Ten load/unload cycles keep no memory (-7 MiB fp32, -3 MiB bf16, offline); the +225 MB an
-earlier server kept across ten reloads did not recur (test_registry's memory test passes on oneDNN).
+320 in bf16. The probe runs once per shape and dtype in a process: where the two are close (bf16 on a
+CPU whose aten bf16 products are oneDNN's too), a probe per load flipped between them, and each kernel's
+products keep their own memory for good (see EXACT_ROWS): coder-small bf16 loaded on oneDNN, then on
+aten, kept +96 MiB (471 -> 568 MiB), and a server kept +101 MB over ten reloads in CI.
 Results differ from F.linear by float rounding only (another summation order).
 bf16 weights need AVX512 (BW/VL/DQ) or AVX-NE-CONVERT for the reorder; without, bf16 stays on aten.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +66,7 @@ class LinearProbe:
                 "seconds": {k: {str(r): round(s, 6) for r, s in v.items()} for k, v in self.seconds.items()}}
 
 
+@functools.cache  # once per shape, dtype and process: a reload must choose what the first load chose
 def probe(in_features: int, out_features: int, dtype: torch.dtype) -> LinearProbe:
     """Time F.linear against the reordered oneDNN product on one weight of the model's shape."""
     weight = torch.randn(out_features, in_features).to(dtype)
