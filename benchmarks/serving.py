@@ -7,11 +7,15 @@ process of its own on a fresh connection every 50 ms, as a kubelet does.
     python benchmarks/serving.py --model benchmarks/models/smollm-135m --num-requests 64
 
 Both sides get the same engine options, a KV pool that holds the whole workload (a preemption on one
-side and not the other would be measured as HTTP overhead) and the same warm-up request, then run the
-workload --repeats times, each repeat with its own prompts (seed, seed + 1, ...: no prefix-cache hits
-across repeats); the ratio compares the last (warm) runs, every run is in the JSON with its preemption
-count. Writes benchmarks/results/serving.json; prints one summary line. Targets (#14):
-HTTP >= 95% of offline tokens/s; /health/live p99 < 20 ms.
+side and not the other would be measured as HTTP overhead) and the same warm-up request. Then the two
+sides take turns, --repeats pairs (HTTP then offline, offline then HTTP, ...): this VM's speed drifts by
+tens of percent within minutes, and a side measured after the other would carry that drift. Every run
+has the same request shapes (prompt and output lengths from --seed) and its own token ids: the same
+work, and no prefix-cache hits across runs. The ratio is the median of the pairs' ratios; every run is in
+the JSON with its preemption count, and each HTTP run with the CPU time of the server's event loop (its
+main thread), of its engine (every other thread, and the engine process's), and of this client, which
+shares the machine's cores with the server. Writes benchmarks/results/serving.json; prints one summary
+line. Targets (#14): HTTP >= 95% of offline tokens/s; /health/live p99 < 20 ms.
 """
 
 import argparse
@@ -20,6 +24,7 @@ import http.client
 import json
 import os
 import random
+import resource
 import signal
 import socket
 import statistics
@@ -39,30 +44,55 @@ ENGINE_FLAGS = {"max_num_seqs": 64, "max_num_batched_tokens": 2048, "dtype": "fl
                 "kv_cache_memory": 256 * 2**20}
 
 
-def workload(args: argparse.Namespace, vocab_size: int, seed: int) -> list[tuple[list[int], int]]:
-    rng = random.Random(seed)
-    return [([rng.randrange(4, vocab_size) for _ in range(rng.randint(args.min_prompt, args.max_prompt))],
-             rng.randint(args.min_output, args.max_output)) for _ in range(args.num_requests)]
+def workload(args: argparse.Namespace, vocab_size: int, salt: int) -> list[tuple[list[int], int]]:
+    """Request shapes from --seed, the same in every run; token ids from `salt`, a run's own."""
+    shapes, tokens = random.Random(args.seed), random.Random(f"{args.seed}-{salt}")
+    return [([tokens.randrange(4, vocab_size) for _ in range(shapes.randint(args.min_prompt, args.max_prompt))],
+             shapes.randint(args.min_output, args.max_output)) for _ in range(args.num_requests)]
 
 
-def run_offline(args: argparse.Namespace, workloads: list[list[tuple[list[int], int]]]) -> list[dict]:
-    from engine import LLM, SamplingParams
+def run_offline(engine, name: str, requests: list[tuple[list[int], int]]) -> dict:
+    from engine import SamplingParams
 
-    llm = LLM(model=args.model, **ENGINE_FLAGS)
-    llm.generate([{"prompt_token_ids": workloads[0][0][0]}], SamplingParams(max_tokens=2), use_tqdm=False)  # warm
-    engine = llm.engine
-    runs = []
-    for repeat, requests in enumerate(workloads):
-        preempted = engine.stats().num_preemptions
-        started = time.monotonic()
-        for i, (prompt, num_out) in enumerate(requests):
-            engine.add_request(f"off-{repeat}-{i}", prompt,
-                               SamplingParams(temperature=0, max_tokens=num_out, ignore_eos=True))
-        while engine.has_unfinished_requests:
-            engine.step()
-        seconds = time.monotonic() - started
-        runs.append({**_rate(seconds, requests), "num_preemptions": engine.stats().num_preemptions - preempted})
-    return runs
+    preempted = engine.stats().num_preemptions
+    started = time.monotonic()
+    for i, (prompt, num_out) in enumerate(requests):
+        engine.add_request(f"{name}-{i}", prompt, SamplingParams(temperature=0, max_tokens=num_out, ignore_eos=True))
+    while engine.has_unfinished_requests:
+        engine.step()
+    seconds = time.monotonic() - started
+    return {**_rate(seconds, requests), "num_preemptions": engine.stats().num_preemptions - preempted}
+
+
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _thread_seconds(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) of every thread of `pid`."""
+    seconds = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        if stat := _read(f"/proc/{pid}/task/{tid}/stat"):
+            fields = stat[stat.rindex(")") + 2:].split()  # after the command name, which may hold spaces
+            seconds[int(tid)] = (int(fields[11]) + int(fields[12])) / TICKS
+    return seconds
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except FileNotFoundError:  # the thread ended meanwhile
+        return ""
+
+
+def cpu_seconds(pid: int) -> dict[str, float]:
+    """The server's CPU so far: its event loop (the main thread) and its engine (every other thread and
+    child process: the engine loop, torch's threads, the engine process), and this client's."""
+    threads = _thread_seconds(pid)
+    children = [child for tid in threads for child in _read(f"/proc/{pid}/task/{tid}/children").split()]
+    engine = sum(s for tid, s in threads.items() if tid != pid)
+    engine += sum(sum(_thread_seconds(int(child)).values()) for child in children)
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return {"event_loop": threads[pid], "engine": engine, "client": usage.ru_utime + usage.ru_stime}
 
 
 def _rate(seconds: float, requests: list[tuple[list[int], int]]) -> dict:
@@ -99,24 +129,31 @@ def probe_live(url: str) -> None:
         time.sleep(0.05)
 
 
-async def run_http(url: str, model: str, workloads: list[list[tuple[list[int], int]]]) -> list[dict]:
-    connector = aiohttp.TCPConnector(limit=len(workloads[0]) + 4)
+async def run_http(url: str, model: str, server_pid: int, requests: list[tuple[list[int], int]]) -> dict:
+    connector = aiohttp.TCPConnector(limit=len(requests) + 4)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=3600)) as session:
-        await _stream_one(session, url, model, workloads[0][0][0], 2)  # the offline side's warm-up request
-        runs = []
-        for requests in workloads:
-            preempted = await _preemptions(session, url)
-            probe = subprocess.Popen([sys.executable, __file__, "--probe", url], stdout=subprocess.PIPE, text=True)
-            started = time.monotonic()
-            await asyncio.gather(*[_stream_one(session, url, model, p, n) for p, n in requests])
-            seconds = time.monotonic() - started
-            probe.terminate()
-            live_ms = sorted(float(line) for line in probe.communicate(timeout=30)[0].split())
-            runs.append({**_rate(seconds, requests), "num_preemptions": await _preemptions(session, url) - preempted,
-                         "health_live_ms": {"count": len(live_ms), "p50": round(statistics.median(live_ms), 2),
-                                            "p99": round(live_ms[int(0.99 * (len(live_ms) - 1))], 2),
-                                            "max": round(live_ms[-1], 2)}})
-    return runs
+        preempted = await _preemptions(session, url)
+        probe = subprocess.Popen([sys.executable, __file__, "--probe", url], stdout=subprocess.PIPE, text=True)
+        cpu_before = cpu_seconds(server_pid)
+        started = time.monotonic()
+        await asyncio.gather(*[_stream_one(session, url, model, p, n) for p, n in requests])
+        seconds = time.monotonic() - started
+        cpu = {k: round(v - cpu_before[k], 2) for k, v in cpu_seconds(server_pid).items()}
+        probe.terminate()
+        live_ms = sorted(float(line) for line in probe.communicate(timeout=30)[0].split())
+        run = _rate(seconds, requests)
+        return {**run, "num_preemptions": await _preemptions(session, url) - preempted,
+                "cpu_seconds": cpu, "event_loop_us_per_token": round(1e6 * cpu["event_loop"] / run["output_tokens"], 1),
+                "client_us_per_token": round(1e6 * cpu["client"] / run["output_tokens"], 1),
+                "health_live_ms": {"count": len(live_ms), "p50": round(statistics.median(live_ms), 2),
+                                   "p99": round(live_ms[int(0.99 * (len(live_ms) - 1))], 2),
+                                   "max": round(live_ms[-1], 2)}}
+
+
+async def warm_http(url: str, model: str, prompt: list[int]) -> None:
+    async with aiohttp.ClientSession() as session:
+        await wait_ready(session, url)
+        await _stream_one(session, url, model, prompt, 2)  # the offline side's warm-up request
 
 
 async def _preemptions(session: aiohttp.ClientSession, url: str) -> int:
@@ -134,17 +171,16 @@ def start_server(model: str, port: int, engine_process: bool = False) -> subproc
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-async def wait_ready(url: str, timeout_s: float = 300) -> None:
+async def wait_ready(session: aiohttp.ClientSession, url: str, timeout_s: float = 300) -> None:
     deadline = time.monotonic() + timeout_s
-    async with aiohttp.ClientSession() as session:
-        while time.monotonic() < deadline:
-            try:
-                async with session.get(f"{url}/health/ready") as response:
-                    if response.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.5)
+    while time.monotonic() < deadline:
+        try:
+            async with session.get(f"{url}/health/ready") as response:
+                if response.status == 200:
+                    return
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(0.5)
     raise TimeoutError(f"{url} never turned ready")
 
 
@@ -163,7 +199,7 @@ def main() -> None:
     p.add_argument("--min-output", type=int, default=16)
     p.add_argument("--max-output", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repeats", type=int, default=2, help="workload runs per side; the ratio compares the last")
+    p.add_argument("--repeats", type=int, default=4, help="pairs of runs (one a side); the ratio is their median")
     p.add_argument("--engine-process", action="store_true",
                    help="the server runs its engine loop in a process of its own (--engine-process)")
     p.add_argument("--tag", default="", help="suffix of the result file")
@@ -172,29 +208,44 @@ def main() -> None:
     if args.probe:
         probe_live(args.probe)
     vocab_size = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
-    workloads = [workload(args, vocab_size, args.seed + repeat) for repeat in range(args.repeats)]
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     loadavg_before = os.getloadavg()
     server = start_server(args.model, port, args.engine_process)
+    http, offline = [], []
     try:
-        asyncio.run(wait_ready(url))
-        http = asyncio.run(run_http(url, "bench", workloads))
+        from engine import LLM, SamplingParams
+
+        warm_prompt = workload(args, vocab_size, -1)[0][0]
+        asyncio.run(warm_http(url, "bench", warm_prompt))
+        llm = LLM(model=args.model, **ENGINE_FLAGS)  # idle while the server runs, and the server while it does
+        llm.generate([{"prompt_token_ids": warm_prompt}], SamplingParams(max_tokens=2), use_tqdm=False)
+        for repeat in range(args.repeats):
+            sides = ("http", "offline") if repeat % 2 == 0 else ("offline", "http")
+            for turn, side in enumerate(sides):
+                requests = workload(args, vocab_size, 2 * repeat + turn)
+                if side == "http":
+                    http.append(asyncio.run(run_http(url, "bench", server.pid, requests)))
+                else:
+                    offline.append(run_offline(llm.engine, f"off-{repeat}", requests))
     finally:
         server.terminate()
         server.wait(60)
-    offline = run_offline(args, workloads)  # after the server is gone: the two never share the CPU
+    ratios = [round(h["tokens_per_s"] / o["tokens_per_s"], 3) for h, o in zip(http, offline, strict=True)]
     live_p99 = max(run["health_live_ms"]["p99"] for run in http)
-    result = {"model": args.model, "engine": ENGINE_FLAGS, "engine_process": args.engine_process, "workload": vars(args), "http": http, "offline": offline,
-              "http_vs_offline": round(http[-1]["tokens_per_s"] / offline[-1]["tokens_per_s"], 3),
-              "http_vs_offline_first_run": round(http[0]["tokens_per_s"] / offline[0]["tokens_per_s"], 3),
+    result = {"model": args.model, "engine": ENGINE_FLAGS, "engine_process": args.engine_process, "workload": vars(args),
+              "http": http, "offline": offline, "http_vs_offline_pairs": ratios,
+              "http_vs_offline": round(statistics.median(ratios), 3),
+              "event_loop_us_per_token": statistics.median(run["event_loop_us_per_token"] for run in http),
+              "client_us_per_token": statistics.median(run["client_us_per_token"] for run in http),
               "health_live_p99_ms": live_p99, "loadavg_before": loadavg_before, "loadavg_after": os.getloadavg(),
               "targets": {"http_vs_offline_min": 0.95, "health_live_p99_ms_max": 20}}
     path = RESULTS.with_name(f"serving{'-' + args.tag if args.tag else ''}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"HTTP {http[-1]['tokens_per_s']} tok/s vs offline {offline[-1]['tokens_per_s']} tok/s "
-          f"({result['http_vs_offline']:.0%}; first runs {result['http_vs_offline_first_run']:.0%}); "
+    print(f"HTTP vs offline {result['http_vs_offline']:.0%} (median of pairs {ratios}; HTTP "
+          f"{[r['tokens_per_s'] for r in http]}, offline {[r['tokens_per_s'] for r in offline]} tok/s); event loop "
+          f"{result['event_loop_us_per_token']} us/token, client {result['client_us_per_token']} us/token; "
           f"/health/live p99 {live_p99} ms; load {loadavg_before[0]:.2f} -> {result['loadavg_after'][0]:.2f}")
 
 
