@@ -58,7 +58,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"pagedserve: {exc}", file=sys.stderr)
         return 2
-    return exit_now(asyncio.run(serve(config)))
+    import uvloop
+
+    return exit_now(uvloop.run(serve(config)))
 
 
 def exit_now(code: int) -> int:

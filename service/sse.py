@@ -1,7 +1,8 @@
 """Server-sent events by hand (STYLE 11): one `data: {json}\\n\\n` per chunk, `data: [DONE]\\n\\n` last.
 
-JSON is written with `ensure_ascii=False` and encoded as UTF-8 from whole Python strings, so the bytes
-on the wire are always valid UTF-8 (the engine never hands out half a character). A write that fails
+JSON is written by orjson, UTF-8 from whole Python strings, so the bytes on the wire are always valid
+UTF-8 (the engine never hands out half a character); a string orjson refuses (a lone surrogate in an
+echoed error message) goes through json with every non-ASCII character escaped. A write that fails
 because the client went away raises `ConnectionResetError`; the caller's `finally` aborts the engine
 request.
 
@@ -15,6 +16,7 @@ import asyncio
 import json
 from typing import Any
 
+import orjson
 from aiohttp import web
 
 from service.keys import CONFIG_KEY
@@ -28,10 +30,9 @@ DONE = b"data: [DONE]\n\n"
 
 
 def encode_event(data: Any) -> bytes:
-    text = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
     try:
-        encoded = text.encode("utf-8")
-    except UnicodeEncodeError:  # a lone surrogate (an echoed error message): escape it as \uXXXX
+        encoded = orjson.dumps(data)
+    except orjson.JSONEncodeError:  # a lone surrogate (an echoed error message): escape it as \uXXXX
         encoded = json.dumps(data, separators=(",", ":")).encode("ascii")
     return b"data: " + encoded + b"\n\n"
 

@@ -24,6 +24,11 @@ def _events(raw: bytes) -> list:
 def test_event_framing():
     assert encode_event({"a": "你好🙂"}) == 'data: {"a":"你好🙂"}\n\n'.encode()
     assert encode_event({"t": "line\nbreak"}) == b'data: {"t":"line\\nbreak"}\n\n'  # never a raw newline
+    numbers = {"p": 1e-05, "n": None, "l": [-9999.0, 0, 2**53]}
+    assert json.loads(encode_event(numbers)[6:]) == numbers and b" " not in encode_event(numbers)[6:]  # compact
+    # a lone surrogate (an echoed error message) cannot be UTF-8: escaped, and still JSON
+    assert encode_event({"m": "bad \ud800"}) == b'data: {"m":"bad \\ud800"}\n\n'
+    assert json.loads(encode_event({"m": "\ud800é"})[6:]) == {"m": "\ud800é"}
     assert DONE == b"data: [DONE]\n\n"
     assert SSE_HEADERS["Cache-Control"] == "no-cache" and SSE_HEADERS["X-Accel-Buffering"] == "no"
 
