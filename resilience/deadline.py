@@ -10,9 +10,10 @@
 - total: nothing after `total_deadline` (the request's own budget) -> `DeadlineExceeded("total")`.
 
 `Deadlines.next(iterator)` awaits the iterator's next item in the caller's own task: no task per item
-and no wrapping generator. The timers are loop callbacks; the one that fires cancels that wait (as
-`asyncio.timeout` does), so an engine stream sees CancelledError at its await and aborts its request,
-freeing its KV blocks. The stream's owner closes it on every other way out.
+and no wrapping generator. The timers are one loop callback per stream; when one is due it cancels
+that wait (as `asyncio.timeout` does), so an engine stream sees CancelledError at its await and aborts
+its request, freeing its KV blocks. The stream's owner closes it on every other way out, and `close`s
+the Deadlines.
 """
 
 import asyncio
@@ -47,41 +48,60 @@ class Deadlines:
         self.clock = clock
         self.alive_at = alive_at
         self.is_first = True  # no item yet
+        # one timer for the whole stream, not one per item (a timer per streamed token cost the event
+        # loop ~10 us each): armed by a wait, it lapses between waits and is re-armed when early
+        self._handle: asyncio.TimerHandle | None = None
+        self._waiter: asyncio.Task | None = None  # the task waiting for an item now
+        self._wait_started = 0.0
+        self._fired: DeadlineExceeded | None = None
 
     async def next(self, iterator: AsyncIterator[T]) -> T:
         """The iterator's next item (StopAsyncIteration at its end), or the deadline error of the timer
         that fired first. The iterator must let a cancellation through (as under asyncio.timeout)."""
         self._check_now()
-        task = asyncio.current_task()
-        loop = asyncio.get_running_loop()
-        started = self.clock()
-        fired: list[DeadlineExceeded] = []
-
-        def arm(stall_check_at: float) -> asyncio.TimerHandle:
-            wait_s, which, at = self._next_timer(stall_check_at)
-            return loop.call_later(wait_s, on_timer, which, at)
-
-        def on_timer(which: str, at: float) -> None:
-            nonlocal handle
-            idle_s = self._producer_idle_s()
-            error = self._expired(which, at - started, idle_s)
-            if error is None:  # the producer is busy: check again a stall timeout after its last step
-                handle = arm(self.clock() + self.stall_timeout_s - idle_s)
-                return
-            fired.append(error)
-            task.cancel()
-
-        handle = arm(started + self.stall_timeout_s)
+        self._waiter, self._wait_started = asyncio.current_task(), self.clock()
+        if self._handle is None:
+            self._arm(self._wait_started + self.stall_timeout_s)
         try:
             item = await anext(iterator)
         except asyncio.CancelledError:
-            if fired and task.uncancel() == 0:  # our timer's cancel, nobody else's
-                raise fired[0] from None
+            fired, self._fired = self._fired, None
+            if fired is not None and self._waiter.uncancel() == 0:  # our timer's cancel, nobody else's
+                raise fired from None
             raise
         finally:
-            handle.cancel()
+            self._waiter = None
         self.is_first = False
         return item
+
+    def close(self) -> None:
+        """Disarm the timer (the stream is done with); idempotent."""
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def _arm(self, stall_check_at: float) -> None:
+        wait_s, _, at = self._next_timer(stall_check_at)
+        self._handle = asyncio.get_running_loop().call_later(wait_s, self._on_timer, at)
+
+    def _on_timer(self, armed_at: float) -> None:
+        """The one timer came due. It may have been armed in an earlier wait, whose timers come due
+        no sooner than this one's: between waits it lapses, and early it is armed again."""
+        self._handle = None
+        if self._waiter is None:  # between items: the next wait arms it
+            return
+        stall_check_at = self._wait_started + self.stall_timeout_s
+        _, which, at = self._next_timer(stall_check_at)
+        if armed_at < at:  # armed for an earlier wait
+            self._arm(stall_check_at)
+            return
+        idle_s = self._producer_idle_s()
+        error = self._expired(which, at - self._wait_started, idle_s)
+        if error is None:  # the producer is busy: check again a stall timeout after its last step
+            self._arm(self.clock() + self.stall_timeout_s - idle_s)
+            return
+        self._fired = error
+        self._waiter.cancel()
 
     def _check_now(self) -> None:
         """Raise before waiting at all when a deadline has already passed."""

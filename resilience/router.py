@@ -275,6 +275,7 @@ class _Call:
         router, name, req = self.router, self.name, self.req
         num_tokens = req.num_prompt_tokens + req.params.n * (req.params.max_tokens or 0)
         async with contextlib.AsyncExitStack() as stack:
+            stack.callback(self.deadlines.close)
             stack.enter_context(router.bulkhead(name).try_acquire(num_tokens, req.params.n,
                                                                   self.engine.queue_delay_s(req.priority)))
             self.breaker_call = await stack.enter_async_context(router.breaker(name).calling_async())

@@ -257,3 +257,46 @@ async def test_a_timer_that_found_the_producer_busy_does_not_cancel_the_wait():
     deadlines = Deadlines(0.1, alive_at=time.monotonic)
     assert await deadlines.next(late()) == "late"
     assert asyncio.current_task().cancelling() == 0
+
+
+async def test_one_timer_serves_a_stream_of_many_items(monkeypatch):
+    """A timer per item cost the event loop ~10 us a streamed token; the stream's one timer is armed
+    once and left alone while items keep coming."""
+    loop = asyncio.get_running_loop()
+    armed = []
+    call_later = loop.call_later
+    monkeypatch.setattr(loop, "call_later", lambda *args: armed.append(args[0]) or call_later(*args))
+
+    async def steady():
+        for i in range(200):
+            await asyncio.sleep(0)  # not ready at once: every item is a wait
+            yield i
+
+    deadlines = Deadlines(10.0, time.monotonic() + 60.0, first_item_deadline=time.monotonic() + 30.0)
+    stream = steady()
+    assert [await deadlines.next(stream) for _ in range(200)] == list(range(200))
+    assert len(armed) == 1
+    deadlines.close()
+    deadlines.close()  # idempotent
+
+
+async def test_a_timer_armed_in_an_earlier_wait_still_catches_a_later_stall():
+    # items for ~3 stall timeouts, each well inside it: the timer keeps coming due early and is armed
+    # again; then the producer hangs and the stall is caught a stall timeout after the last item
+    stall_s = 0.1
+
+    async def then_hang():
+        for i in range(15):
+            await asyncio.sleep(stall_s / 5)
+            yield i
+        await asyncio.Event().wait()
+
+    deadlines, stream, received = Deadlines(stall_s), then_hang(), []
+    with pytest.raises(StallDetected) as info:
+        while True:
+            received.append(await deadlines.next(stream))
+            last_item = time.monotonic()
+    waited = time.monotonic() - last_item
+    await stream.aclose()
+    assert received == list(range(15)) and info.value.stage == "between_tokens"
+    assert stall_s <= waited < stall_s + 0.4  # on time, not a whole timeout late
