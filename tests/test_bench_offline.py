@@ -6,13 +6,12 @@ import pytest
 
 from benchmarks.offline import (
     SYSTEMS,
-    PeerRequest,
-    PeerResponse,
     compare,
     make_workload,
     parse_args,
     peer_request,
 )
+from benchmarks.peer_vllm import PeerRequest, PeerResponse
 
 
 def _args(*extra: str):
