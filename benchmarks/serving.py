@@ -14,8 +14,8 @@ has the same request shapes (prompt and output lengths from --seed) and its own 
 work, and no prefix-cache hits across runs. The ratio is the median of the pairs' ratios; every run is in
 the JSON with its preemption count, and each HTTP run with the CPU time of the server's event loop (its
 main thread), of its engine (every other thread, and the engine process's), and of this client, which
-shares the machine's cores with the server. Writes benchmarks/results/serving.json; prints one summary
-line. Targets (#14): HTTP >= 95% of offline tokens/s; /health/live p99 < 20 ms.
+shares the machine's cores with the server. Writes benchmarks/results/serving.json and .png (each pair's
+tok/s); prints one summary line. Targets (#14): HTTP >= 95% of offline tokens/s; /health/live p99 < 20 ms.
 """
 
 import argparse
@@ -190,6 +190,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    pairs = range(1, len(result["http"]) + 1)
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.bar([i - 0.2 for i in pairs], [r["tokens_per_s"] for r in result["offline"]], width=0.4, label="offline",
+           color="#bbb")
+    bars = ax.bar([i + 0.2 for i in pairs], [r["tokens_per_s"] for r in result["http"]], width=0.4,
+                  label="HTTP, 64 streams", color="#3a7")
+    ax.bar_label(bars, labels=[f"{r:.0%}" for r in result["http_vs_offline_pairs"]], fontsize=8)
+    ax.set_xticks(list(pairs), [f"pair {i}" for i in pairs])
+    ax.set_ylabel("output tok/s")
+    ax.set_title(f"HTTP vs offline: median {result['http_vs_offline']:.0%}; /health/live p99 "
+                 f"{result['health_live_p99_ms']} ms; load {result['loadavg_before'][0]:.1f}-"
+                 f"{result['loadavg_after'][0]:.1f}", fontsize=9)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=str(ROOT / "models" / "pagedserve-coder-small"))
@@ -243,6 +265,7 @@ def main() -> None:
     path = RESULTS.with_name(f"serving{'-' + args.tag if args.tag else ''}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, path.with_suffix(".png"))
     print(f"HTTP vs offline {result['http_vs_offline']:.0%} (median of pairs {ratios}; HTTP "
           f"{[r['tokens_per_s'] for r in http]}, offline {[r['tokens_per_s'] for r in offline]} tok/s); event loop "
           f"{result['event_loop_us_per_token']} us/token, client {result['client_us_per_token']} us/token; "
