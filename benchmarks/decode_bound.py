@@ -19,6 +19,7 @@ and .png with the load average before and after (above 1.5 on 2 cores the figure
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -96,15 +97,13 @@ def checkpoint_bytes_per_token(model_dir: Path, dtype: str) -> int:
     for path in model_dir.glob("*.safetensors"):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                numel = 1
-                for size in f.get_slice(name).get_shape():
-                    numel *= size
+                numel = math.prod(f.get_slice(name).get_shape())
                 if "embed_tokens" in name:
                     embedding += numel
                 else:
                     elements += numel
     tied = config.get("tie_word_embeddings", False)
-    return (elements + (embedding if tied else 0)) * torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+    return (elements + (embedding if tied else 0)) * getattr(torch, dtype).itemsize
 
 
 def peer_decode_tok_s(model: str, dtype: str, repeats: int) -> float:
@@ -112,7 +111,7 @@ def peer_decode_tok_s(model: str, dtype: str, repeats: int) -> float:
     request = PeerRequest(model=model, dtype=dtype, prompts=[prompt_ids(vocab_size)], out_lens=[1], max_num_seqs=1,
                           max_num_batched_tokens=PROMPT_LEN + NEW_TOKENS + 8, seed=0, decode_tokens=NEW_TOKENS,
                           decode_runs=repeats)
-    response = run_in_venv(request, kv_cache_gib=2, omp_threads_bind="auto", timeout_s=3600)  # its full context: 1.75 GiB
+    response = run_in_venv(request, kv_cache_gib=2, omp_threads_bind="auto", timeout_s=3600)  # vLLM sizes it for the full context
     return response.details["decode_tok_s"]
 
 
