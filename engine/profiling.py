@@ -268,7 +268,9 @@ def machine_info(load_before: tuple[float, ...], load_after: tuple[float, ...]) 
     cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), None)
     info = {"cpu": cpu, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "load_average_before": list(load_before),
-            "load_average_after": list(load_after)}
+            "load_average_after": list(load_after),
+            # how OpenMP's idle threads wait (libgomp reads these when torch loads it): batch-1 decode moves with them
+            "openmp": {name: os.environ.get(name) for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info
