@@ -1,11 +1,12 @@
-"""The CPU kernels in engine/csrc (decode attention, the int8 linear layer): built on first use,
+"""The CPU kernels in engine/csrc (decode attention, the int8 linear layer, RMSNorm): built on first use,
 called via ctypes.
 
 The C sources are compiled with the system compiler (`cc`, or $CC) for this machine's CPU into one
 library in $PAGEDSERVE_KERNEL_CACHE (default ~/.cache/pagedserve/kernels), named by a hash of the
 sources, the flags and the CPU's feature flags, so a copy never runs on a CPU it was not built for.
-Building takes about a second. Without a compiler, or with PAGEDSERVE_CPU_KERNEL=0, `load()` and
-`int8_linear()` return None and the engine keeps its pure-torch paths (same results, slower).
+Building takes about a second. Without a compiler, or with PAGEDSERVE_CPU_KERNEL=0, `load()`,
+`int8_linear()` and `rms_norm()` return None and the engine keeps its pure-torch paths (same results up to
+float rounding, slower).
 """
 
 import ctypes
@@ -24,7 +25,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name for name in ("paged_attention.c", "int8_linear.c"))
+SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name for name in ("paged_attention.c", "int8_linear.c",
+                                                                                     "rms_norm.c"))
 # -fopenmp-simd: the simd pragmas only, no OpenMP runtime (torch brings its own); threads come from the caller
 CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c11"]
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
@@ -183,6 +185,47 @@ class Int8LinearKernel:
         return w
 
 
+class RMSNormKernel:
+    """rms_norm_f32 / _bf16: F.rms_norm over the last dimension in one pass per row, optionally after the
+    residual add (engine/csrc/rms_norm.c). Rows are split over threads only past PARALLEL_ELEMENTS: below,
+    one thread finishes before a second would have woken."""
+
+    PARALLEL_ELEMENTS = 1 << 20
+    DTYPES = (torch.float32, torch.bfloat16)
+
+    def __init__(self, library: ctypes.CDLL, threads: Threads) -> None:
+        self._fns = {torch.float32: library.rms_norm_f32, torch.bfloat16: library.rms_norm_bf16}
+        for fn in self._fns.values():
+            fn.argtypes = [_ptr] * 5 + [_i64, ctypes.c_float, _i64, _i64]
+            fn.restype = ctypes.c_int
+        self.threads = threads
+
+    def runs(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether this kernel can normalize x (rows of x's last dimension) by weight."""
+        return (x.device.type == "cpu" and x.dtype in self.DTYPES and weight.dtype == x.dtype and x.is_contiguous()
+                and weight.is_contiguous() and x.dim() >= 1 and x.shape[-1] == weight.numel() <= 16384)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """F.rms_norm(x, weight.shape, weight, eps); with `residual` (like x), (s, F.rms_norm(s, ...)) for
+        s = x + residual."""
+        if not self.runs(x, weight) or (residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
+                                                                  or not residual.is_contiguous())):
+            raise ValueError("rms_norm reads raw memory: contiguous CPU float32 or bfloat16 x, weight and residual "
+                             "of one dtype, x's last dimension the weight's size (at most 16384)")
+        out = torch.empty_like(x)
+        total = None if residual is None else torch.empty_like(x)
+        dim = x.shape[-1]
+        rows = x.numel() // dim
+        shared = (x.data_ptr(), 0 if residual is None else residual.data_ptr(), weight.data_ptr(),
+                  0 if total is None else total.data_ptr(), out.data_ptr(), dim, eps)
+        fn = self._fns[x.dtype]
+        ok = self.threads.run(fn, shared, rows) if x.numel() >= self.PARALLEL_ELEMENTS else fn(*shared, 0, rows) == 0
+        if not ok:
+            raise ValueError(f"rms_norm: rows of {dim} exceed the kernel's 16384")
+        return out if total is None else (total, out)
+
+
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14
 
@@ -224,3 +267,10 @@ def int8_linear(num_threads: int) -> Int8LinearKernel | None:
     """The int8 linear-layer kernel for this machine, or None (as `load`)."""
     library = _library()
     return None if library is None else Int8LinearKernel(library, _threads(num_threads))
+
+
+@cache
+def rms_norm(num_threads: int) -> RMSNormKernel | None:
+    """The RMSNorm kernel for this machine, or None (as `load`)."""
+    library = _library()
+    return None if library is None else RMSNormKernel(library, _threads(num_threads))

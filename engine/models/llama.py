@@ -23,6 +23,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from engine import cpu_kernel
 from engine.attention import StepAttention
 from engine.parallel import TPGroup
 from engine.quantization import Int8Linear, QuantConfig, check_g_idx, quantize_int8, unpack_layer
@@ -113,11 +114,23 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # one fused op: in float32 bit-identical to HF's three; in half precision it sums in float32 and
-        # rounds once, after the weight (HF rounds before it), instead of HF's four passes over x; measured
-        # on [64, 576] bf16, max error to the float32 result 0.043 against HF's order's 0.051
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The norm of x; with `residual`, (x + residual, the norm of that sum).
+
+        F.rms_norm: in float32 bit-identical to HF's three ops; in half precision it sums in float32 and
+        rounds once, after the weight (HF rounds before it); measured on [64, 576] bf16, max error to the
+        float32 result 0.043 against HF's order's 0.051. On CPU it is a chain of aten ops, each waking
+        OpenMP's sleeping thread: engine/csrc/rms_norm.c computes the same in one pass (float32 results
+        within 2 ulp of it, another summation order), the residual add with it."""
+        kernel = (cpu_kernel.rms_norm(torch.get_num_threads())
+                  if x.device.type == "cpu" and not torch.compiler.is_compiling() else None)
+        if kernel is not None and kernel.runs(x, self.weight):
+            return kernel(x, self.weight, self.eps, None if residual is None else residual.contiguous())
+        if residual is None:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        x = x + residual
+        return x, F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
@@ -205,8 +218,8 @@ class DecoderLayer(nn.Module):
         return self.self_attn.project(self.input_layernorm(x), cos, sin)
 
     def after_attention(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        x = x + self.reduce(self.self_attn.o_proj(attn.flatten(1)))
-        return x + self.reduce(self.mlp(self.post_attention_layernorm(x)))
+        x, h = self.post_attention_layernorm(x, self.reduce(self.self_attn.o_proj(attn.flatten(1))))
+        return x + self.reduce(self.mlp(h))
 
     def compile_dense(self) -> None:
         """torch.compile both dense halves, shapes dynamic (T changes every step); every layer runs the

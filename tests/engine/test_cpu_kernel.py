@@ -118,3 +118,41 @@ def test_the_kv_pool_memory_comes_in_huge_pages_where_the_kernel_allows():
     assert pool.shape == (4, 8 << 20) and pool.dtype == torch.bfloat16 and not pool.any()
     assert _anon_huge_kib(pool.data_ptr() + (32 << 20)) >= 2048  # at least one 2 MiB page
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "dim"), [(1, 64), (7, 576), (300, 96), (2048, 576)])  # the last split over threads
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_rms_norm_matches_torch(dtype, rows, dim, num_threads):
+    kernel = cpu_kernel.rms_norm(num_threads)
+    torch.manual_seed(rows)
+    x, residual = torch.randn(rows, dim).mul(3).to(dtype), torch.randn(rows, dim).to(dtype)
+    weight = torch.randn(dim).to(dtype)
+    total, normed = kernel(x, weight, 1e-5, residual)
+    assert torch.equal(total, x + residual)  # the add rounds as torch's does
+    want = torch.nn.functional.rms_norm(x + residual, (dim,), weight, 1e-5)
+    # float32: another summation order; bfloat16: the same float32 value rounded once, off by a rounding at most
+    ulp = 2.0**-23 if dtype == torch.float32 else 2.0**-7
+    assert ((normed.double() - want.double()).abs() <= 4 * ulp * want.double().abs() + 1e-30).all()
+    assert torch.equal(kernel(x, weight, 1e-5), kernel(x.clone(), weight, 1e-5))
+    assert torch.equal(kernel(total, weight, 1e-5), normed)
+
+
+def test_rms_norm_refuses_what_it_cannot_read():
+    kernel = cpu_kernel.rms_norm(1)
+    x, weight = torch.randn(4, 8), torch.randn(8)
+    assert not kernel.runs(x.t(), torch.randn(4)) and not kernel.runs(x.double(), weight.double())
+    assert not kernel.runs(torch.randn(2, 20000), torch.randn(20000))
+    with pytest.raises(ValueError, match="contiguous"):
+        kernel(x, weight, 1e-5, torch.randn(4, 8).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="contiguous"):
+        kernel(x, weight.to(torch.bfloat16), 1e-5)
+
+
+def test_rms_norm_keeps_nan_and_inf():
+    kernel = cpu_kernel.rms_norm(1)
+    x = torch.tensor([[float("nan"), 1.0, 2.0, 3.0], [float("inf"), 1.0, 1.0, 1.0]]).to(torch.bfloat16)
+    normed = kernel(x, torch.ones(4, dtype=torch.bfloat16), 1e-5)
+    assert normed[0].isnan().all() and normed[1].isnan().any()  # as F.rms_norm: inf / inf
+    assert torch.equal(normed.isnan(), torch.nn.functional.rms_norm(x, (4,), torch.ones(4, dtype=torch.bfloat16),
+                                                                      1e-5).isnan())
