@@ -1,11 +1,11 @@
-"""The CPU kernels in engine/csrc (decode attention, the int8 linear layer, RMSNorm): built on first use,
+"""The CPU kernels in engine/csrc (decode attention, the int8 linear layer, RMSNorm, RoPE): built on first use,
 called via ctypes.
 
 The C sources are compiled with the system compiler (`cc`, or $CC) for this machine's CPU into one
 library in $PAGEDSERVE_KERNEL_CACHE (default ~/.cache/pagedserve/kernels), named by a hash of the
 sources, the flags and the CPU's feature flags, so a copy never runs on a CPU it was not built for.
 Building takes about a second. Without a compiler, or with PAGEDSERVE_CPU_KERNEL=0, `load()`,
-`int8_linear()` and `rms_norm()` return None and the engine keeps its pure-torch paths (same results up to
+`int8_linear()`, `rms_norm()` and `rope()` return None and the engine keeps its pure-torch paths (same results up to
 float rounding, slower).
 """
 
@@ -26,7 +26,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name for name in ("paged_attention.c", "int8_linear.c",
-                                                                                     "rms_norm.c"))
+                                                                                     "rms_norm.c", "rope.c"))
 # -fopenmp-simd: the simd pragmas only, no OpenMP runtime (torch brings its own); threads come from the caller
 CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c11"]
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
@@ -226,6 +226,40 @@ class RMSNormKernel:
         return out if total is None else (total, out)
 
 
+class RopeKernel:
+    """rope_f32 / _bf16: RoPE in place on the first heads of a q/k/v projection's output, bit for bit
+    what engine/models/llama.py's apply_rope computes (engine/csrc/rope.c); one thread below
+    RMSNormKernel.PARALLEL_ELEMENTS, as RMSNorm."""
+
+    def __init__(self, library: ctypes.CDLL, threads: Threads) -> None:
+        self._fns = {torch.float32: library.rope_f32, torch.bfloat16: library.rope_bf16}
+        for fn in self._fns.values():
+            fn.argtypes = [_ptr] * 3 + [_i64] * 5
+            fn.restype = ctypes.c_int
+        self.threads = threads
+
+    def runs(self, heads: torch.Tensor, cos: torch.Tensor) -> bool:
+        """Whether this kernel can rotate heads [T, H, D] by cos/sin [T, 1, D / 2] (or [T, D / 2])."""
+        return (heads.device.type == "cpu" and heads.dtype in self._fns and cos.dtype == heads.dtype
+                and heads.dim() == 3 and heads.is_contiguous() and heads.shape[2] % 2 == 0
+                and cos.numel() == heads.shape[0] * heads.shape[2] // 2)
+
+    def __call__(self, heads: torch.Tensor, rotated: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """heads[:, :rotated] = apply_rope(heads[:, :rotated], cos, sin), in place."""
+        if not (self.runs(heads, cos) and sin.shape == cos.shape and sin.dtype == cos.dtype
+                and 0 <= rotated <= heads.shape[1]):
+            raise ValueError("rope reads raw memory: contiguous CPU float32 or bfloat16 heads [T, H, D] and cos, "
+                             "sin of its dtype with T x D / 2 values")
+        cos, sin = cos.contiguous(), sin.contiguous()
+        tokens, num_heads, head_dim = heads.shape
+        shared = (heads.data_ptr(), cos.data_ptr(), sin.data_ptr(), num_heads, rotated, head_dim)
+        fn = self._fns[heads.dtype]
+        if heads.numel() >= RMSNormKernel.PARALLEL_ELEMENTS:
+            self.threads.run(fn, shared, tokens)
+        else:
+            fn(*shared, 0, tokens)
+
+
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14
 
@@ -274,3 +308,10 @@ def rms_norm(num_threads: int) -> RMSNormKernel | None:
     """The RMSNorm kernel for this machine, or None (as `load`)."""
     library = _library()
     return None if library is None else RMSNormKernel(library, _threads(num_threads))
+
+
+@cache
+def rope(num_threads: int) -> RopeKernel | None:
+    """The RoPE kernel for this machine, or None (as `load`)."""
+    library = _library()
+    return None if library is None else RopeKernel(library, _threads(num_threads))

@@ -163,7 +163,12 @@ class Attention(nn.Module):
         q, k, v = heads.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.q_norm is not None:
             return apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin), v
-        # q and k side by side: RoPE's seven elementwise ops once for both, not once each
+        # q and k side by side: RoPE once for both, not once each
+        kernel = (cpu_kernel.rope(torch.get_num_threads())
+                  if heads.device.type == "cpu" and not torch.compiler.is_compiling() else None)
+        if kernel is not None and kernel.runs(heads, cos):
+            kernel(heads, self.num_heads + self.num_kv_heads, cos, sin)  # in place, what apply_rope gives
+            return heads.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         q, k = apply_rope(heads[:, :self.num_heads + self.num_kv_heads], cos, sin).split(
             [self.num_heads, self.num_kv_heads], dim=1)
         return q, k, v

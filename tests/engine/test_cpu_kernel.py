@@ -156,3 +156,28 @@ def test_rms_norm_keeps_nan_and_inf():
     assert normed[0].isnan().all() and normed[1].isnan().any()  # as F.rms_norm: inf / inf
     assert torch.equal(normed.isnan(), torch.nn.functional.rms_norm(x, (4,), torch.ones(4, dtype=torch.bfloat16),
                                                                       1e-5).isnan())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("tokens", "heads", "rotated", "head_dim"), [(1, 3, 2, 8), (37, 15, 12, 64), (2048, 15, 12, 64)])
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_rope_is_bit_for_bit_apply_rope(dtype, tokens, heads, rotated, head_dim, num_threads):
+    from engine.models.llama import apply_rope
+
+    torch.manual_seed(tokens)
+    x = torch.randn(tokens, heads, head_dim).mul(4).to(dtype)
+    freqs = torch.arange(tokens)[:, None] * torch.rand(head_dim // 2)
+    cos, sin = freqs.cos().to(dtype)[:, None], freqs.sin().to(dtype)[:, None]
+    rotated_x = x.clone()
+    cpu_kernel.rope(num_threads)(rotated_x, rotated, cos, sin)
+    assert torch.equal(rotated_x[:, :rotated], apply_rope(x[:, :rotated], cos, sin))
+    assert torch.equal(rotated_x[:, rotated:], x[:, rotated:])  # v's heads untouched
+
+
+def test_rope_refuses_what_it_cannot_read():
+    kernel = cpu_kernel.rope(1)
+    x, cos = torch.randn(4, 3, 8), torch.randn(4, 1, 4)
+    assert not kernel.runs(x.transpose(0, 1), cos) and not kernel.runs(x, cos.double())
+    assert not kernel.runs(x, torch.randn(3, 1, 4))
+    with pytest.raises(ValueError, match="contiguous"):
+        kernel(x, 4, cos, cos)
