@@ -30,6 +30,9 @@ SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name for name in ("pa
 # -fopenmp-simd: the simd pragmas only, no OpenMP runtime (torch brings its own); threads come from the caller
 CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c11"]
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+# below this many elements an elementwise kernel (RMSNorm, RoPE) runs on the calling thread alone: it is done
+# before a second thread would have woken (tens of microseconds on a VM with OpenMP's threads asleep)
+PARALLEL_ELEMENTS = 1 << 20
 
 
 def _cpu_flags() -> str:
@@ -97,6 +100,10 @@ class Threads:
         futures = [self._pool.submit(fn, *shared, lo, hi) for lo, hi in ranges[1:]] if self._pool else []
         codes = [fn(*shared, *ranges[0])] + [f.result() for f in futures]
         return not any(codes)
+
+    def run_sized(self, fn: Callable[..., int], shared: tuple, work: int, elements: int) -> bool:
+        """`run`, or fn over the whole of [0, work) on this thread when it touches under PARALLEL_ELEMENTS."""
+        return self.run(fn, shared, work) if elements >= PARALLEL_ELEMENTS else fn(*shared, 0, work) == 0
 
 
 @cache
@@ -187,10 +194,8 @@ class Int8LinearKernel:
 
 class RMSNormKernel:
     """rms_norm_f32 / _bf16: F.rms_norm over the last dimension in one pass per row, optionally after the
-    residual add (engine/csrc/rms_norm.c). Rows are split over threads only past PARALLEL_ELEMENTS: below,
-    one thread finishes before a second would have woken."""
+    residual add (engine/csrc/rms_norm.c); rows are split over threads only past PARALLEL_ELEMENTS."""
 
-    PARALLEL_ELEMENTS = 1 << 20
     DTYPES = (torch.float32, torch.bfloat16)
 
     def __init__(self, library: ctypes.CDLL, threads: Threads) -> None:
@@ -219,17 +224,14 @@ class RMSNormKernel:
         rows = x.numel() // dim
         shared = (x.data_ptr(), 0 if residual is None else residual.data_ptr(), weight.data_ptr(),
                   0 if total is None else total.data_ptr(), out.data_ptr(), dim, eps)
-        fn = self._fns[x.dtype]
-        ok = self.threads.run(fn, shared, rows) if x.numel() >= self.PARALLEL_ELEMENTS else fn(*shared, 0, rows) == 0
-        if not ok:
-            raise ValueError(f"rms_norm: rows of {dim} exceed the kernel's 16384")
+        self.threads.run_sized(self._fns[x.dtype], shared, rows, x.numel())  # fails only on rows `runs` refuses
         return out if total is None else (total, out)
 
 
 class RopeKernel:
     """rope_f32 / _bf16: RoPE in place on the first heads of a q/k/v projection's output, bit for bit
-    what engine/models/llama.py's apply_rope computes (engine/csrc/rope.c); one thread below
-    RMSNormKernel.PARALLEL_ELEMENTS, as RMSNorm."""
+    what engine/models/llama.py's apply_rope computes (engine/csrc/rope.c); tokens are split over threads
+    only past PARALLEL_ELEMENTS."""
 
     def __init__(self, library: ctypes.CDLL, threads: Threads) -> None:
         self._fns = {torch.float32: library.rope_f32, torch.bfloat16: library.rope_bf16}
@@ -253,11 +255,7 @@ class RopeKernel:
         cos, sin = cos.contiguous(), sin.contiguous()
         tokens, num_heads, head_dim = heads.shape
         shared = (heads.data_ptr(), cos.data_ptr(), sin.data_ptr(), num_heads, rotated, head_dim)
-        fn = self._fns[heads.dtype]
-        if heads.numel() >= RMSNormKernel.PARALLEL_ELEMENTS:
-            self.threads.run(fn, shared, tokens)
-        else:
-            fn(*shared, 0, tokens)
+        self.threads.run_sized(self._fns[heads.dtype], shared, tokens, heads.numel())
 
 
 HUGE_PAGE = 2 << 20
