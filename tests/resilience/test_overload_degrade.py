@@ -52,11 +52,13 @@ MAX_TOKENS = 8
 BASELINE_S = 15.0
 FAULT_S = 40.0
 FLOOD_S = 30.0
-# Each loop iteration sleeps this long before its step, so a first token takes D + step at least and
-# up to 2 (D + step) (added mid-sleep, a request waits for the next iteration); closed-loop users resend
-# right after a step, so most of theirs wait about 2 (D + step) > the deadline; one iteration (D + step)
-# stays under the stall timeout.
-SLOW_DELAY_MS = 3000.0
+# Each loop iteration, idle ones included, sleeps this long before its step: longer than the first-token
+# deadline, so no first token from the slowed primary comes in time, whatever moment of the loop's sleep
+# a request arrives in. At 3 s (shorter than the deadline) that moment decided the test: a wave that came
+# late in an idle sleep got its first tokens within 3 s + a step, in time, then held all 64 users on the
+# primary for 8 iterations (24 s) with no slow call, and the breaker first opened 29 s into the fault.
+# One iteration (D + step) stays under the stall timeout.
+SLOW_DELAY_MS = 6000.0
 TTFT_MARGIN_S = 1.5
 POLL_S = 0.2
 PRIMARY_SLACK_S = 0.5  # client-side TTFT of an answer the primary served may pass the deadline by this much
