@@ -2,7 +2,7 @@
 `LLMEngine` under torch.profiler, each step's wall time split into the hot-spot table:
 
     attention    paged attention: SDPA, the block gathers, the C decode kernel (a ctypes call the
-                 profiler cannot see: it is the self time of the attention modules' ranges)
+                 profiler cannot see: it is the self time of the attention modules' `attend` ranges)
     kv_write     index_copy_ of the new K/V into the block pool, inside the forward
     gemm         linear layers and the LM head (aten::linear/addmm/mm/matmul/bmm, oneDNN's linear), wherever
                  they run
@@ -14,11 +14,10 @@
 
 Each profiled event's self time (its time minus its children's) goes to one category, decided by the
 ranges around it: the engine's phase ranges (engine/llm_engine.py, engine/sampler.py), ranges this
-module opens around the model's forward and each attention module with forward hooks (only while a
-profile runs), and, inside an attention module, op names: RoPE's ops (mul/sub/add/cat/chunk) and the
-q/k/v split and views are elementwise, index_copy_ is kv_write, the rest is attention. A
-`record_function` around `apply_rope` (engine/models/llama.py) and around the KV write in
-`paged_attention` (engine/attention.py) would replace that last rule with ranges. The self times of a
+module opens around the model's forward and each attention module's `attend` (only while a
+profile runs), and, inside `attend`, op names: index_copy_ is kv_write, splits, views and plain
+arithmetic (mul/sub/add/cat/chunk) are elementwise, the rest is attention. A `record_function` around
+the KV write in `paged_attention` (engine/attention.py) would replace that last rule with ranges. The self times of a
 step's events add up to the step's range, so the categories sum to the step time.
 """
 
@@ -172,30 +171,29 @@ def _drive(engine, settings: ProfileSettings, rng: random.Random, tag: str) -> l
 
 @contextmanager
 def _module_ranges(model: "torch.nn.Module") -> Iterator[None]:
-    """Ranges around the model's forward and each attention module, by forward hooks, for as long as
-    the profile runs (the model code stays free of profiler calls)."""
+    """Ranges around the model's forward and each attention module's `attend` (the paged attention and its
+    KV write; the decoder layer calls it as a method, so no forward hook would see it), for as long as the
+    profile runs: the methods are wrapped on the instances, and the class's come back after (the model
+    code stays free of profiler calls)."""
     from torch.profiler import record_function
 
     from engine.models.llama import Attention
 
-    open_ranges: list[record_function] = []
+    def ranged(method, label: str):
+        def call(*args, **kwargs):
+            with record_function(label):
+                return method(*args, **kwargs)
+        return call
 
-    def enter(label: str):
-        def hook(module, args):
-            open_ranges.append(record_function(label).__enter__())
-        return hook
-
-    def leave(module, args, output):
-        open_ranges.pop().__exit__(None, None, None)
-
-    labelled = [(model, FORWARD)] + [(m, ATTENTION) for m in model.modules() if isinstance(m, Attention)]
-    handles = [h for m, label in labelled for h in (m.register_forward_pre_hook(enter(label)),
-                                                      m.register_forward_hook(leave, always_call=True))]
+    wrapped = [(model, "forward", FORWARD)] + [(m, "attend", ATTENTION) for m in model.modules()
+                                               if isinstance(m, Attention)]
+    for module, name, label in wrapped:
+        setattr(module, name, ranged(getattr(module, name), label))
     try:
         yield
     finally:
-        for handle in handles:
-            handle.remove()
+        for module, name, _ in wrapped:
+            delattr(module, name)
 
 
 def _by_kind(events: list, kinds: list[bool], with_device: bool) -> dict:

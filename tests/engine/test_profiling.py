@@ -36,6 +36,8 @@ def test_categories_sum_to_the_step_time(result):
     assert prefill["num_steps"] >= 3 and decode["num_steps"] >= 1  # 24 prompt tokens need 3 steps of 8
     assert prefill["num_steps"] + decode["num_steps"] == result["num_steps"]
     assert prefill["step_seconds"] + decode["step_seconds"] == pytest.approx(result["step_seconds"])
+    # decode attention too (on CPU the C kernel, which the profiler sees only as its range's self time)
+    assert decode["categories"]["attention"]["seconds"] > 0, decode["categories"]
 
 
 def test_the_json_has_the_documented_keys(result):
