@@ -1,11 +1,11 @@
-"""The CPU kernels in engine/csrc (decode attention, the int8 linear layer, RMSNorm, RoPE): built on first use,
+"""The CPU kernels in engine/csrc (decode attention, the int8 linear layer, RMSNorm, RoPE, SiLU * up): built on first use,
 called via ctypes.
 
 The C sources are compiled with the system compiler (`cc`, or $CC) for this machine's CPU into one
 library in $PAGEDSERVE_KERNEL_CACHE (default ~/.cache/pagedserve/kernels), named by a hash of the
 sources, the flags and the CPU's feature flags, so a copy never runs on a CPU it was not built for.
 Building takes about a second. Without a compiler, or with PAGEDSERVE_CPU_KERNEL=0, `load()`,
-`int8_linear()`, `rms_norm()` and `rope()` return None and the engine keeps its pure-torch paths (same results up to
+`int8_linear()`, `rms_norm()`, `rope()` and `silu_mul()` return None and the engine keeps its pure-torch paths (same results up to
 float rounding, slower).
 """
 
@@ -25,12 +25,13 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name for name in ("paged_attention.c", "int8_linear.c",
-                                                                                     "rms_norm.c", "rope.c"))
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = tuple(CSRC / name for name in ("paged_attention.c", "int8_linear.c", "rms_norm.c", "rope.c", "silu_mul.c"))
+HEADERS = (CSRC / "kernel_math.h",)
 # -fopenmp-simd: the simd pragmas only, no OpenMP runtime (torch brings its own); threads come from the caller
 CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c11"]
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
-# below this many elements an elementwise kernel (RMSNorm, RoPE) runs on the calling thread alone: it is done
+# below this many elements an elementwise kernel (RMSNorm, RoPE, SiLU * up) runs on the calling thread alone: it is done
 # before a second thread would have woken (tens of microseconds on a VM with OpenMP's threads asleep)
 PARALLEL_ELEMENTS = 1 << 20
 
@@ -44,7 +45,7 @@ def _cpu_flags() -> str:
 
 
 def _build(compiler: str) -> Path:
-    key = hashlib.sha256(b"\0".join([*(p.read_bytes() for p in SOURCES), " ".join(CFLAGS).encode(),
+    key = hashlib.sha256(b"\0".join([*(p.read_bytes() for p in SOURCES + HEADERS), " ".join(CFLAGS).encode(),
                                      compiler.encode(), _cpu_flags().encode()])).hexdigest()[:16]
     cache_dir = Path(os.environ.get("PAGEDSERVE_KERNEL_CACHE") or Path.home() / ".cache" / "pagedserve" / "kernels")
     target = cache_dir / f"pagedserve-kernels-{key}.so"
@@ -258,6 +259,34 @@ class RopeKernel:
         self.threads.run_sized(self._fns[heads.dtype], shared, tokens, heads.numel())
 
 
+class SiluMulKernel:
+    """silu_mul_f32 / _bf16: F.silu(gate) * up for x = [gate | up] (the fused gate/up projection's output) in
+    one pass (engine/csrc/silu_mul.c); rows are split over threads only past PARALLEL_ELEMENTS."""
+
+    def __init__(self, library: ctypes.CDLL, threads: Threads) -> None:
+        self._fns = {torch.float32: library.silu_mul_f32, torch.bfloat16: library.silu_mul_bf16}
+        for fn in self._fns.values():
+            fn.argtypes = [_ptr] * 2 + [_i64] * 3
+            fn.restype = ctypes.c_int
+        self.threads = threads
+
+    def runs(self, x: torch.Tensor) -> bool:
+        """Whether this kernel can read x [..., 2n]."""
+        return (x.device.type == "cpu" and x.dtype in self._fns and x.is_contiguous() and x.dim() >= 1
+                and x.shape[-1] % 2 == 0)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., 2n] -> [..., n]: what `gate, up = x.chunk(2, dim=-1); F.silu(gate) * up` gives."""
+        if not self.runs(x):
+            raise ValueError("silu_mul reads raw memory: a contiguous CPU float32 or bfloat16 x with an even "
+                             "last dimension")
+        n = x.shape[-1] // 2
+        out = x.new_empty(*x.shape[:-1], n)
+        self.threads.run_sized(self._fns[x.dtype], (x.data_ptr(), out.data_ptr(), n), out.numel() // max(n, 1),
+                               out.numel())
+        return out
+
+
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14
 
@@ -313,3 +342,10 @@ def rope(num_threads: int) -> RopeKernel | None:
     """The RoPE kernel for this machine, or None (as `load`)."""
     library = _library()
     return None if library is None else RopeKernel(library, _threads(num_threads))
+
+
+@cache
+def silu_mul(num_threads: int) -> SiluMulKernel | None:
+    """The SiLU * up kernel for this machine, or None (as `load`)."""
+    library = _library()
+    return None if library is None else SiluMulKernel(library, _threads(num_threads))

@@ -16,6 +16,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "kernel_math.h"
+
 /* 8 partial sums: the compiler turns the inner loop into one vector multiply-add per 8 values */
 static inline float dot(const float *restrict a, const float *restrict b, int64_t n)
 {
@@ -28,20 +30,14 @@ static inline float dot(const float *restrict a, const float *restrict b, int64_
     return ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7])) + tail;
 }
 
-static inline float bf16_to_f32(uint16_t v)
-{
-    union { uint32_t u; float f; } x = {.u = (uint32_t)v << 16};
-    return x.f;
-}
-
 static inline float dot_bf16(const float *restrict a, const uint16_t *restrict b, int64_t n)
 {
     float part[8] = {0};
     int64_t i = 0;
     for (; i + 8 <= n; i += 8)
-        for (int j = 0; j < 8; ++j) part[j] += a[i + j] * bf16_to_f32(b[i + j]);
+        for (int j = 0; j < 8; ++j) part[j] += a[i + j] * bf16_load(b[i + j]);
     float tail = 0.0f;
-    for (; i < n; ++i) tail += a[i] * bf16_to_f32(b[i]);
+    for (; i < n; ++i) tail += a[i] * bf16_load(b[i]);
     return ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7])) + tail;
 }
 
@@ -103,7 +99,7 @@ static inline void add_scaled(float *restrict acc, float p, const float *restric
 
 static inline void add_scaled_bf16(float *restrict acc, float p, const uint16_t *restrict v, int64_t n)
 {
-    for (int64_t i = 0; i < n; ++i) acc[i] += p * bf16_to_f32(v[i]);
+    for (int64_t i = 0; i < n; ++i) acc[i] += p * bf16_load(v[i]);
 }
 
 /* kv_bf16: the caches hold bfloat16 (uint16) values, else float32; a constant at each call below, so

@@ -13,19 +13,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-static inline float bf16_load(uint16_t v)
-{
-    union { uint32_t u; float f; } x = {.u = (uint32_t)v << 16};
-    return x.f;
-}
-
-/* round to nearest even, as torch rounds float32 to bfloat16; a NaN stays a (quiet) NaN */
-static inline uint16_t bf16_store(float f)
-{
-    union { float f; uint32_t u; } x = {.f = f};
-    if ((x.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x.u >> 16) | 0x40);
-    return (uint16_t)((x.u + 0x7fffu + ((x.u >> 16) & 1u)) >> 16);
-}
+#include "kernel_math.h"
 
 /* the row's mean square, from the values in `row` (float32) */
 static inline float mean_square(const float *restrict row, int64_t dim)

@@ -11,20 +11,7 @@
  * Built by engine/cpu_kernel.py with the other kernels; callers split [token_begin, token_end). */
 #include <stdint.h>
 
-static inline float bf16_load(uint16_t v)
-{
-    union { uint32_t u; float f; } x = {.u = (uint32_t)v << 16};
-    return x.f;
-}
-
-static inline uint16_t bf16_store(float f)
-{
-    union { float f; uint32_t u; } x = {.f = f};
-    if ((x.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x.u >> 16) | 0x40);
-    return (uint16_t)((x.u + 0x7fffu + ((x.u >> 16) & 1u)) >> 16);
-}
-
-static inline float bf16_round(float f) { return bf16_load(bf16_store(f)); }
+#include "kernel_math.h"
 
 /* x [T, heads, head_dim]; the first `rotated` heads of every token */
 int rope_f32(float *x, const float *cos, const float *sin, int64_t heads, int64_t rotated, int64_t head_dim,

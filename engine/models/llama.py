@@ -184,7 +184,14 @@ class MLP(nn.Module):
         self.down_proj = linear(args.intermediate_size, args.hidden_size, args.mlp_bias, dtype, quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        # on CPU F.silu and the product are two parallel regions, each waking OpenMP's sleeping thread:
+        # engine/csrc/silu_mul.c does both in one pass (bfloat16 as aten rounds it, float32 within a few ulp)
+        kernel = (cpu_kernel.silu_mul(torch.get_num_threads())
+                  if gate_up.device.type == "cpu" and not torch.compiler.is_compiling() else None)
+        if kernel is not None and kernel.runs(gate_up):
+            return self.down_proj(kernel(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

@@ -181,3 +181,40 @@ def test_rope_refuses_what_it_cannot_read():
     assert not kernel.runs(x, torch.randn(3, 1, 4))
     with pytest.raises(ValueError, match="contiguous"):
         kernel(x, 4, cos, cos)
+
+
+def _silu_mul(x):
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "n"), [(1, 8), (1, 1536), (37, 1000), (2048, 576)])  # the last split over threads
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_silu_mul_matches_torch(dtype, rows, n, num_threads):
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 2 * n).mul(6).to(dtype)
+    got, want = cpu_kernel.silu_mul(num_threads)(x), _silu_mul(x)
+    if dtype == torch.bfloat16:  # every rounding where aten rounds
+        assert torch.equal(got, want)
+    else:  # another exp polynomial than aten's: a few ulp
+        assert ((got.double() - want.double()).abs() <= 8 * 2.0**-23 * want.double().abs() + 1e-30).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_at_the_edges_of_exp(dtype):
+    gate = torch.tensor([0.0, -0.0, 1e-30, 80.0, 100.0, -80.0, -100.0, float("inf"), float("nan"), 3.0])
+    up = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 2.0, 1.0, float("nan")])
+    got = cpu_kernel.silu_mul(1)(torch.cat([gate, up])[None].to(dtype))[0].double()
+    want = _silu_mul(torch.cat([gate, up])[None].to(dtype))[0].double()
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got[:5], want[:5]) and got[7] == want[7]
+    # g = -100: e^100 overflows float32 in aten (-0 out); clamped here below overflow (about -4e-37 out)
+    assert (got[5:7].abs() < 1e-30).all() and got[5] == pytest.approx(want[5].item(), rel=1e-2)
+
+
+def test_silu_mul_refuses_what_it_cannot_read():
+    kernel = cpu_kernel.silu_mul(1)
+    assert not kernel.runs(torch.randn(4, 7)) and not kernel.runs(torch.randn(8, 4).t())
+    assert not kernel.runs(torch.randn(4, 8).double())
+    with pytest.raises(ValueError, match="contiguous"):
+        kernel(torch.randn(4, 7))
