@@ -90,13 +90,51 @@ static inline void dot_rows(const float *x, int64_t k, const int8_t *w, const fl
     }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+#define WROWS 4 /* weight rows per pass over one row of x, when it is longer than X_IN_L1_BYTES */
+/* Below, one weight row at a time streams faster (a single sequential read for the prefetcher: 4 rows at
+ * once ran [17920, 1536] at 28 GB/s against 41); above, x no longer stays in L1 between weight rows */
+#define X_IN_L1_BYTES (16 << 10)
+
+/* out[i] = dot_rows's out[0] for weight row i of WROWS (w, w + k, ...; scales `groups` apart): one row of x
+ * (decode of one sequence) read once for WROWS weight rows, not once for each: a row of x longer than L1
+ * (down_proj's 8960 floats) was reloaded from L2 for every weight row, 4 bytes of x per byte of weight
+ * ([1536, 8960] 734 -> 525 us) */
+static inline void dot_wrows(const float *x, int64_t k, const int8_t *w, const float *scale, int64_t groups,
+                             int64_t group_size, float *out)
+{
+    __m256 total[WROWS];
+    for (int i = 0; i < WROWS; ++i) total[i] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < k; g += group_size) {
+        __m256 acc[WROWS][2]; /* 8 independent sums (see dot_rows) */
+        for (int i = 0; i < WROWS; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+        for (int64_t j = g; j < g + group_size; j += 16) {
+            const __m256 x0 = _mm256_loadu_ps(x + j), x1 = _mm256_loadu_ps(x + j + 8);
+            for (int i = 0; i < WROWS; ++i) {
+                acc[i][0] = _mm256_fmadd_ps(x0, widen8(w + i * k + j), acc[i][0]);
+                acc[i][1] = _mm256_fmadd_ps(x1, widen8(w + i * k + j + 8), acc[i][1]);
+            }
+        }
+        for (int i = 0; i < WROWS; ++i)
+            total[i] = _mm256_fmadd_ps(_mm256_add_ps(acc[i][0], acc[i][1]),
+                                       _mm256_set1_ps(scale[i * groups + g / group_size]), total[i]);
+    }
+    for (int i = 0; i < WROWS; ++i) out[i] = hsum(total[i]);
+}
+#endif
+
 /* y [m, n] = x [m, k] @ (q [n, k] * scale [n, k / group_size])^T, output rows [row_begin, row_end) */
 int int8_linear_f32(const float *x, const int8_t *q, const float *scale, float *y,
                     int64_t m, int64_t n, int64_t k, int64_t group_size, int64_t row_begin, int64_t row_end)
 {
     if (group_size <= 0 || k % group_size != 0) return -1;
     const int64_t groups = k / group_size;
-    for (int64_t r = row_begin; r < row_end; ++r)
+    int64_t r = row_begin;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (m == 1 && group_size % 16 == 0 && k * (int64_t)sizeof(float) > X_IN_L1_BYTES)
+        for (; r + WROWS <= row_end; r += WROWS) dot_wrows(x, k, q + r * k, scale + r * groups, groups, group_size, y + r);
+#endif
+    for (; r < row_end; ++r)
         for (int64_t t = 0; t < m; t += TILE) {
             float out[TILE];
             const int rows = m - t < TILE ? (int)(m - t) : TILE;
