@@ -4,8 +4,8 @@
     attention    paged attention: SDPA, the block gathers, the C decode kernel (a ctypes call the
                  profiler cannot see: it is the self time of the attention modules' `attend` ranges)
     kv_write     index_copy_ of the new K/V into the block pool, inside the forward
-    gemm         linear layers and the LM head (aten::linear/addmm/mm/matmul/bmm, oneDNN's linear), wherever
-                 they run
+    gemm         linear layers and the LM head (aten::linear/addmm/mm/matmul/bmm, oneDNN's linear, the int8
+                 layers' C kernel), wherever they run
     elementwise  the rest of the forward: norms, RoPE, SiLU*up, residual adds, the embedding, and the
                  forward's own Python between ops
     sampling     the sampler (its range in engine/sampler.py)
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 CATEGORIES = ("attention", "kv_write", "gemm", "elementwise", "sampling", "host")
 STEP, SCHEDULE, RUN, POSTPROCESS = "pagedserve::step", "pagedserve::schedule", "pagedserve::run", "pagedserve::postprocess"
 SAMPLE, FORWARD, ATTENTION = "pagedserve::sample", "pagedserve::forward", "pagedserve::attention"
+GEMM = "pagedserve::gemm"  # around each int8 linear layer: its C kernel is a ctypes call the profiler cannot see
 GEMM_OPS = frozenset({"aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::bmm", "aten::baddbmm",
                       "mkldnn::_linear_pointwise"})  # the last: engine/onednn_linear.py's layers
 KV_WRITE_OPS = frozenset({"aten::index_copy_"})
@@ -49,7 +50,7 @@ ROPE_OPS = frozenset({"aten::split", "aten::split_with_sizes", "aten::view", "at
 _SCOPE_CATEGORY = {"step": "host", "schedule": "host", "run": "host", "postprocess": "host", "forward": "elementwise",
                    "attention_module": "attention", **{c: c for c in CATEGORIES}}
 _LABEL_SCOPES = {SCHEDULE: "schedule", RUN: "run", POSTPROCESS: "postprocess", SAMPLE: "sampling",
-                 FORWARD: "forward", ATTENTION: "attention_module"}
+                 FORWARD: "forward", ATTENTION: "attention_module", GEMM: "gemm"}
 SUM_TOLERANCE = 0.01  # categories vs step time, relative: events that spill past their parent by a clock tick
 
 
@@ -70,6 +71,7 @@ class ProfileSettings:
     max_num_batched_tokens: int = 256  # per step: prompts longer than this come in chunks
     max_steps: int | None = None  # profiled steps; None = until every sequence is done
     dtype: str = "float32"
+    quantization: str | None = None  # as EngineConfig's: "int8", or the checkpoint's "awq" / "gptq"
     device: str = "auto"
     num_threads: int | None = None
     temperature: float = 0.0
@@ -95,6 +97,7 @@ def profile_arguments(parser: argparse.ArgumentParser) -> None:
                    help="tokens per step; longer prompts come in chunks (default: %(default)s)")
     g.add_argument("--steps", dest="max_steps", type=int, help="profile at most this many steps (default: all)")
     g.add_argument("--dtype", default=d.dtype, help="auto | float32 | bfloat16 | float16 (default: %(default)s)")
+    g.add_argument("--quantization", help="int8 (weight-only, at load), or awq / gptq for such a checkpoint")
     g.add_argument("--device", default=d.device, help="auto | cpu | cuda (default: %(default)s)")
     g.add_argument("--num-threads", type=int, help="torch threads on CPU (default: torch's)")
     g.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy (default: %(default)s)")
@@ -117,7 +120,8 @@ def run_profile(model: str, settings: ProfileSettings) -> dict:
 
     load_before = os.getloadavg()
     engine = LLMEngine(EngineConfig(
-        model, dtype=settings.dtype, device=settings.device, max_num_seqs=settings.batch_size,
+        model, dtype=settings.dtype, quantization=settings.quantization, device=settings.device,
+        max_num_seqs=settings.batch_size, max_model_len=settings.prompt_len + settings.output_len,
         max_num_batched_tokens=settings.max_num_batched_tokens, num_threads=settings.num_threads,
         enable_prefix_caching=False, seed=settings.seed))  # no cache: the second run must prefill again
     rng = random.Random(settings.seed)
@@ -171,13 +175,15 @@ def _drive(engine, settings: ProfileSettings, rng: random.Random, tag: str) -> l
 
 @contextmanager
 def _module_ranges(model: "torch.nn.Module") -> Iterator[None]:
-    """Ranges around the model's forward and each attention module's `attend` (the paged attention and its
-    KV write; the decoder layer calls it as a method, so no forward hook would see it), for as long as the
+    """Ranges around the model's forward, each attention module's `attend` (the paged attention and its
+    KV write; the decoder layer calls it as a method, so no forward hook would see it) and each int8
+    linear layer's forward (its C kernel is invisible to the profiler otherwise), for as long as the
     profile runs: the methods are wrapped on the instances, and the class's come back after (the model
     code stays free of profiler calls)."""
     from torch.profiler import record_function
 
     from engine.models.llama import Attention
+    from engine.quantization import Int8Linear
 
     def ranged(method, label: str):
         def call(*args, **kwargs):
@@ -187,6 +193,7 @@ def _module_ranges(model: "torch.nn.Module") -> Iterator[None]:
 
     wrapped = [(model, "forward", FORWARD)] + [(m, "attend", ATTENTION) for m in model.modules()
                                                if isinstance(m, Attention)]
+    wrapped += [(m, "forward", GEMM) for m in model.modules() if isinstance(m, Int8Linear)]
     for module, name, label in wrapped:
         setattr(module, name, ranged(getattr(module, name), label))
     try:

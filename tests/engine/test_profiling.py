@@ -52,6 +52,13 @@ def test_the_json_has_the_documented_keys(result):
     assert machine["torch_threads"] >= 1 and "cpu" in machine
 
 
+def test_an_int8_model_profiles_with_its_layers_as_gemm(random_model):
+    result = run_profile(random_model(), ProfileSettings(**{**TINY.__dict__, "quantization": "int8"}))
+    assert result["settings"]["quantization"] == "int8"
+    decode = result["by_step_kind"]["decode"]["categories"]
+    assert decode["gemm"]["seconds"] > 0 and decode["attention"]["seconds"] > 0, decode
+
+
 def test_max_steps_bounds_the_profiled_steps(random_model):
     assert run_profile(random_model(), ProfileSettings(**{**TINY.__dict__, "max_steps": 2}))["num_steps"] == 2
 
@@ -68,6 +75,7 @@ def test_scope_rules():
     assert _scope("aten::rms_norm", "forward") == "elementwise"
     assert _scope("aten::tensor", "run") == "run"
     assert _scope("pagedserve::sample", "run") == "sampling"
+    assert _scope("pagedserve::gemm", "forward") == "gemm"  # an int8 layer: its C kernel is the range's self time
 
 
 def test_phase_is_free_without_a_profiler():
