@@ -91,7 +91,7 @@ static inline void dot_rows(const float *x, int64_t k, const int8_t *w, const fl
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-#define WROWS 4 /* weight rows per pass over one row of x, when it is longer than X_IN_L1_BYTES */
+#define WROWS 8 /* weight rows per pass over one row of x, when it is longer than X_IN_L1_BYTES */
 /* Below, one weight row at a time streams faster (a single sequential read for the prefetcher: 4 rows at
  * once ran [17920, 1536] at 28 GB/s against 41); above, x no longer stays in L1 between weight rows */
 #define X_IN_L1_BYTES (16 << 10)
@@ -99,25 +99,24 @@ static inline void dot_rows(const float *x, int64_t k, const int8_t *w, const fl
 /* out[i] = dot_rows's out[0] for weight row i of WROWS (w, w + k, ...; scales `groups` apart): one row of x
  * (decode of one sequence) read once for WROWS weight rows, not once for each: a row of x longer than L1
  * (down_proj's 8960 floats) was reloaded from L2 for every weight row, 4 bytes of x per byte of weight
- * ([1536, 8960] 734 -> 525 us) */
+ * ([1536, 8960] 710-780 -> 444-452 us; 4 rows: 523-541) */
 static inline void dot_wrows(const float *x, int64_t k, const int8_t *w, const float *scale, int64_t groups,
                              int64_t group_size, float *out)
 {
     __m256 total[WROWS];
     for (int i = 0; i < WROWS; ++i) total[i] = _mm256_setzero_ps();
     for (int64_t g = 0; g < k; g += group_size) {
-        __m256 acc[WROWS][2]; /* 8 independent sums (see dot_rows) */
-        for (int i = 0; i < WROWS; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+        __m256 acc[WROWS]; /* one sum per weight row: WROWS independent chains (see dot_rows) */
+        for (int i = 0; i < WROWS; ++i) acc[i] = _mm256_setzero_ps();
         for (int64_t j = g; j < g + group_size; j += 16) {
             const __m256 x0 = _mm256_loadu_ps(x + j), x1 = _mm256_loadu_ps(x + j + 8);
             for (int i = 0; i < WROWS; ++i) {
-                acc[i][0] = _mm256_fmadd_ps(x0, widen8(w + i * k + j), acc[i][0]);
-                acc[i][1] = _mm256_fmadd_ps(x1, widen8(w + i * k + j + 8), acc[i][1]);
+                acc[i] = _mm256_fmadd_ps(x0, widen8(w + i * k + j), acc[i]);
+                acc[i] = _mm256_fmadd_ps(x1, widen8(w + i * k + j + 8), acc[i]);
             }
         }
         for (int i = 0; i < WROWS; ++i)
-            total[i] = _mm256_fmadd_ps(_mm256_add_ps(acc[i][0], acc[i][1]),
-                                       _mm256_set1_ps(scale[i * groups + g / group_size]), total[i]);
+            total[i] = _mm256_fmadd_ps(acc[i], _mm256_set1_ps(scale[i * groups + g / group_size]), total[i]);
     }
     for (int i = 0; i < WROWS; ++i) out[i] = hsum(total[i]);
 }
