@@ -42,9 +42,9 @@ GEMM = "pagedserve::gemm"  # around each int8 linear layer: its C kernel is a ct
 GEMM_OPS = frozenset({"aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::bmm", "aten::baddbmm",
                       "mkldnn::_linear_pointwise"})  # the last: engine/onednn_linear.py's layers
 KV_WRITE_OPS = frozenset({"aten::index_copy_"})
-# ops of Attention.forward around paged_attention: the q/k/v split and views, RoPE
-# (their slices and strides are their children, so they follow); a view in paged_attention counts here too
-ROPE_OPS = frozenset({"aten::split", "aten::split_with_sizes", "aten::view", "aten::chunk", "aten::mul", "aten::sub",
+# ops inside an attention module's `attend` that are not attention: splits, views and plain arithmetic
+# (their slices and strides are their children, so they follow)
+ATTEND_ELEMENTWISE_OPS = frozenset({"aten::split", "aten::split_with_sizes", "aten::view", "aten::chunk", "aten::mul", "aten::sub",
                       "aten::add", "aten::cat"})
 # scope an event opens -> the category of the self time inside it
 _SCOPE_CATEGORY = {"step": "host", "schedule": "host", "run": "host", "postprocess": "host", "forward": "elementwise",
@@ -249,7 +249,7 @@ def _scope(name: str, scope: str) -> str:
     if scope in ("forward", "attention_module") and name in KV_WRITE_OPS:
         return "kv_write"
     if scope == "attention_module":
-        return "elementwise" if name in ROPE_OPS else "attention"
+        return "elementwise" if name in ATTEND_ELEMENTWISE_OPS else "attention"
     if scope == "forward":
         return "elementwise"
     return scope

@@ -195,8 +195,10 @@ def test_silu_mul_matches_torch(dtype, rows, n, num_threads):
     torch.manual_seed(rows)
     x = torch.randn(rows, 2 * n).mul(6).to(dtype)
     got, want = cpu_kernel.silu_mul(num_threads)(x), _silu_mul(x)
-    if dtype == torch.bfloat16:  # every rounding where aten rounds
-        assert torch.equal(got, want)
+    if dtype == torch.bfloat16:  # every rounding where aten rounds: equal (6M of 6M elements here), but two
+        # exp polynomials a few float32 ulp apart can round to neighbouring bfloat16 values, rarely
+        assert (got != want).float().mean() <= 1e-4
+        assert ((got.float() - want.float()).abs() <= 2.0**-8 * want.float().abs()).all()
     else:  # another exp polynomial than aten's: a few ulp
         assert ((got.double() - want.double()).abs() <= 8 * 2.0**-23 * want.double().abs() + 1e-30).all()
 

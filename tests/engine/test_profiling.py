@@ -69,7 +69,7 @@ def test_scope_rules():
     assert _scope("mkldnn::_linear_pointwise", "forward") == "gemm"  # engine/onednn_linear.py's layers
     assert _scope("aten::index_copy_", "attention_module") == "kv_write"
     assert _scope("aten::index_copy_", "run") == "run"  # a block copy before the forward is host work
-    assert _scope("aten::mul", "attention_module") == "elementwise"  # RoPE
+    assert _scope("aten::mul", "attention_module") == "elementwise"  # plain arithmetic inside attend
     assert _scope("aten::index_select", "attention_module") == "attention"  # a block gather
     assert _scope("aten::bmm", "attention") == "attention"  # SDPA's math path stays attention
     assert _scope("aten::rms_norm", "forward") == "elementwise"
