@@ -316,36 +316,33 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 @cache
+def _kernel(kind: type, num_threads: int):
+    """One `kind` of kernel for this machine (one per kind and thread count), or None (no compiler, a failed
+    build, or PAGEDSERVE_CPU_KERNEL=0)."""
+    library = _library()
+    return None if library is None else kind(library, _threads(num_threads))
+
+
 def load(num_threads: int) -> DecodeKernel | None:
-    """The decode-attention kernel for this machine, or None (no compiler, a failed build, or
-    PAGEDSERVE_CPU_KERNEL=0)."""
-    library = _library()
-    return None if library is None else DecodeKernel(library, _threads(num_threads))
+    """The decode-attention kernel for this machine, or None."""
+    return _kernel(DecodeKernel, num_threads)
 
 
-@cache
 def int8_linear(num_threads: int) -> Int8LinearKernel | None:
-    """The int8 linear-layer kernel for this machine, or None (as `load`)."""
-    library = _library()
-    return None if library is None else Int8LinearKernel(library, _threads(num_threads))
+    """The int8 linear-layer kernel for this machine, or None."""
+    return _kernel(Int8LinearKernel, num_threads)
 
 
-@cache
 def rms_norm(num_threads: int) -> RMSNormKernel | None:
-    """The RMSNorm kernel for this machine, or None (as `load`)."""
-    library = _library()
-    return None if library is None else RMSNormKernel(library, _threads(num_threads))
+    """The RMSNorm kernel for this machine, or None."""
+    return _kernel(RMSNormKernel, num_threads)
 
 
-@cache
 def rope(num_threads: int) -> RopeKernel | None:
-    """The RoPE kernel for this machine, or None (as `load`)."""
-    library = _library()
-    return None if library is None else RopeKernel(library, _threads(num_threads))
+    """The RoPE kernel for this machine, or None."""
+    return _kernel(RopeKernel, num_threads)
 
 
-@cache
 def silu_mul(num_threads: int) -> SiluMulKernel | None:
-    """The SiLU * up kernel for this machine, or None (as `load`)."""
-    library = _library()
-    return None if library is None else SiluMulKernel(library, _threads(num_threads))
+    """The SiLU * up kernel for this machine, or None."""
+    return _kernel(SiluMulKernel, num_threads)

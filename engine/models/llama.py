@@ -16,6 +16,7 @@ is one packed batch of T tokens, no batch axis.
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -108,6 +109,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def _cpu_kernel(factory: Callable[[int], Any], x: torch.Tensor) -> Any:
+    """engine.cpu_kernel's kernel from `factory` where x is on CPU, else None (CUDA; and while torch.compile
+    traces: it cannot trace a ctypes call, and --compile's fused code replaces the kernels)."""
+    return factory(torch.get_num_threads()) if x.device.type == "cpu" and not torch.compiler.is_compiling() else None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
@@ -123,8 +130,7 @@ class RMSNorm(nn.Module):
         float32 result 0.043 against HF's order's 0.051. On CPU it is a chain of aten ops, each waking
         OpenMP's sleeping thread: engine/csrc/rms_norm.c computes the same in one pass (float32 results
         within 2 ulp of it, another summation order), the residual add with it."""
-        kernel = (cpu_kernel.rms_norm(torch.get_num_threads())
-                  if x.device.type == "cpu" and not torch.compiler.is_compiling() else None)
+        kernel = _cpu_kernel(cpu_kernel.rms_norm, x)
         if kernel is not None and kernel.runs(x, self.weight):
             return kernel(x, self.weight, self.eps, None if residual is None else residual.contiguous())
         if residual is None:
@@ -164,8 +170,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             return apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin), v
         # q and k side by side: RoPE once for both, not once each
-        kernel = (cpu_kernel.rope(torch.get_num_threads())
-                  if heads.device.type == "cpu" and not torch.compiler.is_compiling() else None)
+        kernel = _cpu_kernel(cpu_kernel.rope, heads)
         if kernel is not None and kernel.runs(heads, cos):
             kernel(heads, self.num_heads + self.num_kv_heads, cos, sin)  # in place, what apply_rope gives
             return heads.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
@@ -187,8 +192,7 @@ class MLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         # on CPU F.silu and the product are two parallel regions, each waking OpenMP's sleeping thread:
         # engine/csrc/silu_mul.c does both in one pass (bfloat16 as aten rounds it, float32 within a few ulp)
-        kernel = (cpu_kernel.silu_mul(torch.get_num_threads())
-                  if gate_up.device.type == "cpu" and not torch.compiler.is_compiling() else None)
+        kernel = _cpu_kernel(cpu_kernel.silu_mul, gate_up)
         if kernel is not None and kernel.runs(gate_up):
             return self.down_proj(kernel(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
