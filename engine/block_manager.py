@@ -106,7 +106,8 @@ class BlockManager:
 
     @property
     def usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_blocks
+        """The share of blocks with references (cached free blocks are not used)."""
+        return (self.num_blocks - self.num_free_blocks) / self.num_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -260,11 +261,18 @@ class BlockManager:
 
     # --- accounting ------------------------------------------------------------------------------
     def num_used_slots(self, seqs: list[Sequence]) -> tuple[int, int]:
-        """(slots allocated, slots holding a computed token) over seqs' distinct blocks."""
-        allocated = {b for seq in seqs for b in seq.block_table}
-        filled: dict[int, int] = {}
+        """(slots allocated, slots holding a computed token) over seqs' distinct blocks. A block is as
+        full as the fullest view of it (a prefix-cache hit can be full in one sequence and short of
+        the token recomputed in another). Only the blocks past a sequence's computed ones are looked
+        at one by one: a few per sequence, not its whole table."""
+        full: set[int] = set()
+        partial: dict[int, int] = {}
         for seq in seqs:
-            for i, block_id in enumerate(seq.block_table):
-                tokens = min(self.block_size, max(seq.num_computed_tokens - i * self.block_size, 0))
-                filled[block_id] = max(filled.get(block_id, 0), tokens)
-        return len(allocated) * self.block_size, sum(filled.values())
+            num_full = seq.num_computed_tokens // self.block_size
+            full.update(seq.block_table[:num_full])
+            for i in range(num_full, len(seq.block_table)):
+                block_id = seq.block_table[i]
+                tokens = max(seq.num_computed_tokens - i * self.block_size, 0)
+                partial[block_id] = max(partial.get(block_id, 0), tokens)
+        filled = sum(tokens for block_id, tokens in partial.items() if block_id not in full)
+        return (len(full) + len(partial.keys() - full)) * self.block_size, len(full) * self.block_size + filled

@@ -321,7 +321,7 @@ class LLMEngine:
         return EngineStats(
             num_running=len(sched.running), num_waiting=len(sched.waiting), num_swapped=len(sched.swapped),
             num_total_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks,
-            kv_cache_usage=_live_usage(bm, sched), kv_waste=self._kv_waste(),
+            kv_cache_usage=bm.usage,
             prefix_cache_queries=bm.num_prefix_queries, prefix_cache_hits=bm.num_prefix_hits,
             num_preemptions=sched.num_preemptions, num_steps=self.num_steps,
             num_prompt_tokens=self.num_prompt_tokens, num_generation_tokens=self.num_generation_tokens,
@@ -329,12 +329,6 @@ class LLMEngine:
             num_isolated_steps=self.num_isolated_steps, num_failed_requests=self.num_failed_requests,
             iteration_tokens=self.iteration_tokens, phase_times=self.phase_times, cache=self.cache_info,
             queue_heads=sched.queue_heads(), is_full=sched.is_full)
-
-
-def _live_usage(bm: BlockManager, sched: Scheduler) -> float:
-    """Blocks held by live sequences (cached free blocks do not count as used)."""
-    held = {b for seq in sched.running for b in seq.block_table}
-    return len(held) / bm.num_blocks if bm.num_blocks else 0.0
 
 
 def _eos_token_ids(model, tokenizer) -> frozenset[int]:

@@ -72,7 +72,6 @@ class EngineStats:
     num_total_blocks: int
     num_free_blocks: int
     kv_cache_usage: float  # fraction of KV blocks held by live sequences, 0..1
-    kv_waste: float  # fraction of allocated KV slots not holding a token, 0..1
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int  # of those, tokens found
     num_preemptions: int

@@ -138,11 +138,28 @@ def test_scheduler_finishes_every_request_and_frees_every_block(requests, policy
         for seq in sched.postprocess(out, sampled):
             families[seq.request_id].add(seq)  # fan-out children join their family here
         assert len(sched.running) <= config.max_num_seqs  # fan-out included
+        assert_held_blocks_are_running_blocks(bm, sched.running)
     else:
         pytest.fail(f"not finished after 2000 steps: running {sched.running}, waiting {sched.waiting}")
     assert all(seq.is_finished for family in families.values() for seq in family)
     assert bm.num_free_blocks == NUM_BLOCKS
     assert len(bm.free_swap_blocks) == 6
+
+
+def assert_held_blocks_are_running_blocks(bm: BlockManager, running: list[Sequence]) -> None:
+    """Between steps a block has references exactly when a running sequence's table holds it (waiting
+    sequences hold none, swapped ones hold host blocks): the engine's KV usage is its pool's usage.
+    The KV waste figure counts each distinct block once, as full as its fullest view, as a block-by-
+    block count does."""
+    held = {block.block_id for block in bm.blocks if block.ref_count}
+    assert held == {block_id for seq in running for block_id in seq.block_table}
+    assert bm.num_blocks - bm.num_free_blocks == len(held)
+    filled: dict[int, int] = {}
+    for seq in running:
+        for i, block_id in enumerate(seq.block_table):
+            tokens = min(bm.block_size, max(seq.num_computed_tokens - i * bm.block_size, 0))
+            filled[block_id] = max(filled.get(block_id, 0), tokens)
+    assert bm.num_used_slots(running) == (len(held) * bm.block_size, sum(filled.values()))
 
 
 # --- a real engine ---------------------------------------------------------------------------------
@@ -188,6 +205,7 @@ def test_engine_serves_every_mix_to_the_end_and_returns_every_block(engine, requ
             break
         for out in engine.step():
             outputs[out.request_id].append(out)
+        assert_held_blocks_are_running_blocks(engine.block_manager, engine.scheduler.running)
     else:
         pytest.fail("the engine did not finish within 1000 steps")
     bm = engine.block_manager
