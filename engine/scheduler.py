@@ -160,6 +160,8 @@ class Scheduler:
                 i += 1
 
     def _schedule_swapped(self, budget: _Budget, scheduled: list[ScheduledSeq]) -> None:
+        if not self.swapped:
+            return
         # swapped and waiting sequences are served in one policy order: a swapped one behind a
         # waiting one would take back the room just made for it
         first_waiting = min(map(self._key, self.waiting), default=None)
@@ -178,6 +180,12 @@ class Scheduler:
                 self._schedule(seq, num_new, budget, scheduled)
 
     def _schedule_waiting(self, budget: _Budget, scheduled: list[ScheduledSeq]) -> None:
+        if not self.waiting or budget.tokens == 0 or budget.prefill_tokens == 0:
+            return
+        if sum(_seats(s) for s in self.running) >= self.config.max_num_seqs:
+            # not one seat (the usual state under overload): no need to order the whole queue to find out
+            self.is_full = True
+            return
         first_swapped = min(map(self._key, self.swapped), default=None)  # still out: not overtaken
         for seq in sorted(self.waiting, key=self._key):
             if first_swapped is not None and first_swapped < self._key(seq):
