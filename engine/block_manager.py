@@ -261,10 +261,10 @@ class BlockManager:
 
     # --- accounting ------------------------------------------------------------------------------
     def num_used_slots(self, seqs: list[Sequence]) -> tuple[int, int]:
-        """(slots allocated, slots holding a computed token) over seqs' distinct blocks. A block is as
-        full as the fullest view of it (a prefix-cache hit can be full in one sequence and short of
-        the token recomputed in another). Only the blocks past a sequence's computed ones are looked
-        at one by one: a few per sequence, not its whole table."""
+        """(slots allocated, slots holding a computed token) over seqs' distinct blocks: a block shared
+        by several sequences (a prefix-cache hit, a forked request) counts once, as full as the fullest
+        of its views. Only the blocks past a sequence's full ones are looked at one by one: a few per
+        sequence, not its whole table (this runs on the step's path)."""
         full: set[int] = set()
         partial: dict[int, int] = {}
         for seq in seqs:
