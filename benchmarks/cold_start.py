@@ -54,24 +54,27 @@ def start_once(flags: list[str], env: dict[str, str], limit_s: float) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     started = time.monotonic()
-    server = subprocess.Popen([*SERVE, "--port", str(port), *flags], cwd=ROOT, env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        while _status(f"{url}/health/ready") != 200:
-            if server.poll() is not None:
-                raise RuntimeError(f"the server exited ({server.returncode}): {server.stderr.read()[-2000:]}")
-            if time.monotonic() - started > limit_s:
-                raise TimeoutError(f"not ready after {limit_s:g} s")
-            time.sleep(0.05)
-        ready_s = time.monotonic() - started
-        status = _status(f"{url}/v1/completions", {"prompt": "def add(a, b):", "max_tokens": 8, "temperature": 0},
-                         timeout_s=limit_s)
-        if status != 200:
-            raise RuntimeError(f"the first completion answered {status}")
-        return {"ready_s": round(ready_s, 2), "first_completion_s": round(time.monotonic() - started, 2)}
-    finally:
-        server.terminate()
-        server.wait(60)
+    # the server's log goes to a file, not a pipe: one that logs more than a pipe holds would block
+    with tempfile.TemporaryFile("w+") as log:
+        server = subprocess.Popen([*SERVE, "--port", str(port), *flags], cwd=ROOT, env=env,
+                                  stdout=subprocess.DEVNULL, stderr=log, text=True)
+        try:
+            while _status(f"{url}/health/ready") != 200:
+                if server.poll() is not None:
+                    log.seek(0)
+                    raise RuntimeError(f"the server exited ({server.returncode}): {log.read()[-2000:]}")
+                if time.monotonic() - started > limit_s:
+                    raise TimeoutError(f"not ready after {limit_s:g} s")
+                time.sleep(0.05)
+            ready_s = time.monotonic() - started
+            status = _status(f"{url}/v1/completions", {"prompt": "def add(a, b):", "max_tokens": 8,
+                                                        "temperature": 0}, timeout_s=limit_s)
+            if status != 200:
+                raise RuntimeError(f"the first completion answered {status}")
+            return {"ready_s": round(ready_s, 2), "first_completion_s": round(time.monotonic() - started, 2)}
+        finally:
+            server.terminate()
+            server.wait(60)
 
 
 def plot(result: dict, path: Path) -> None:
