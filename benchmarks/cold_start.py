@@ -15,7 +15,6 @@ on 2 cores the figures are not clean).
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,14 +25,12 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path[0] = str(ROOT)  # run as a script: the repository root, where `benchmarks` is, leads sys.path
+
+from benchmarks.serving import free_port  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results" / "cold_start.json"
 SERVE = [str(Path(sys.executable).with_name("pagedserve")), "serve"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _status(url: str, body: dict | None = None, timeout_s: float = 2.0) -> int:

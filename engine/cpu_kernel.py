@@ -193,22 +193,25 @@ class Int8LinearKernel:
         return w
 
 
+def _by_dtype(library: ctypes.CDLL, name: str, argtypes: list) -> dict[torch.dtype, Callable[..., int]]:
+    """An elementwise kernel's `name`_f32 and `name`_bf16, typed (each returns 0, or an error code)."""
+    fns = {torch.float32: getattr(library, f"{name}_f32"), torch.bfloat16: getattr(library, f"{name}_bf16")}
+    for fn in fns.values():
+        fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    return fns
+
+
 class RMSNormKernel:
     """rms_norm_f32 / _bf16: F.rms_norm over the last dimension in one pass per row, optionally after the
     residual add (engine/csrc/rms_norm.c); rows are split over threads only past PARALLEL_ELEMENTS."""
 
-    DTYPES = (torch.float32, torch.bfloat16)
-
     def __init__(self, library: ctypes.CDLL, threads: Threads) -> None:
-        self._fns = {torch.float32: library.rms_norm_f32, torch.bfloat16: library.rms_norm_bf16}
-        for fn in self._fns.values():
-            fn.argtypes = [_ptr] * 5 + [_i64, ctypes.c_float, _i64, _i64]
-            fn.restype = ctypes.c_int
+        self._fns = _by_dtype(library, "rms_norm", [_ptr] * 5 + [_i64, ctypes.c_float, _i64, _i64])
         self.threads = threads
 
     def runs(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether this kernel can normalize x (rows of x's last dimension) by weight."""
-        return (x.device.type == "cpu" and x.dtype in self.DTYPES and weight.dtype == x.dtype and x.is_contiguous()
+        return (x.device.type == "cpu" and x.dtype in self._fns and weight.dtype == x.dtype and x.is_contiguous()
                 and weight.is_contiguous() and x.dim() >= 1 and x.shape[-1] == weight.numel() <= 16384)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -235,10 +238,7 @@ class RopeKernel:
     only past PARALLEL_ELEMENTS."""
 
     def __init__(self, library: ctypes.CDLL, threads: Threads) -> None:
-        self._fns = {torch.float32: library.rope_f32, torch.bfloat16: library.rope_bf16}
-        for fn in self._fns.values():
-            fn.argtypes = [_ptr] * 3 + [_i64] * 5
-            fn.restype = ctypes.c_int
+        self._fns = _by_dtype(library, "rope", [_ptr] * 3 + [_i64] * 5)
         self.threads = threads
 
     def runs(self, heads: torch.Tensor, cos: torch.Tensor) -> bool:
@@ -264,10 +264,7 @@ class SiluMulKernel:
     one pass (engine/csrc/silu_mul.c); rows are split over threads only past PARALLEL_ELEMENTS."""
 
     def __init__(self, library: ctypes.CDLL, threads: Threads) -> None:
-        self._fns = {torch.float32: library.silu_mul_f32, torch.bfloat16: library.silu_mul_bf16}
-        for fn in self._fns.values():
-            fn.argtypes = [_ptr] * 2 + [_i64] * 3
-            fn.restype = ctypes.c_int
+        self._fns = _by_dtype(library, "silu_mul", [_ptr] * 2 + [_i64] * 3)
         self.threads = threads
 
     def runs(self, x: torch.Tensor) -> bool:

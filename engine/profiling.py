@@ -44,8 +44,8 @@ GEMM_OPS = frozenset({"aten::linear", "aten::addmm", "aten::mm", "aten::matmul",
 KV_WRITE_OPS = frozenset({"aten::index_copy_"})
 # ops inside an attention module's `attend` that are not attention: splits, views and plain arithmetic
 # (their slices and strides are their children, so they follow)
-ATTEND_ELEMENTWISE_OPS = frozenset({"aten::split", "aten::split_with_sizes", "aten::view", "aten::chunk", "aten::mul", "aten::sub",
-                      "aten::add", "aten::cat"})
+ATTEND_ELEMENTWISE_OPS = frozenset({"aten::split", "aten::split_with_sizes", "aten::view", "aten::chunk", "aten::mul",
+                                    "aten::sub", "aten::add", "aten::cat"})
 # scope an event opens -> the category of the self time inside it
 _SCOPE_CATEGORY = {"step": "host", "schedule": "host", "run": "host", "postprocess": "host", "forward": "elementwise",
                    "attention_module": "attention", **{c: c for c in CATEGORIES}}

@@ -100,8 +100,10 @@ class Scheduler:
     def _has_seats_for(self, seq: Sequence) -> bool:
         """max_num_seqs counts the sequences a request will fan out to: a parent not yet forked
         holds n seats, so its first sampled token never pushes the batch past the cap."""
-        taken = sum(_seats(s) for s in self.running)
-        return taken + _seats(seq) <= self.config.max_num_seqs
+        return self._num_seats_taken() + _seats(seq) <= self.config.max_num_seqs
+
+    def _num_seats_taken(self) -> int:
+        return sum(_seats(s) for s in self.running)
 
     # --- schedule --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -182,7 +184,7 @@ class Scheduler:
     def _schedule_waiting(self, budget: _Budget, scheduled: list[ScheduledSeq]) -> None:
         if not self.waiting or budget.tokens == 0 or budget.prefill_tokens == 0:
             return
-        if sum(_seats(s) for s in self.running) >= self.config.max_num_seqs:
+        if self._num_seats_taken() >= self.config.max_num_seqs:
             # not one seat (the usual state under overload): no need to order the whole queue to find out
             self.is_full = True
             return
