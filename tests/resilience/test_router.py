@@ -55,7 +55,9 @@ async def test_healthy_primary_serves(engines):
 
 
 async def test_stalled_primary_degrades_then_breaker_opens_then_one_probe_closes_it(engines):
-    router = _router(engines)
+    # the stalled primary misses the 1 s first-token deadline; the stall timeout is 10 s as in the tests
+    # below (a 1 s one cut the fallback's streams when a loaded CI box left its loop unscheduled 1 s)
+    router = _router(engines, stall_timeout_s=10.0)
     engines["big"].faults.inject(Fault("stall"))
     served = await asyncio.gather(*[_run(router, i) for i in range(8)])
     assert {s for s, _ in served} == {"small"}  # every request answered, by the fallback
