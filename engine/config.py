@@ -46,6 +46,8 @@ class EngineConfig:
     # run the engine loop in a process of its own (engine/process_engine.py): no GIL shared with the server
     engine_process: bool = False
     chat_template: str | None = field(default=None, repr=False)  # jinja text replacing the model's own
+    # a request's deltas come out every this many tokens (and with its first and last): 1 streams each token
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
@@ -90,6 +92,9 @@ class EngineConfig:
         _check(not (self.compile and self.linear_kernel == "onednn"),
                "compile runs aten's linear layers (inductor cannot lower the reordered oneDNN weights): "
                "drop linear_kernel 'onednn' or compile")
+        si = self.stream_interval
+        _check(isinstance(si, int) and not isinstance(si, bool) and 1 <= si <= 1024,
+               f"stream_interval must be an integer in 1..1024, got {si!r}")
         _check(self.max_prefill_tokens is None or self.max_prefill_tokens >= 1,
                f"max_prefill_tokens must be at least 1, got {self.max_prefill_tokens}")
 

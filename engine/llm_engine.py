@@ -276,8 +276,18 @@ class LLMEngine:
             if request is None:  # failed in this step: its final output is out already
                 continue
             request.seqs.extend(s for s in seqs if s not in request.seqs)
-            outputs.append(self._output(request, seqs))
+            if self._is_due(request, seqs):
+                outputs.append(self._output(request, seqs))
         return outputs
+
+    def _is_due(self, request: _Request, seqs: list[Sequence]) -> bool:
+        """Whether the request's output goes out this step: always at --stream-interval 1; above it, with
+        a choice's first token, at a choice's end, and once a choice has that many tokens not sent yet
+        (the delta then carries them all: fewer, bigger deltas, each a write and a read less)."""
+        interval = self.config.stream_interval
+        return interval == 1 or any(
+            seq.is_finished or seq.num_output_tokens - request.sent_tokens.get(seq.index, -interval) >= interval
+            for seq in seqs)
 
     def _output(self, request: _Request, seqs: list[Sequence]) -> RequestOutput:
         """A delta: what each of seqs produced since its last output."""

@@ -85,6 +85,50 @@ def test_stop_strings_n_and_seed(random_model):
     assert bm.num_free_blocks == bm.num_blocks
 
 
+def _deltas(engine: LLMEngine, params: SamplingParams) -> dict[str, list]:
+    deltas: dict[str, list] = {}
+    for i, prompt in enumerate(["def main():", "x = ", "a"]):
+        engine.add_request(f"r{i}", prompt, params)
+    while engine.has_unfinished_requests:
+        for out in engine.step():
+            deltas.setdefault(out.request_id, []).append(out)
+    return deltas
+
+
+def _whole(deltas: list) -> list[tuple]:
+    by_index: dict[int, list] = {}
+    for out in deltas:
+        for part in out.outputs:
+            whole = by_index.setdefault(part.index, ["", [], [], None])
+            whole[0] += part.text
+            whole[1] += part.token_ids
+            whole[2] += part.logprobs or []
+            whole[3] = part.finish_reason
+    return sorted((i, *w[:2], [sorted(p.items()) for p in w[2]], w[3]) for i, w in by_index.items())
+
+
+def test_a_stream_interval_sends_fewer_bigger_deltas_with_the_same_tokens(random_model):
+    params = SamplingParams(temperature=1.0, n=2, seed=5, max_tokens=11, logprobs=1, stop=["\n\n"])
+    every, fourth = (LLMEngine(EngineConfig(model=random_model("tiny-qwen2"), dtype="float32", block_size=4,
+                                            stream_interval=k)) for k in (1, 4))
+    one_by_one, by_four = _deltas(every, params), _deltas(fourth, params)
+    assert {r: _whole(d) for r, d in by_four.items()} == {r: _whole(d) for r, d in one_by_one.items()}
+    for request_id, deltas in by_four.items():
+        assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
+        assert len(deltas) < len(one_by_one[request_id])
+        sent: dict[int, int] = {}
+        for delta in deltas[:-1]:  # each went out for a choice's first token, its end, or 4 tokens unsent
+            parts = {p.index: p for p in delta.outputs}
+            assert any(i not in sent or p.finished or len(p.token_ids) >= 4 for i, p in parts.items()), delta
+            for i, p in parts.items():
+                sent[i] = sent.get(i, 0) + len(p.token_ids)
+        assert all(len(p.token_ids) <= 4 for d in deltas for p in d.outputs)  # and it goes out at 4, not later
+    bm = fourth.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and not fourth.requests
+    with pytest.raises(ValueError, match="stream_interval"):
+        EngineConfig(model="m", stream_interval=0)
+
+
 def test_generate_takes_one_sampling_params_per_prompt_and_leaves_nothing_queued_on_a_bad_one(random_model):
     from engine import LLM
     llm = LLM(random_model("tiny-llama"), dtype="float32")

@@ -163,13 +163,14 @@ def assert_held_blocks_are_running_blocks(bm: BlockManager, running: list[Sequen
 
 
 # --- a real engine ---------------------------------------------------------------------------------
-@pytest.fixture(scope="module", params=[("fcfs", "recompute"), ("priority", "swap")], ids=lambda p: "-".join(p))
+@pytest.fixture(scope="module", params=[("fcfs", "recompute", 1), ("priority", "swap", 3)],
+                ids=lambda p: "-".join(map(str, p)))
 def engine(request, random_model):
-    policy, mode = request.param
+    policy, mode, stream_interval = request.param
     return LLMEngine(EngineConfig(model=random_model("tiny-llama"), dtype="float32", block_size=4,
                                   max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64,
                                   kv_cache_memory=24 * 1024 * 20, scheduler_policy=policy, preemption_mode=mode,
-                                  swap_space=0.001))
+                                  swap_space=0.001, stream_interval=stream_interval))
 
 
 engine_request = st.tuples(
@@ -213,6 +214,8 @@ def test_engine_serves_every_mix_to_the_end_and_returns_every_block(engine, requ
     assert engine.num_isolated_steps == isolated_before  # isolation is a safety net: no step may need it
     for (request_id, params, *_), outs in zip(requests_with_ids(requests), outputs.values(), strict=True):
         assert outs and outs[-1].finished and outs[-1].error is None, request_id
+        # a choice's tokens go out once --stream-interval of them are unsent, never later
+        assert all(len(part.token_ids) <= engine.config.stream_interval for out in outs for part in out.outputs)
         for choice in _whole(outs):
             assert choice["finish_reason"] in ("stop", "length", "abort")
             assert all(0 <= t < vocab for t in choice["token_ids"])

@@ -35,7 +35,7 @@ def test_flags():
                       "--host", "0.0.0.0", "--port", "9001", "--api-key", "k1", "--api-key", "k2",
                       "--admin-key", "adm", "--max-body-bytes", "1MiB", "--block-size", "8",
                       "--kv-cache-memory", "64MiB", "--max-num-seqs", "4", "--scheduler-policy", "priority",
-                      "--dtype", "fp32", "--no-enable-prefix-caching"])
+                      "--dtype", "fp32", "--no-enable-prefix-caching", "--stream-interval", "4"])
     assert config.model_names == ["alpha", "b", "c"]
     assert [m.fallback for m in config.models] == ["c", None, None]
     assert (config.host, config.port, config.api_keys, config.admin_key) == ("0.0.0.0", 9001, ("k1", "k2"), "adm")
@@ -43,7 +43,7 @@ def test_flags():
     engine = config.models[1].engine
     assert (engine.block_size, engine.kv_cache_memory, engine.max_num_seqs, engine.scheduler_policy) == \
         (8, 64 * 2**20, 4, "priority")
-    assert (engine.dtype, engine.enable_prefix_caching) == ("float32", False)
+    assert (engine.dtype, engine.enable_prefix_caching, engine.stream_interval) == ("float32", False, 4)
 
 
 def test_fallback_that_is_also_a_model_is_not_loaded_twice():
@@ -104,6 +104,7 @@ max_num_seqs = 2
     ("[[models]]\npath = '/a'\nfallback = 'b'\n[[models]]\npath = '/b'\nfallback = 'a'", "cycle: a -> b -> a"),
     ("[[models]]\npath = '/a'\n[[models]]\npath = '/x/a'", "unique, repeated: ['a']"),
     ("port = [", "invalid TOML"),
+    ("[[models]]\npath = '/a'\nstream_interval = 0", "stream_interval must be an integer in 1..1024, got 0"),
 ])
 def test_toml_errors_name_the_option(tmp_path, toml, message):
     path = tmp_path / "bad.toml"

@@ -51,6 +51,24 @@ async def test_completion_stream(start):
                                                          "total_tokens": num_prompt + 12}
 
 
+async def test_a_stream_interval_streams_the_same_text_in_fewer_events(start):
+    h = await start(engine_kwargs={"stream_interval": 4})
+    body = {"prompt": "def add(a, b):", "max_tokens": 13, "temperature": 0, "ignore_eos": True, "logprobs": 1,
+            "stream": True, "stream_options": {"include_usage": True}}
+    *chunks, usage = _events(await (await h.client.post("/v1/completions", json=body)).read())
+    choices = [c["choices"][0] for c in chunks]
+    assert "".join(c["text"] for c in choices) == await h.greedy("def add(a, b):", 13, ignore_eos=True)
+    # the first token at once, then 4 a chunk, the last 0 (13 = 1 + 3 x 4)
+    assert [len(c["logprobs"]["tokens"]) for c in choices] == [1, 4, 4, 4]
+    assert choices[-1]["finish_reason"] == "length" and usage["usage"]["completion_tokens"] == 13
+    messages = [{"role": "user", "content": "sort a list"}]
+    events = _events(await (await h.client.post("/v1/chat/completions", json={
+        "messages": messages, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "stream": True})).read())
+    content = "".join(e["choices"][0]["delta"].get("content", "") for e in events)
+    assert content == await h.greedy(h.primary.apply_chat_template(messages), 6, ignore_eos=True)
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+
 async def test_chat_stream_role_then_content(start):
     h = await start()
     messages = [{"role": "user", "content": "sort a list"}]
