@@ -1,21 +1,25 @@
 """HTTP serving overhead: output tokens/s with 64 concurrent streaming clients against a real
 `pagedserve serve` process, next to the same workload run offline through `LLM.generate` on the same
-model and engine options, plus the p99 latency of `/health/live` during the HTTP run, probed from a
+model and engine options, plus the p99 latency of `/health/live` during the HTTP runs, probed from a
 process of its own on a fresh connection every 50 ms, as a kubelet does.
 
     python benchmarks/serving.py                       # shipped primary model, 64 requests
     python benchmarks/serving.py --model benchmarks/models/smollm-135m --num-requests 64
+    python benchmarks/serving.py --stream-interval 1 4 --repeats 8 --tag stream-interval  # two servers
 
-Both sides get the same engine options, a KV pool that holds the whole workload (a preemption on one
-side and not the other would be measured as HTTP overhead) and the same warm-up request. Then the two
-sides take turns, --repeats pairs (HTTP then offline, offline then HTTP, ...): this VM's speed drifts by
-tens of percent within minutes, and a side measured after the other would carry that drift. Every run
-has the same request shapes (prompt and output lengths from --seed) and its own token ids: the same
-work, and no prefix-cache hits across runs. The ratio is the median of the pairs' ratios; every run is in
-the JSON with its preemption count, and each HTTP run with the CPU time of the server's event loop (its
-main thread), of its engine (every other thread, and the engine process's), and of this client, which
-shares the machine's cores with the server. Writes benchmarks/results/serving.json and .png (each pair's
-tok/s); prints one summary line. Targets (#14): HTTP >= 95% of offline tokens/s; /health/live p99 < 20 ms.
+Every side gets the same engine options, a KV pool that holds the whole workload (a preemption on one
+side and not the other would be measured as HTTP overhead) and the same warm-up request. With several
+--stream-interval values there is one server per value (tokens go out every N of a stream, the engine
+option). The sides take turns, --repeats rounds, each round starting one side later (offline, HTTP at
+each interval): this VM's speed drifts by tens of percent within minutes, and a side measured after the
+others would carry that drift. Offline runs with the largest interval (it builds the fewest output
+objects: the baseline is never slowed by them). Every run has the same request shapes (prompt and output
+lengths from --seed) and its own token ids: the same work, and no prefix-cache hits across runs. A
+ratio is the median over rounds of HTTP / offline in the same round; every run is in the JSON with its
+preemption count, and each HTTP run with the CPU time of the server's event loop (its main thread), of
+its engine (every other thread, and the engine process's), and of this client, which shares the
+machine's cores with the server. Writes benchmarks/results/serving.json and .png (each round's tok/s).
+Targets (#14): HTTP >= 95% of offline tokens/s; /health/live p99 < 20 ms.
 """
 
 import argparse
@@ -163,8 +167,8 @@ async def _preemptions(session: aiohttp.ClientSession, url: str) -> int:
                if line.startswith("pagedserve:num_preemptions_total{"))
 
 
-def start_server(model: str, port: int, engine_process: bool = False) -> subprocess.Popen:
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE_FLAGS.items()] + ["--engine-process"] * engine_process
+def start_server(model: str, port: int, engine: dict, engine_process: bool = False) -> subprocess.Popen:
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in engine.items()] + ["--engine-process"] * engine_process
     command = [sys.executable, "-m", "service", "serve", "--model", model, "--served-model-name", "bench",
                "--port", str(port), "--max-num-waiting", "4096", *flags]
     return subprocess.Popen(command, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -194,22 +198,31 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    pairs = range(1, len(result["http"]) + 1)
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.bar([i - 0.2 for i in pairs], [r["tokens_per_s"] for r in result["offline"]], width=0.4, label="offline",
-           color="#bbb")
-    bars = ax.bar([i + 0.2 for i in pairs], [r["tokens_per_s"] for r in result["http"]], width=0.4,
-                  label="HTTP, 64 streams", color="#3a7")
-    ax.bar_label(bars, labels=[f"{r:.0%}" for r in result["http_vs_offline_pairs"]], fontsize=8)
-    ax.set_xticks(list(pairs), [f"pair {i}" for i in pairs])
+    rounds = range(1, len(result["offline"]) + 1)
+    width = 0.8 / (1 + len(result["streams"]))
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    ax.bar([i - 0.4 + width / 2 for i in rounds], [r["tokens_per_s"] for r in result["offline"]], width=width,
+           label="offline", color="#bbb")
+    for k, side in enumerate(result["streams"], start=1):
+        bars = ax.bar([i - 0.4 + width * (k + 0.5) for i in rounds], [r["tokens_per_s"] for r in side["http"]],
+                      width=width, label=f"HTTP, 64 streams, --stream-interval {side['stream_interval']}")
+        ax.bar_label(bars, labels=[f"{r:.0%}" for r in side["http_vs_offline_rounds"]], fontsize=7)
+    ax.set_xticks(list(rounds), [f"round {i}" for i in rounds])
     ax.set_ylabel("output tok/s")
-    ax.set_title(f"HTTP vs offline: median {result['http_vs_offline']:.0%}; /health/live p99 "
-                 f"{result['health_live_p99_ms']} ms; load {result['loadavg_before'][0]:.1f}-"
-                 f"{result['loadavg_after'][0]:.1f}", fontsize=9)
-    ax.legend(fontsize=8, loc="lower right")
+    medians = ", ".join(f"{s['http_vs_offline']:.0%} at interval {s['stream_interval']}" for s in result["streams"])
+    ax.set_title(f"HTTP vs offline (median): {medians}; /health/live p99 {result['health_live_p99_ms']} ms; "
+                 f"load {result['loadavg_before'][0]:.1f}-{result['loadavg_after'][0]:.1f}", fontsize=8)
+    ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _summary(side: dict) -> dict:
+    http = side["http"]
+    return {**side, "http_vs_offline": round(statistics.median(side["http_vs_offline_rounds"]), 3),
+            "event_loop_us_per_token": statistics.median(run["event_loop_us_per_token"] for run in http),
+            "client_us_per_token": statistics.median(run["client_us_per_token"] for run in http)}
 
 
 def main() -> None:
@@ -221,55 +234,66 @@ def main() -> None:
     p.add_argument("--min-output", type=int, default=16)
     p.add_argument("--max-output", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repeats", type=int, default=4, help="pairs of runs (one a side); the ratio is their median")
+    p.add_argument("--repeats", type=int, default=4, help="rounds of runs (one a side); a ratio is the median of rounds")
     p.add_argument("--engine-process", action="store_true",
                    help="the server runs its engine loop in a process of its own (--engine-process)")
+    p.add_argument("--stream-interval", type=int, nargs="+", default=[1],
+                   help="one server per value, with that --stream-interval (default 1: each token as it comes)")
     p.add_argument("--tag", default="", help="suffix of the result file")
     p.add_argument("--probe", metavar="URL", help=argparse.SUPPRESS)  # the /health/live prober's own process
     args = p.parse_args()
     if args.probe:
         probe_live(args.probe)
     vocab_size = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     loadavg_before = os.getloadavg()
-    server = start_server(args.model, port, args.engine_process)
-    http, offline = [], []
+    servers = {}  # stream interval -> (server, its URL)
+    for interval in args.stream_interval:
+        port = free_port()
+        servers[interval] = (start_server(args.model, port, {**ENGINE_FLAGS, "stream_interval": interval},
+                                          args.engine_process), f"http://127.0.0.1:{port}")
+    http: dict[int, list[dict]] = {interval: [] for interval in servers}
+    offline: list[dict] = []
     try:
         from engine import LLM, SamplingParams
 
         warm_prompt = workload(args, vocab_size, -1)[0][0]
-        asyncio.run(warm_http(url, "bench", warm_prompt))
-        llm = LLM(model=args.model, **ENGINE_FLAGS)  # idle while the server runs, and the server while it does
+        for _, url in servers.values():
+            asyncio.run(warm_http(url, "bench", warm_prompt))
+        # offline makes the fewest output objects of all the intervals measured: the baseline is not slowed by them
+        llm = LLM(model=args.model, **ENGINE_FLAGS, stream_interval=max(servers))  # idle while a server runs
         llm.generate([{"prompt_token_ids": warm_prompt}], SamplingParams(max_tokens=2), use_tqdm=False)
+        sides = ["offline", *servers]
         for repeat in range(args.repeats):
-            sides = ("http", "offline") if repeat % 2 == 0 else ("offline", "http")
-            for turn, side in enumerate(sides):
-                requests = workload(args, vocab_size, 2 * repeat + turn)
-                if side == "http":
-                    http.append(asyncio.run(run_http(url, "bench", server.pid, requests)))
-                else:
+            for turn, side in enumerate(sides[repeat % len(sides):] + sides[:repeat % len(sides)]):
+                requests = workload(args, vocab_size, len(sides) * repeat + turn)
+                if side == "offline":
                     offline.append(run_offline(llm.engine, f"off-{repeat}", requests))
+                else:
+                    server, url = servers[side]
+                    http[side].append(asyncio.run(run_http(url, "bench", server.pid, requests)))
     finally:
-        server.terminate()
-        server.wait(60)
-    ratios = [round(h["tokens_per_s"] / o["tokens_per_s"], 3) for h, o in zip(http, offline, strict=True)]
-    live_p99 = max(run["health_live_ms"]["p99"] for run in http)
+        for server, _ in servers.values():
+            server.terminate()
+            server.wait(60)
+    streams = [_summary({"stream_interval": interval, "http": runs, "http_vs_offline_rounds": [
+        round(h["tokens_per_s"] / o["tokens_per_s"], 3) for h, o in zip(runs, offline, strict=True)]})
+        for interval, runs in http.items()]
     result = {"model": args.model, "engine": ENGINE_FLAGS, "engine_process": args.engine_process, "workload": vars(args),
-              "http": http, "offline": offline, "http_vs_offline_pairs": ratios,
-              "http_vs_offline": round(statistics.median(ratios), 3),
-              "event_loop_us_per_token": statistics.median(run["event_loop_us_per_token"] for run in http),
-              "client_us_per_token": statistics.median(run["client_us_per_token"] for run in http),
-              "health_live_p99_ms": live_p99, "loadavg_before": loadavg_before, "loadavg_after": os.getloadavg(),
+              "offline": offline, "streams": streams,
+              "health_live_p99_ms": max(run["health_live_ms"]["p99"] for runs in http.values() for run in runs),
+              "loadavg_before": loadavg_before, "loadavg_after": os.getloadavg(),
               "targets": {"http_vs_offline_min": 0.95, "health_live_p99_ms_max": 20}}
     path = RESULTS.with_name(f"serving{'-' + args.tag if args.tag else ''}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
     plot(result, path.with_suffix(".png"))
-    print(f"HTTP vs offline {result['http_vs_offline']:.0%} (median of pairs {ratios}; HTTP "
-          f"{[r['tokens_per_s'] for r in http]}, offline {[r['tokens_per_s'] for r in offline]} tok/s); event loop "
-          f"{result['event_loop_us_per_token']} us/token, client {result['client_us_per_token']} us/token; "
-          f"/health/live p99 {live_p99} ms; load {loadavg_before[0]:.2f} -> {result['loadavg_after'][0]:.2f}")
+    print(f"offline {[r['tokens_per_s'] for r in offline]} tok/s")
+    for side in streams:
+        print(f"--stream-interval {side['stream_interval']}: HTTP vs offline {side['http_vs_offline']:.0%} (median of "
+              f"rounds {side['http_vs_offline_rounds']}; HTTP {[r['tokens_per_s'] for r in side['http']]} tok/s); "
+              f"event loop {side['event_loop_us_per_token']} us/token, client {side['client_us_per_token']} us/token")
+    print(f"/health/live p99 {result['health_live_p99_ms']} ms; load {loadavg_before[0]:.2f} -> "
+          f"{result['loadavg_after'][0]:.2f}")
 
 
 if __name__ == "__main__":
