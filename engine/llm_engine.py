@@ -284,9 +284,9 @@ class LLMEngine:
         """Whether the request's output goes out this step: always at --stream-interval 1; above it, with
         a choice's first token, at a choice's end, and once a choice has that many tokens not sent yet
         (the delta then carries them all: fewer, bigger deltas, each a write and a read less)."""
-        interval = self.config.stream_interval
+        interval, sent = self.config.stream_interval, request.sent_tokens
         return interval == 1 or any(
-            seq.is_finished or seq.num_output_tokens - request.sent_tokens.get(seq.index, -interval) >= interval
+            seq.is_finished or seq.index not in sent or seq.num_output_tokens - sent[seq.index] >= interval
             for seq in seqs)
 
     def _output(self, request: _Request, seqs: list[Sequence]) -> RequestOutput:
