@@ -27,6 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[0] = str(ROOT)  # run as a script: the repository root, where `benchmarks` is, leads sys.path
 
+from benchmarks import plots  # noqa: E402
 from benchmarks.serving import free_port  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "cold_start.json"
@@ -75,11 +76,8 @@ def start_once(flags: list[str], env: dict[str, str], limit_s: float) -> dict:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     modes = list(result["modes"])
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    fig, ax = plots.new()
     for i, mode in enumerate(modes):
         runs = result["modes"][mode]["runs"]
         ax.scatter([i - 0.1] * len(runs), [r["ready_s"] for r in runs], color="#3a7",
@@ -92,9 +90,7 @@ def plot(result: dict, path: Path) -> None:
     ax.set_title(f"cold start of `pagedserve serve`; load {result['loadavg_before'][0]:.2f} -> "
                  f"{result['loadavg_after'][0]:.2f}", fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    plots.save(fig, path)
 
 
 def main() -> None:

@@ -36,6 +36,7 @@ sys.path[0] = str(REPO_ROOT)
 
 import torch  # noqa: E402
 
+from benchmarks import plots  # noqa: E402
 from benchmarks.peer_vllm import PeerRequest, run_in_venv  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.profiling import machine_info  # noqa: E402
@@ -151,11 +152,8 @@ def pagedserve_decode(model: str, name: str, repeats: int) -> tuple[float, list[
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     rows = result["formats"]
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    fig, ax = plots.new()
     names = list(rows)
     ax.bar(names, [rows[n]["bound_tok_s"] for n in names], color="#ddd", label="bandwidth bound")
     bars = ax.bar(names, [rows[n]["decode_tok_s"] for n in names], width=0.5, color="#3a7", label="measured")
@@ -165,9 +163,7 @@ def plot(result: dict, path: Path) -> None:
     ax.set_title(f"{Path(result['model']).name}: bound from the matvec beside each format; load "
                  f"{result['machine']['load_average_before'][0]:.1f}-{result['machine']['load_average_after'][0]:.1f}", fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    plots.save(fig, path)
 
 
 def main() -> None:

@@ -45,6 +45,7 @@ if not __package__:  # python benchmarks/offline.py: the repository root, not be
 
 import torch  # noqa: E402
 
+from benchmarks import plots  # noqa: E402
 from benchmarks.make_model import make_random_model  # noqa: E402
 from benchmarks.peer_vllm import PEER_PYTHON, PeerRequest, run_in_venv  # noqa: E402
 
@@ -285,11 +286,8 @@ def uptime() -> str:
 
 
 def plot(figures: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     names = list(figures)
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(max(10, 1.4 * len(names)), 4.5))
+    fig, (ax1, ax2) = plots.new(1, 2, figsize=(max(10, 1.4 * len(names)), 4.5))
     bars = ax1.bar(names, [figures[n]["output_tokens_per_s"] for n in names], color="tab:blue")
     ax1.bar_label(bars, fmt="%.1f")
     ax1.set_ylabel("useful output tokens / s")
@@ -305,9 +303,7 @@ def plot(figures: dict, path: Path) -> None:
         ax.margins(y=0.12)
         ax.tick_params(axis="x", labelrotation=30)
     fig.suptitle("Offline batch, SmolLM-135M shape, 2 CPU threads")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    plots.save(fig, path)
 
 
 def _choices(p: argparse.ArgumentParser, option: str, text: str, known) -> list[str]:

@@ -22,6 +22,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path[0] = str(REPO_ROOT)  # run as a script: the repository root, where `engine` is, leads sys.path
 
+from benchmarks import plots  # noqa: E402
 from engine.profiling import CATEGORIES, format_table, profile_arguments, run_profile, settings_from  # noqa: E402
 
 DEFAULT_MODEL = REPO_ROOT / "models" / "pagedserve-coder-small"
@@ -30,11 +31,10 @@ DEFAULT_MODEL = REPO_ROOT / "models" / "pagedserve-coder-small"
 def plot(result: dict, path: Path) -> None:
     """Stacked bars of each category's share of the step time: all steps, prefill steps, decode steps."""
     import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+
     rows = [("all steps", result)] + [(f"{kind} steps", figures) for kind, figures in result["by_step_kind"].items()]
-    fig, ax = plt.subplots(figsize=(10, 3.6))
-    for color, name in zip(plt.get_cmap("tab10").colors, CATEGORIES, strict=False):
+    fig, ax = plots.new(figsize=(10, 3.6))
+    for color, name in zip(matplotlib.colormaps["tab10"].colors, CATEGORIES, strict=False):
         shares = [figures["categories"][name]["share"] for _, figures in rows]
         lefts = [sum(f["categories"][c]["share"] for c in CATEGORIES[:CATEGORIES.index(name)]) for _, f in rows]
         bars = ax.barh(range(len(rows)), shares, left=lefts, color=color, label=name)
@@ -49,9 +49,7 @@ def plot(result: dict, path: Path) -> None:
                  f"{s['prompt_len']} in / {s['output_len']} out, load {result['machine']['load_average_before'][0]:.1f}"
                  f"-{result['machine']['load_average_after'][0]:.1f}", fontsize=9)
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=len(CATEGORIES), fontsize=8, frameon=False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    plots.save(fig, path)
 
 
 def main() -> None:

@@ -40,6 +40,11 @@ from pathlib import Path
 
 import aiohttp
 
+if not __package__:  # python benchmarks/serving.py: the repository root, not benchmarks/, leads sys.path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from benchmarks import plots  # noqa: E402
+
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the server sets it: the offline side runs alike
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -195,12 +200,9 @@ def free_port() -> int:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     rounds = range(1, len(result["offline"]) + 1)
     width = 0.8 / (1 + len(result["streams"]))
-    fig, ax = plt.subplots(figsize=(8, 3.5))
+    fig, ax = plots.new(figsize=(8, 3.5))
     ax.bar([i - 0.4 + width / 2 for i in rounds], [r["tokens_per_s"] for r in result["offline"]], width=width,
            label="offline", color="#bbb")
     for k, side in enumerate(result["streams"], start=1):
@@ -213,9 +215,7 @@ def plot(result: dict, path: Path) -> None:
     ax.set_title(f"HTTP vs offline (median): {medians}; /health/live p99 {result['health_live_p99_ms']} ms; "
                  f"load {result['loadavg_before'][0]:.1f}-{result['loadavg_after'][0]:.1f}", fontsize=8)
     ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    plots.save(fig, path)
 
 
 def _summary(side: dict) -> dict:

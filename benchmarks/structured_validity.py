@@ -23,6 +23,9 @@ import jsonschema
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks import plots  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results" / "structured_validity.json"
 
 SCHEMAS = {
@@ -119,22 +122,16 @@ def mask_cost(llm, sampling, batch: int, steps: int = 32) -> dict:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = list(result["schemas"])
     shares = [100 * result["schemas"][n]["valid"] / result["schemas"][n]["total"] for n in names]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plots.new(figsize=(7, 4.5))
     ax.barh(names, shares, color=["tab:green" if s == 100 else "tab:red" for s in shares])
     ax.set_xlim(0, 100)
     ax.set_xlabel("schema-valid replies (%)")
     ax.set_title(f"{result['valid']}/{result['total']} valid, max_tokens {result['max_tokens']}, "
                  f"temperature {result['temperature']}")
     ax.invert_yaxis()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    plots.save(fig, path)
 
 
 def main() -> None:

@@ -2,17 +2,10 @@
 
 from pathlib import Path
 
+from benchmarks import plots
+
 COLORS = {"pagedserve": "tab:blue", "baseline": "tab:red"}
 STYLES = ("-", "--", "-.", ":")  # one per FIFO fraction, in the order they ran
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def cdf(values_ms: list[float]) -> tuple[list[float], list[float]]:
@@ -23,8 +16,7 @@ def cdf(values_ms: list[float]) -> tuple[list[float], list[float]]:
 
 def plot_cdf(report: dict, path: Path) -> None:
     """TTFT and end-to-end CDFs, both sides, one line per rate (fractions of the FIFO capacity)."""
-    plt = _pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
+    fig, axes = plots.new(1, 2, figsize=(12, 4.6))
     for ax, metric, title in zip(axes, ("ttft", "e2e"), ("time to first token", "end-to-end latency"), strict=True):
         for side, color in COLORS.items():
             runs = [r for r in report.get(side, {}).get("runs", []) if r["of"] == "FIFO"]
@@ -40,15 +32,12 @@ def plot_cdf(report: dict, path: Path) -> None:
         ax.legend(loc="lower right", fontsize=7)
     fig.suptitle(f"open loop, rates as fractions of the FIFO capacity ({report['fifo_capacity_rps']} req/s); "
                  "unfinished requests at their age")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    plots.save(fig, path)
 
 
 def plot_vs_rate(report: dict, path: Path) -> None:
     """p50 (dashed) and p99 (solid) of TTFT, ITL and e2e, and the most requests in flight, against the rate."""
-    plt = _pyplot()
-    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    fig, axes = plots.new(2, 2, figsize=(11, 8))
     panels = (("ttft_ms", "TTFT (s)"), ("itl_ms", "inter-token latency (s)"), ("e2e_ms", "end-to-end (s)"))
     for ax, (metric, title) in zip(axes.flat, panels, strict=False):
         for side, color in COLORS.items():
@@ -72,6 +61,4 @@ def plot_vs_rate(report: dict, path: Path) -> None:
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
     fig.suptitle("open loop: latency against arrival rate (dotted: the FIFO capacity)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    plots.save(fig, path)
