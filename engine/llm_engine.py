@@ -271,23 +271,23 @@ class LLMEngine:
         for seq in updated:
             by_request.setdefault(seq.request_id, []).append(seq)
         outputs = []
+        every_step = self.config.stream_interval == 1
         for request_id, seqs in by_request.items():
             request = self.requests.get(request_id)
             if request is None:  # failed in this step: its final output is out already
                 continue
             request.seqs.extend(s for s in seqs if s not in request.seqs)
-            if self._is_due(request, seqs):
+            if every_step or self._is_due(request, seqs):
                 outputs.append(self._output(request, seqs))
         return outputs
 
     def _is_due(self, request: _Request, seqs: list[Sequence]) -> bool:
-        """Whether the request's output goes out this step: always at --stream-interval 1; above it, with
-        a choice's first token, at a choice's end, and once a choice has that many tokens not sent yet
-        (the delta then carries them all: fewer, bigger deltas, each a write and a read less)."""
+        """Above --stream-interval 1, whether the request's output goes out this step: with a choice's first
+        token, at a choice's end, and once a choice has that many tokens not sent yet (the delta then
+        carries them all: fewer, bigger deltas, each a write and a read less)."""
         interval, sent = self.config.stream_interval, request.sent_tokens
-        return interval == 1 or any(
-            seq.is_finished or seq.index not in sent or seq.num_output_tokens - sent[seq.index] >= interval
-            for seq in seqs)
+        return any(seq.is_finished or seq.index not in sent or seq.num_output_tokens - sent[seq.index] >= interval
+                   for seq in seqs)
 
     def _output(self, request: _Request, seqs: list[Sequence]) -> RequestOutput:
         """A delta: what each of seqs produced since its last output."""

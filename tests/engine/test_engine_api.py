@@ -8,6 +8,7 @@ import pytest
 from engine import AsyncEngine, EngineConfig, LLMEngine, SamplingParams
 from engine.errors import EngineDeadError, EngineOverloadedError, EngineStepError, RequestRejectedError
 from engine.faults import Fault, FaultInjector
+from engine.llm import _merge
 
 LONG = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
@@ -95,16 +96,13 @@ def _deltas(engine: LLMEngine, params: SamplingParams) -> dict[str, list]:
     return deltas
 
 
-def _whole(deltas: list) -> list[tuple]:
-    by_index: dict[int, list] = {}
-    for out in deltas:
-        for part in out.outputs:
-            whole = by_index.setdefault(part.index, ["", [], [], None])
-            whole[0] += part.text
-            whole[1] += part.token_ids
-            whole[2] += part.logprobs or []
-            whole[3] = part.finish_reason
-    return sorted((i, *w[:2], [sorted(p.items()) for p in w[2]], w[3]) for i, w in by_index.items())
+def _folded(deltas: dict[str, list]) -> dict[str, list[tuple]]:
+    """Each request's deltas folded as LLM.generate folds them: per choice, its whole text, tokens, logprobs."""
+    finals: dict = {}
+    for out in (d for request_deltas in deltas.values() for d in request_deltas):
+        _merge(finals, out)
+    return {r: [(o.index, o.text, o.token_ids, o.logprobs, o.finish_reason) for o in whole.outputs]
+            for r, whole in finals.items()}
 
 
 def test_a_stream_interval_sends_fewer_bigger_deltas_with_the_same_tokens(random_model):
@@ -112,7 +110,7 @@ def test_a_stream_interval_sends_fewer_bigger_deltas_with_the_same_tokens(random
     every, fourth = (LLMEngine(EngineConfig(model=random_model("tiny-qwen2"), dtype="float32", block_size=4,
                                             stream_interval=k)) for k in (1, 4))
     one_by_one, by_four = _deltas(every, params), _deltas(fourth, params)
-    assert {r: _whole(d) for r, d in by_four.items()} == {r: _whole(d) for r, d in one_by_one.items()}
+    assert _folded(by_four) == _folded(one_by_one)
     for request_id, deltas in by_four.items():
         assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
         assert len(deltas) < len(one_by_one[request_id])
