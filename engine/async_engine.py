@@ -122,12 +122,14 @@ class EngineFrontend:
         return prompt_token_ids
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                       priority: int = 0, prompt_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, prompt_token_ids: list[int] | None = None,
+                       group_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield output deltas until the request finishes. Leaving early aborts it. `prompt_token_ids`:
         the prompt already encoded and checked by this engine (the service checks in a worker thread;
         the loop's add_request checks once more and a failure comes out of this generator). Without
         them the prompt is encoded and checked in a worker thread: a long text, or a grammar this
-        engine never compiled (up to seconds), must not stall the event loop or the engine loop."""
+        engine never compiled (up to seconds), must not stall the event loop or the engine loop.
+        `group_id`: the client request this one is part of (LLMEngine.add_request)."""
         self._check_alive()
         if prompt_token_ids is None:
             prompt_token_ids = await asyncio.to_thread(self._encode_checked, prompt, params)
@@ -141,7 +143,8 @@ class EngineFrontend:
             self._num_adds_sent += 1
         finished = False
         try:
-            self._submit(("add", (request_id, prompt, params, priority, time.monotonic(), prompt_token_ids)))
+            self._submit(("add", (request_id, prompt, params, priority, time.monotonic(), prompt_token_ids,
+                                   group_id)))
             self._check_alive()  # the loop may have died after the first check, before it saw us
             while not finished:
                 item = await waiter.queue.get()

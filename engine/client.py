@@ -18,6 +18,10 @@ from engine.stats import EngineStats
 if TYPE_CHECKING:
     from engine.dtype_probe import DtypeProbe  # imports torch
 
+# the known-good prompt: one greedy token of it warms a model before its first client, and probes a
+# model that failed a step in every row of one request (was it the request, or the model?)
+WARMUP_PROMPT = "Hello"
+
 
 class EngineClient(Protocol):
     config: EngineConfig
@@ -51,7 +55,8 @@ class EngineClient(Protocol):
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None: ...
 
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, priority: int = 0,
-                 prompt_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]: ...
+                 prompt_token_ids: list[int] | None = None,
+                 group_id: str | None = None) -> AsyncIterator[RequestOutput]: ...
 
     def abort(self, request_id: str) -> None: ...
 

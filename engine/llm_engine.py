@@ -10,6 +10,7 @@ from transformers import AutoTokenizer
 
 from engine.block_manager import BlockCopies, BlockManager
 from engine.chat_template import chat_prompt, encode_prompt
+from engine.client import WARMUP_PROMPT
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import (
@@ -32,7 +33,6 @@ from engine.structured import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
-MODEL_FAILURE_STEPS = 3  # steps in a row that fail in every row: the model is broken, not the requests
 
 
 @dataclass
@@ -47,6 +47,7 @@ class _Request:
     sent_tokens: dict[int, int] = field(default_factory=dict)
     is_aborted: bool = False
     error: EngineError | None = None  # why the engine failed it (poison isolation)
+    group_id: str = ""  # the client request it is part of: isolation blames a group as one request
 
     @property
     def is_finished(self) -> bool:
@@ -90,7 +91,7 @@ class LLMEngine:
         self.num_isolated_steps = 0  # steps that raised and were re-run in parts to find their cause
         self.num_failed_requests = 0  # requests finished with an error by isolation
         self._failed: dict[str, EngineError] = {}  # request id -> why, until this step's outputs say it
-        self._num_failed_steps_in_a_row = 0  # isolated steps in which every row failed, one after another
+        self.probe_token_ids = self.encode(WARMUP_PROMPT) or [0]
 
     # --- requests --------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -128,9 +129,11 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     priority: int = 0, arrival_time: float | None = None,
-                    prompt_token_ids: list[int] | None = None) -> None:
+                    prompt_token_ids: list[int] | None = None, group_id: str | None = None) -> None:
         """`prompt_token_ids`: `prompt` already encoded by this engine's tokenizer (it is checked
-        like any prompt; the text is kept for the output)."""
+        like any prompt; the text is kept for the output). `group_id`: the client request this one is
+        part of (the prompts of one HTTP request; default: itself): when a step fails in every row
+        and the rows are all of one group, that request is the poison, not the model."""
         if request_id in self.requests:
             raise RequestRejectedError(f"request id {request_id!r} is already in use")
         if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) > MAX_PRIORITY:
@@ -148,7 +151,7 @@ class LLMEngine:
         self.scheduler.add_seq(seq)
         self.num_prompt_tokens += len(prompt_token_ids)
         self.requests[request_id] = _Request(request_id, prompt if isinstance(prompt, str) else None,
-                                             prompt_token_ids, params, now, [seq])
+                                             prompt_token_ids, params, now, [seq], group_id=group_id or request_id)
 
     def _detokenizer(self, seq: Sequence) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params.stop,
@@ -187,33 +190,58 @@ class LLMEngine:
     # --- poison isolation: a step that raises never stops the engine --------------------------------
     def _run(self, batch: SchedulerOutput) -> dict[int, list[SampledToken]]:
         try:
-            sampled = self.model_runner.run(batch)
+            return self.model_runner.run(batch)
         except EngineDeadError:  # a tensor-parallel rank is gone: no step can run, the loop ends
             raise
         except Exception:  # noqa: BLE001 - whatever a request provokes, the others go on
-            logger.exception("a step of %d sequences raised; re-running it in parts to find the cause",
-                             len(batch.scheduled))
             self.num_isolated_steps += 1
             return self._isolate(batch.scheduled)
-        self._num_failed_steps_in_a_row = 0
-        return sampled
 
     def _isolate(self, items: list[ScheduledSeq]) -> dict[int, list[SampledToken]]:
         """Re-run the step's rows in halves until each failing row stands alone; those rows' requests
         fail, the rest keep the tokens they got. Writing a row's K/V twice writes the same values,
-        and a seeded draw depends only on its own row, so re-running is safe. If every row fails on
-        its own the model is at fault, not the requests: they all fail as an engine error."""
+        and a seeded draw depends only on its own row, so re-running is safe. The model is blamed
+        (EngineStepError: its breaker counts it, the fallback is tried) only when it fails without
+        the suspect: every row failed and they belong to two or more requests, or every row of one
+        request failed and the known-good probe fails too."""
         sampled: dict[int, list[SampledToken]] = {}
         failing: list[tuple[ScheduledSeq, Exception]] = []
         self._bisect(items, sampled, failing)
-        all_failed = len(failing) == len(items)
-        self._num_failed_steps_in_a_row = self._num_failed_steps_in_a_row + 1 if all_failed else 0
-        # a one-row step cannot tell a poison request from a broken model; steps failing whole, one
-        # after another, can: the model is then blamed (its breaker counts it, the fallback is tried)
-        blame_model = all_failed and (len(items) > 1 or self._num_failed_steps_in_a_row >= MODEL_FAILURE_STEPS)
+        if self._is_model_at_fault(items, failing):
+            logger.error("a step of %d sequences failed in every row: the model is at fault", len(items),
+                         exc_info=failing[0][1])
+            failing = [(item, EngineStepError(f"the model failed this step: {exc!r}")) for item, exc in failing]
         for item, exc in failing:
-            self._fail_seq(item.seq, EngineStepError(f"the model failed this step: {exc!r}") if blame_model else exc)
+            if not isinstance(exc, EngineError):  # not a failure we named: its traceback is the lead
+                logger.error("request %s made a step raise", item.seq.request_id, exc_info=exc)
+            self._fail_seq(item.seq, exc)
         return sampled
+
+    def _is_model_at_fault(self, items: list[ScheduledSeq], failing: list[tuple[ScheduledSeq, Exception]]) -> bool:
+        if len(failing) < len(items) or any(isinstance(exc, RequestRejectedError) for _, exc in failing):
+            return False  # other rows ran, or the request's own parameters (its grammar) raised
+        if len({self.requests[item.seq.request_id].group_id for item, _ in failing}) > 1:
+            return True
+        return not self._probe_passes()
+
+    def _probe_passes(self) -> bool:
+        """One greedy token of the known-good prompt, alone in a step of its own, outside the scheduler.
+        Without room for it in the pool nothing is concluded: the suspect alone is failed."""
+        seq = Sequence("probe", self.probe_token_ids, SamplingParams(temperature=0.0, max_tokens=1),
+                       max_model_len=self.max_model_len)
+        if not self.block_manager.can_allocate(seq, seq.num_prompt_tokens):
+            return True
+        self.block_manager.allocate(seq, seq.num_prompt_tokens)
+        try:
+            self.model_runner.run(SchedulerOutput([ScheduledSeq(seq, 0, seq.num_prompt_tokens, 1)],
+                                                  BlockCopies([], [], [])))
+        except EngineDeadError:
+            raise
+        except Exception:  # noqa: BLE001 - the model fails a prompt it served at start-up
+            return False
+        finally:
+            self.block_manager.free(seq)
+        return True
 
     def _bisect(self, items: list[ScheduledSeq], sampled: dict, failing: list) -> None:
         try:
@@ -233,7 +261,7 @@ class LLMEngine:
         cache); its request ends with `error` in this step's outputs."""
         if not isinstance(error, EngineError):
             error = RequestFailedError(f"this request made the engine step fail and was stopped: {error!r}")
-        logger.error("request %s failed in the engine: %s", seq.request_id, error)
+        logger.warning("request %s failed in the engine: %s", seq.request_id, error)
         self.scheduler.finish_seq(seq, SequenceStatus.FINISHED_ERROR)
         self._failed.setdefault(seq.request_id, error)
 
@@ -302,7 +330,8 @@ class LLMEngine:
                              finished, first.num_cached_tokens,
                              {"arrival_time": request.arrival_time,
                               "first_scheduled_time": first.first_scheduled_time or 0.0,
-                              "first_token_time": first.first_token_time or 0.0}, request.error)
+                              "first_token_time": first.first_token_time or 0.0,
+                              "num_preemptions": sum(s.num_preemptions for s in request.seqs)}, request.error)
 
     def _observe_phases(self, first: Sequence) -> None:
         """A request that finished on its own this step: its last token came now."""

@@ -73,6 +73,7 @@ class GenerateRequest:
     prompt_token_ids: list[int] | None = None
     encoded_by: str | None = None
     arrival: float | None = None  # on the router's clock (None: when the router sees it)
+    group_id: str | None = None  # the client request it is part of (its prompts share it; default: itself)
 
 
 @dataclass
@@ -283,7 +284,8 @@ class _Call:
             if is_retry:
                 router.num_retries[name] += 1
             token_ids = req.prompt_token_ids if req.encoded_by == name else None
-            self.stream = self.engine.generate(req.prompt, req.params, request_id, req.priority, token_ids)
+            self.stream = self.engine.generate(req.prompt, req.params, request_id, req.priority, token_ids,
+                                               group_id=req.group_id or req.request_id)
             stack.push_async_callback(_aclose, self.stream)
             self.first = await self._next()
             self._stack = stack.pop_all()

@@ -145,7 +145,7 @@ class Generation:
         requests = [GenerateRequest(f"{self.id}-{i}", self.model, prompt, self.params, self.priority,
                                     deadline=self.deadline, num_prompt_tokens=len(token_ids),
                                     arrival=self.record.start + self.record.load_wait_s,
-                                    prompt_token_ids=token_ids, encoded_by=self.encoded_by)
+                                    prompt_token_ids=token_ids, encoded_by=self.encoded_by, group_id=self.id)
                     for i, (prompt, token_ids) in enumerate(zip(self.prompts, self.prompt_token_ids, strict=True))]
         streams = [self.state.router.generate(r) for r in requests]
         try:

@@ -35,6 +35,7 @@ from typing import Any
 
 from aiohttp import web
 
+from engine.client import WARMUP_PROMPT
 from engine.sampling_params import SamplingParams
 from resilience.heartbeat import Heartbeat, engine_load
 from resilience.leak_detector import LeakDetector, LeakDetectorConfig, LeakReport
@@ -44,7 +45,6 @@ from service.keys import CONFIG_KEY, STATE_KEY
 
 logger = logging.getLogger(__name__)
 
-WARMUP_PROMPT = "Hello"
 EXIT_CODE_REPLACE_ME = 75  # EX_TEMPFAIL: "replace me", distinct from a crash (1) and a clean stop (0)
 ENGINE_WATCH_S = 0.25
 REBUILD_WINDOW_S = 600.0  # max_engine_rebuilds counts the deaths within this window

@@ -9,6 +9,8 @@ import pytest
 from engine import AsyncEngine, EngineConfig, LLMEngine, SamplingParams
 from engine.errors import EngineDeadError, EngineStepError, RequestFailedError, RequestRejectedError
 from engine.faults import Fault
+from engine.sampling_params import StructuredOutputs
+from engine.structured import StructuredOutputError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = {f"r{i}": [3 + i, 40 + i, 7, 9 + 2 * i] for i in range(5)}
@@ -158,13 +160,66 @@ def test_a_failed_rows_blocks_never_enter_the_prefix_cache(random_model):
     assert _all_free(engine)
 
 
-def test_steps_that_fail_whole_one_after_another_blame_the_model(random_model):
+def test_a_request_whose_every_row_fails_is_the_poison_however_often(random_model):
+    """Ten requests one after another, each with two rows (n=2) that both fail: the probe serves, so each
+    request alone is at fault, never the model (its breaker would count EngineStepError)."""
     engine = LLMEngine(_config(random_model))
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=6, ignore_eos=True, n=2)
     errors = []
-    for i in range(4):  # one request at a time: each step has one row
-        engine.add_request(f"solo{i}", [5, 6, 7 + i], GREEDY)
-        engine.requests[f"solo{i}"].seqs[0].is_poisoned = True
+    for i in range(10):
+        engine.add_request(f"pair{i}", [5, 6, 7 + i], params)
+        engine.step()  # prefill: both choices fan out
+        for seq in engine.requests[f"pair{i}"].seqs:
+            seq.is_poisoned = True
         while engine.has_unfinished_requests:
             errors += [out.error for out in engine.step() if out.error is not None]
-    assert [type(e) for e in errors] == [RequestFailedError, RequestFailedError, EngineStepError, EngineStepError]
+    assert [type(e) for e in errors] == [RequestFailedError] * 10
+    assert _all_free(engine)
+
+
+def test_the_prompts_of_one_client_request_are_blamed_together(random_model):
+    engine = LLMEngine(_config(random_model))
+    for k in range(2):  # two prompts of one HTTP request: two engine requests of one group
+        engine.add_request(f"cmpl-1-{k}", [5, 6, 7 + k], GREEDY, group_id="cmpl-1")
+        engine.requests[f"cmpl-1-{k}"].seqs[0].is_poisoned = True
+    errors = []
+    while engine.has_unfinished_requests:
+        errors += [out.error for out in engine.step() if out.error is not None]
+    assert [type(e) for e in errors] == [RequestFailedError] * 2
+    assert _all_free(engine)
+
+
+def test_a_broken_model_fails_the_probe_and_is_blamed(random_model, monkeypatch):
+    engine = LLMEngine(_config(random_model))
+
+    def broken(hidden):
+        raise RuntimeError("a broken model: every forward fails")
+
+    monkeypatch.setattr(engine.model_runner.model, "compute_logits", broken)
+    engine.add_request("solo", [5, 6, 7], GREEDY)
+    errors = []
+    while engine.has_unfinished_requests:
+        errors += [out.error for out in engine.step() if out.error is not None]
+    assert [type(e) for e in errors] == [EngineStepError]
+    assert "broken model" in str(errors[0])
+    assert _all_free(engine)
+
+
+def test_a_grammar_failure_in_a_step_is_the_requests_error(random_model):
+    """A constraint that passed the edge but fails a later mask (llguidance's per-step fuel) ends its
+    request with a 4xx-class error, even alone in the step: not the model's fault, no probe."""
+    engine = LLMEngine(_config(random_model))
+    engine.add_request("json", [5, 6, 7], SamplingParams(max_tokens=8, structured_outputs=StructuredOutputs(
+        regex="[0-9]+")))
+    seq = engine.requests["json"].seqs[0]
+
+    def over_fuel(row, budget):
+        raise StructuredOutputError("structured output: the constraint ran out of fuel")
+
+    seq.grammar.fill_mask = over_fuel
+    errors = []
+    while engine.has_unfinished_requests:
+        errors += [out.error for out in engine.step() if out.error is not None]
+    assert [type(e) for e in errors] == [StructuredOutputError]
+    assert isinstance(errors[0], RequestRejectedError)
     assert _all_free(engine)

@@ -13,6 +13,7 @@ import pytest
 import resilience.router
 from engine.config import EngineConfig
 from engine.errors import EngineStepError, RequestFailedError
+from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from resilience.admission import BulkheadConfig
 from resilience.breaker import BreakerConfig
@@ -55,7 +56,7 @@ class FakeEngine:
         """`is_full`: its batch has no room (seats or KV blocks) for what waits."""
         return SimpleNamespace(is_full=self.is_full)
 
-    async def generate(self, prompt, params, request_id, priority=0, prompt_token_ids=None):
+    async def generate(self, prompt, params, request_id, priority=0, prompt_token_ids=None, group_id=None):
         self.request_ids.append(request_id)
         if self.errors:
             raise self.errors.pop(0)
@@ -64,10 +65,15 @@ class FakeEngine:
             for i in range(self.num_outputs):
                 if i == self.hang_after:
                     await asyncio.Event().wait()
-                yield f"{request_id}:{i}"
+                yield _output(f"{request_id}:{i}")
         except (asyncio.CancelledError, GeneratorExit):
             self.aborted.append(request_id)
             raise
+
+
+def _output(label: str) -> RequestOutput:
+    """An output delta labelled by its request id and its number (no tokens: these tests decode nothing)."""
+    return RequestOutput(label, None, [], [])
 
 
 def make_router(engines: dict[str, FakeEngine], **options) -> ModelRouter:
@@ -82,7 +88,7 @@ def make_router(engines: dict[str, FakeEngine], **options) -> ModelRouter:
 async def serve(router: ModelRouter, request_id: str = "r", **fields) -> tuple[set[str], set[bool], list[str]]:
     """(served models, degraded flags, outputs) of one request for "big"."""
     routed = [r async for r in router.generate(GenerateRequest(request_id, "big", "x", PARAMS, **fields))]
-    return {r.served_model for r in routed}, {r.degraded for r in routed}, [r.output for r in routed]
+    return {r.served_model for r in routed}, {r.degraded for r in routed}, [r.output.request_id for r in routed]
 
 
 async def test_no_first_token_by_the_deadline_moves_to_the_next_model_as_a_slow_call():
@@ -144,7 +150,7 @@ async def test_the_requests_own_deadline_cuts_a_stream_after_its_first_output():
     with pytest.raises(DeadlineExceeded, match="deadline exceeded at total"):
         async for routed in router.generate(GenerateRequest("r", "big", "x", PARAMS,
                                                             deadline=time.monotonic() + TIMEOUT_S)):
-            received.append(routed.output)
+            received.append(routed.output.request_id)
     assert received == ["r:0"] and engines["small"].request_ids == []
     assert router.breaker("big").num_failed_calls == 0
 
@@ -234,9 +240,9 @@ async def test_no_retry_and_no_failover_once_the_budget_is_spent():
 
 async def test_an_error_after_the_first_output_is_never_retried():
     class FailsMidStream(FakeEngine):
-        async def generate(self, prompt, params, request_id, priority=0, prompt_token_ids=None):
+        async def generate(self, prompt, params, request_id, priority=0, prompt_token_ids=None, group_id=None):
             self.request_ids.append(request_id)
-            yield f"{request_id}:0"
+            yield _output(f"{request_id}:0")
             raise EngineStepError("mid-stream")
 
     engines = {"big": FailsMidStream(), "small": FakeEngine()}
@@ -244,7 +250,7 @@ async def test_an_error_after_the_first_output_is_never_retried():
     received = []
     with pytest.raises(EngineStepError, match="mid-stream"):
         async for routed in router.generate(GenerateRequest("r", "big", "x", PARAMS)):
-            received.append(routed.output)
+            received.append(routed.output.request_id)
     assert received == ["r:0"] and engines["big"].request_ids == ["r"] and engines["small"].request_ids == []
 
 
@@ -283,6 +289,24 @@ async def test_a_request_late_behind_a_full_batch_moves_on_without_blaming_the_m
     for name in engines:
         breaker = router.breaker(name)
         assert (breaker.num_slow_calls, breaker.num_failed_calls, breaker.circuit.fail_counter) == (0, 0, 0)
+
+
+@pytest.mark.parametrize(("num_preemptions", "slow", "late_in_queue"), [(1, {"big": 1}, {}), (2, {}, {"big": 1})])
+async def test_a_late_token_is_queueing_when_its_own_sequence_was_preempted_since_the_last(num_preemptions, slow,
+                                                                                          late_in_queue):
+    """KV pressure: a preempted sequence waits, rescheduled, and its next token comes late while the
+    batch has room again (is_full is False by then): its own preemption count says it queued."""
+    class PreemptedMidStream(FakeEngine):
+        async def generate(self, prompt, params, request_id, priority=0, prompt_token_ids=None, group_id=None):
+            yield RequestOutput(f"{request_id}:0", None, [], [], metrics={"num_preemptions": 1})
+            await asyncio.sleep(2 * TIMEOUT_S)
+            yield RequestOutput(f"{request_id}:1", None, [], [], metrics={"num_preemptions": num_preemptions})
+
+    engines = {"big": PreemptedMidStream(), "small": FakeEngine()}
+    router = make_router(engines)
+    assert await serve(router) == ({"big"}, {False}, ["r:0", "r:1"])
+    assert router.num_slow_calls == slow and router.num_late_in_queue == late_in_queue
+    assert router.breaker("big").num_slow_calls == len(slow)
 
 
 def test_stall_is_a_deadline_kind_of_its_own():

@@ -30,7 +30,7 @@ async def test_names_labels_and_values(start):
     primary = (("model_name", "primary"),)
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
         assert samples[(f"pagedserve:{name}", primary)] == 0, name
-    warmup = len(h.primary.encode("Hello"))  # service.supervision.WARMUP_PROMPT, one token generated
+    warmup = len(h.primary.encode("Hello"))  # engine.client.WARMUP_PROMPT, one token generated
     # in prompt tokens, once per request (n samples share one prompt); the second request finds the
     # first one's full blocks of 8 in the prefix cache
     assert samples[("pagedserve:prefix_cache_queries_total", primary)] == warmup + 2 * num_prompt

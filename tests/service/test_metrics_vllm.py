@@ -56,7 +56,7 @@ async def test_step_and_request_series_say_what_ran(start):
     h = await start()
     await until(h.idle)
     before = await _scrape(h)
-    warmup = len(h.primary.encode("Hello"))  # service.supervision.WARMUP_PROMPT: one step, one token
+    warmup = len(h.primary.encode("Hello"))  # engine.client.WARMUP_PROMPT: one step, one token
     assert _histogram(before, "iteration_tokens_total") == _expected([warmup], ITERATION_TOKEN_BUCKETS)
     assert _histogram(before, "request_inference_time_seconds")["count"] == 1
     assert _histogram(before, "request_prompt_tokens")["count"] == 0  # the warm-up is no HTTP request
