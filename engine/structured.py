@@ -38,6 +38,9 @@ COMPILE_THREAD = "grammar-compile"
 EXIT_WAIT_S = 60.0
 MAX_CACHED = 64  # compiled constraints kept per engine (each holds its lazily built lexer), LRU
 MAX_ERROR_CHARS = 400
+# a constraint whose first mask takes longer is refused: each step would wait that long for its row (a
+# JSON schema's first mask takes up to 2 ms here; a regex of a{200000}, 160 ms, and 40-50 ms every step after)
+MAX_FIRST_MASK_S = 0.05
 # compact JSON: a small model given free whitespace may emit newlines until max_tokens
 JSON_KINDS = ("json", "json_object")  # constraints whose replies the JSON closer ends in time
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -192,6 +195,8 @@ class GrammarCompiler:
                                            limits=llguidance.LLParserLimits(verbose_errors=False))
             if matcher.is_error():
                 job.error = f"the {spec.kind} constraint does not compile: {matcher.get_error()[:MAX_ERROR_CHARS]}"
+            elif (why := self._cannot_start(matcher)) is not None:
+                job.error = f"the {spec.kind} constraint {why}"
             else:
                 job.matcher = matcher
         except Exception as exc:  # noqa: BLE001 - llguidance raises ValueError and others for bad input
@@ -201,6 +206,22 @@ class GrammarCompiler:
             if spec not in self._cache:  # a timed-out compile's refusal stands
                 self._remember_locked(spec, job.matcher if job.matcher is not None else job.error)
         job.done.set()
+
+    def _cannot_start(self, matcher: llguidance.LLMatcher) -> str | None:
+        """Why no sequence could take a first token under this matcher (None: one can), found by
+        computing the first mask on a copy, as the step would: a grammar that refers to itself
+        without end, or matches nothing, fails here instead of inside a step."""
+        first = matcher.deep_copy()
+        row = torch.zeros((self._llg_tokenizer().vocab_size + 31) // 32, dtype=torch.int32)
+        start = time.monotonic()
+        first.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+        took_s = time.monotonic() - start
+        if first.is_error() or not bool(row.any()):
+            return "cannot produce a first token (it matches nothing, or refers to itself without end)"
+        if took_s > MAX_FIRST_MASK_S:
+            return (f"is too costly: its first token mask took {took_s * 1000:.0f} ms (at most "
+                    f"{MAX_FIRST_MASK_S * 1000:.0f} ms), and every step of the batch would wait for it; simplify it")
+        return None
 
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
         with self._tokenizer_lock:

@@ -189,6 +189,23 @@ def test_a_constraint_that_does_not_compile_is_refused_with_the_reason(engine, s
     assert not engine.requests
 
 
+@pytest.mark.parametrize(("spec", "reason"), [
+    ({"grammar": "start: start"}, "cannot produce a first token"),
+    ({"grammar": "root ::= root"}, "cannot produce a first token"),
+    ({"json": {"$ref": "#"}}, "cannot produce a first token"),
+    ({"json": {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}},
+     "cannot produce a first token"),
+    ({"regex": "a{200000}"}, "too costly: its first token mask took"),
+])
+def test_a_constraint_that_cannot_start_or_whose_mask_stalls_steps_is_refused_before_any_step(engine, spec, reason):
+    """These compile, and used to fail (or cost 40-50 ms a row) inside a step: the first mask is
+    computed with the compile, off the engine loop."""
+    params = _constrained(spec=spec)
+    with pytest.raises(StructuredOutputError, match=reason):
+        engine.check_request([1, 2, 3], params)
+    assert not engine.requests
+
+
 def test_a_constraint_too_costly_to_compile_is_refused_within_the_time_bound_and_then_at_once(engine):
     """An allOf of 20 patterns: llguidance's fuel does not bound its regex intersections (seconds)."""
     hostile = StructuredOutputs(json={"type": "string", "allOf": [{"pattern": f"^.*a.{{{i}}}$"} for i in range(20)]})
