@@ -33,5 +33,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0
-    metrics: dict[str, float] = field(default_factory=dict)  # arrival/first_scheduled/first_token/finished (monotonic s)
+    # arrival/first_scheduled/first_token (monotonic s); num_preemptions: of its sequences so far, all told
+    metrics: dict[str, float] = field(default_factory=dict)
     error: EngineError | None = None  # on the final output of a request the engine failed (poison isolation)

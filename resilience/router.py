@@ -236,8 +236,9 @@ class ModelRouter:
         if kind == "first_token" or is_late:
             self._slow(name, call)
 
-    def _slow(self, name: str, call: BreakerCall) -> None:
-        if self._is_saturated(name):  # late because it queued for room in a full batch: overload, not sickness
+    def _slow(self, name: str, call: BreakerCall, was_queued: bool = False) -> None:
+        # late because it queued for room (a seat, KV blocks): overload, not sickness
+        if was_queued or self._is_saturated(name):
             self.num_late_in_queue[name] += 1
             return
         call.mark_slow()
@@ -268,6 +269,7 @@ class _Call:
                                    clock=router.clock, alive_at=lambda: self.engine.last_progress_time)
         self.slow_after = first_token_deadline  # an output later than this makes the call slow
         self.first: RequestOutput | None = None
+        self.num_preemptions = 0  # of the request's sequences, as of the last output read
         self._stack = contextlib.AsyncExitStack()
 
     async def open(self, request_id: str, is_retry: bool) -> None:
@@ -307,8 +309,19 @@ class _Call:
             router._on_deadline(self.name, self.breaker_call, exc, is_late)
             raise
         if router.clock() > self.slow_after and not self.breaker_call.is_slow:
-            router._slow(self.name, self.breaker_call)
+            router._slow(self.name, self.breaker_call, self._was_queued(output))
+        self.num_preemptions = output.metrics.get("num_preemptions", 0)
         return output
+
+    def _was_queued(self, output: RequestOutput) -> bool:
+        """A late output waited for room, by its own history: its sequences were preempted since the
+        output before it; or, for the first, the model took less than the deadline once it was scheduled."""
+        metrics = output.metrics
+        if metrics.get("num_preemptions", 0) > self.num_preemptions:
+            return True
+        scheduled, first_token = metrics.get("first_scheduled_time"), metrics.get("first_token_time")
+        return (self.first is None and bool(scheduled) and bool(first_token)
+                and first_token - scheduled < self.router.config.first_token_timeout_s)
 
     async def __aenter__(self) -> "_Call":
         return self
