@@ -12,7 +12,7 @@ from aiohttp import web
 
 from engine.client import EngineClient
 from engine.faults import Fault
-from service.completions import read_json
+from service.body import read_json
 from service.config import ENGINE_OPTIONS, ConfigError, engine_config, parse_size
 from service.errors import InvalidRequestError, ModelNotFoundError
 from service.keys import CONFIG_KEY, STATE_KEY

@@ -32,6 +32,7 @@ from resilience.admission import BulkheadConfig
 from service.access import access_middleware
 from service.admin import add_admin_routes
 from service.auth import KeyRing, auth_middleware
+from service.body import HANDLER_ARGS
 from service.config import ENGINE_OPTIONS, ServerConfig
 from service.errors import error_middleware, error_response
 from service.keys import (
@@ -69,7 +70,7 @@ def create_app(config: ServerConfig, *, engine_factory: EngineFactory | None = N
         middlewares.append(on_demand_middleware(Path(config.models_dir).expanduser().resolve(), options,
                                                 config.on_demand_fallback or config.models[0].name,
                                                 config.first_token_timeout_s))
-    app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
+    app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes, handler_args=HANDLER_ARGS)
     state = ServerState(config.hang_timeout_s, config.model_names)
     app[CONFIG_KEY] = config
     app[TRACER_KEY] = make_tracer(config.otel_endpoint)

@@ -18,19 +18,13 @@ from aiohttp import web
 from engine.outputs import CompletionOutput
 from engine.structured import StructuredOutputError
 from service import protocol
+from service.body import read_json
 from service.constraints import ToolCalling
-from service.errors import (
-    InvalidRequestError,
-    RequestTimeoutError,
-    UnavailableError,
-    UnsupportedMediaTypeError,
-    classify,
-    error_body,
-)
+from service.errors import InvalidRequestError, UnavailableError, classify, error_body
 from service.generation import Generation
-from service.keys import CONFIG_KEY, RECORD_KEY, REQUEST_ID_KEY
+from service.keys import RECORD_KEY, REQUEST_ID_KEY
 from service.router import RoutedOutput
-from service.schemas import parse_chat, parse_completion, parse_json
+from service.schemas import parse_chat, parse_completion
 from service.sse import EventStream
 
 logger = logging.getLogger(__name__)
@@ -76,29 +70,6 @@ def _prompt_texts(gen: Generation, prompts: list[str | list[int]]) -> list[str]:
     """What `echo` prepends: a text prompt as sent, a token-id prompt decoded."""
     tokenizer = gen.engine.tokenizer
     return [p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
-
-
-async def read_json(request: web.Request) -> Any:
-    """The JSON body of a POST. Only a JSON Content-Type is read: a browser sends text/plain, form or
-    multipart bodies cross-site without a preflight, so refusing them keeps a keyless server out of
-    reach of any web page its user opens."""
-    check_json_content_type(request)
-    timeout_s = request.app[CONFIG_KEY].body_read_timeout_s
-    try:
-        async with asyncio.timeout(timeout_s):  # a body trickled in byte by byte must not hold a handler
-            raw = await request.read()  # over client_max_size: HTTPRequestEntityTooLarge -> 413
-    except TimeoutError:
-        raise RequestTimeoutError(f"the request body did not arrive within {timeout_s:g} s") from None
-    return parse_json(raw)
-
-
-def check_json_content_type(request: web.Request) -> None:
-    mime = request.content_type  # lower case, parameters stripped; application/octet-stream when absent
-    charset = (request.charset or "utf-8").lower()
-    is_json = mime == "application/json" or (mime.startswith("application/") and mime.endswith("+json"))
-    if not is_json or charset not in ("utf-8", "utf8"):
-        given = request.headers.get("Content-Type", "none")
-        raise UnsupportedMediaTypeError(f"Content-Type must be application/json (UTF-8), got {given[:100]!r}")
 
 
 async def collect(gen: Generation, fmt: _Format) -> web.Response:

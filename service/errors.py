@@ -72,6 +72,10 @@ class RequestTimeoutError(ServiceError):
     status = 408
 
 
+class PayloadTooLargeError(ServiceError):
+    status = 413
+
+
 class UnsupportedMediaTypeError(ServiceError):
     status = 415
 

@@ -13,6 +13,7 @@ from typing import Any
 from aiohttp import web
 
 from engine.config import EngineConfig
+from service.body import read_body
 from service.errors import InvalidRequestError
 from service.keys import RECORD_KEY, STATE_KEY
 from service.model_files import resolve_model_path
@@ -88,7 +89,7 @@ def on_demand_middleware(models_dir: Path, options: dict[str, Any], fallback: st
 
 
 async def _asked_model(request: web.Request) -> str | None:
-    raw = await request.read()  # kept by aiohttp: the handler reads the same bytes again
+    raw = await read_body(request)  # kept: the handler reads the same bytes again
     try:  # parse_json: depth-bounded and surrogate-free, like the handler's (a RecursionError here was a 500)
         model = parse_json(raw).get("model")
     except (InvalidRequestError, AttributeError):

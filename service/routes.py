@@ -12,7 +12,8 @@ from typing import Any
 from aiohttp import web
 
 from service.auth import KeyRing, bearer_token, holds_any_key
-from service.completions import create_chat_completion, create_completion, read_json
+from service.body import read_json
+from service.completions import create_chat_completion, create_completion
 from service.errors import (
     AuthenticationError,
     InvalidRequestError,
