@@ -1,0 +1,280 @@
+"""Hostile clients against a real replica (a primary and its fallback) behind the shipped nginx config.
+
+Cheap cases (make test): requests whose own content must fail alone, each a 4xx naming the field, after
+which both breakers are closed and the replica is ready:
+- ten completions of two prompts each with a grammar that cannot start (Lark `start: start`, GBNF
+  `root ::= root`): they used to open both breakers and take the replica out of rotation for 27 s;
+- `guided_regex: "a{400000}"` (its mask stalls steps), a `$ref` loop, a plain body sent as gzip;
+- keyless clients sending 1 MiB gzip bodies that inflate to 1 GiB: 401 without inflating them, while
+  /health/live keeps answering.
+Slow cases (make test-slow), the issue's acceptance runs: each attack kept up for 60 s while 8 normal
+clients stream; their figures go to hostile.json in the results dir.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import re
+import statistics
+import threading
+import time
+import urllib.error
+import urllib.request
+import zlib
+from pathlib import Path
+
+import pytest
+
+from deploy.nginx.render import NginxOptions
+from tests.deploy.replicas import (
+    NGINX,
+    SMALL,
+    TINY,
+    Nginx,
+    Replica,
+    free_port,
+    http,
+    model_dirs_missing,
+    start_and_wait,
+)
+
+RESULTS_NAME = "hostile.json"
+API_KEY = "hostile-key"
+REPLICA_ARGS = ["--model", str(SMALL), "--served-model-name", "primary", "--fallback", str(TINY),
+                "--api-key", API_KEY, "--dtype", "float32", "--block-size", "8", "--max-num-seqs", "16",
+                "--max-model-len", "512", "--kv-cache-memory", "8MiB", "--num-threads", "1"]
+OPTIONS = NginxOptions(worker_processes=1, worker_connections=512, rate_limit="off")
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+NORMAL = {"model": "primary", "prompt": "def add(a, b):\n", "max_tokens": 16, "temperature": 0}
+CANNOT_START = ({"grammar": "start: start"}, {"grammar": "root ::= root"})
+BOMB_INFLATED_BYTES = 1 << 30
+LIVE_P99_MS = 100.0
+
+pytestmark = [pytest.mark.skipif(NGINX is None, reason="nginx is not installed (make nginx)"),
+              pytest.mark.skipif(bool(model_dirs_missing(SMALL, TINY)), reason="the shipped models are missing"),
+              pytest.mark.timeout(600)]
+
+
+@pytest.fixture(scope="module")
+def replica(reaper, tmp_path_factory) -> Replica:
+    replica = Replica("hostile", free_port(), REPLICA_ARGS, tmp_path_factory.mktemp("hostile") / "replica.log",
+                      reaper)
+    start_and_wait([replica])
+    return replica
+
+
+@pytest.fixture(scope="module")
+def nginx(replica, reaper):
+    proxy = Nginx([replica.address], [], OPTIONS, reaper)
+    proxy.start()
+    yield proxy
+    proxy.cleanup()
+
+
+@pytest.fixture(scope="module")
+def bomb() -> bytes:
+    """A gzip body of about 1 MiB that inflates to 1 GiB of zeros."""
+    deflater = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+    zeros = bytes(1 << 20)
+    data = b"".join(deflater.compress(zeros) for _ in range(BOMB_INFLATED_BYTES >> 20)) + deflater.flush()
+    assert len(data) < 2 << 20
+    return data
+
+
+def post(url: str, body: bytes | dict, headers: dict | None = None, timeout: float = 60.0) -> tuple[int, bytes]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method="POST",
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def error_of(raw: bytes) -> dict:
+    return json.loads(raw)["error"]
+
+
+def breaker_states(replica: Replica) -> dict[str, float]:
+    """Model -> 0 closed, 1 half-open, 2 open (a breaker no call reached yet is not listed: closed)."""
+    _, _, body = http("GET", f"{replica.url}/metrics", timeout=10)
+    found = re.finditer(r'^pagedserve:breaker_state\{[^}]*model_name="([^"]+)"[^}]*\} (\S+)$', body.decode(), re.M)
+    return {m[1]: float(m[2]) for m in found}
+
+
+def assert_in_rotation(replica: Replica, nginx: Nginx) -> None:
+    assert all(state == 0 for state in breaker_states(replica).values()), breaker_states(replica)
+    assert http("GET", f"{nginx.url}/health/ready", timeout=10)[0] == 200
+    status, raw = post(f"{nginx.url}/v1/completions", NORMAL, AUTH)
+    assert status == 200, raw
+
+
+def grammar_attack(nginx: Nginx, i: int) -> tuple[int, dict]:
+    body = {**NORMAL, "prompt": ["x", "y"], "structured_outputs": CANNOT_START[i % 2]}
+    status, raw = post(f"{nginx.url}/v1/completions", body, AUTH)
+    return status, error_of(raw)
+
+
+def rss_bytes(replica: Replica) -> int:
+    status = Path(f"/proc/{replica.process.pid}/status").read_text()
+    return int(re.search(r"^VmRSS:\s+(\d+) kB", status, re.M)[1]) * 1024
+
+
+class LiveProbe:
+    """/health/live on the replica itself every 50 ms, in a thread: each answer's latency."""
+
+    def __init__(self, replica: Replica) -> None:
+        self.url = f"{replica.url}/health/live"
+        self.latencies_ms: list[float] = []
+        self.failures = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> LiveProbe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            start = time.monotonic()
+            try:
+                status = http("GET", self.url, timeout=5)[0]
+            except OSError:
+                status = 0
+            self.latencies_ms.append((time.monotonic() - start) * 1000)
+            self.failures += status != 200
+
+    @property
+    def p99_ms(self) -> float:
+        return statistics.quantiles(self.latencies_ms, n=100)[98] if len(self.latencies_ms) > 1 else 0.0
+
+
+# --- cheap cases -----------------------------------------------------------------------------------
+
+
+def test_ten_grammar_requests_that_cannot_start_fail_alone(replica, nginx):
+    with concurrent.futures.ThreadPoolExecutor(10) as pool:
+        results = list(pool.map(lambda i: grammar_attack(nginx, i), range(10)))
+    assert [status for status, _ in results] == [400] * 10
+    assert all(err["param"] == "structured_outputs" and "cannot produce a first token" in err["message"]
+               for _, err in results), results[0]
+    assert_in_rotation(replica, nginx)
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("guided_regex", "a{400000}", "too costly"),
+    ("guided_json", {"$ref": "#"}, "cannot produce a first token"),
+    ("guided_json", {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+     "cannot produce a first token"),
+])
+def test_a_constraint_that_would_fail_in_a_step_is_a_400_naming_its_field(replica, nginx, field, value, message):
+    status, raw = post(f"{nginx.url}/v1/completions", {**NORMAL, field: value}, AUTH)
+    assert status == 400 and error_of(raw)["param"] == field and message in error_of(raw)["message"], raw
+    assert_in_rotation(replica, nginx)
+
+
+def test_a_plain_body_sent_as_gzip_is_a_400(replica, nginx):
+    status, raw = post(f"{nginx.url}/v1/completions", NORMAL, {**AUTH, "Content-Encoding": "gzip"})
+    assert status == 400 and error_of(raw)["code"] == "invalid_content_encoding", raw
+
+
+def test_keyless_gzip_bombs_get_401_uninflated_and_liveness_holds(replica, nginx, bomb):
+    baseline = rss_bytes(replica)
+    with LiveProbe(replica) as probe, concurrent.futures.ThreadPoolExecutor(4) as pool:
+        statuses = list(pool.map(lambda _: post(f"{nginx.url}/v1/completions", bomb,
+                                                {"Content-Encoding": "gzip"})[0], range(8)))
+        time.sleep(0.5)
+    assert statuses == [401] * 8
+    assert probe.failures == 0 and probe.latencies_ms
+    assert rss_bytes(replica) < baseline + (64 << 20)  # nothing near 1 GiB was ever inflated
+    # with the key, the same body stops at --max-body-bytes of inflated size
+    status, raw = post(f"{nginx.url}/v1/completions", bomb, {**AUTH, "Content-Encoding": "gzip"})
+    assert status == 413 and "inflates to more than" in error_of(raw)["message"]
+    assert_in_rotation(replica, nginx)
+
+
+# --- the acceptance runs: 60 s of each attack beside normal streaming clients ------------------------
+
+
+def normal_streams(nginx: Nginx, stop: threading.Event, num_clients: int = 8) -> tuple[int, int]:
+    """(streams completed, streams with any error) of `num_clients` closed-loop streaming clients."""
+    counts = {"ok": 0, "bad": 0}
+    lock = threading.Lock()
+
+    def client() -> None:
+        while not stop.is_set():
+            status, raw = post(f"{nginx.url}/v1/completions", {**NORMAL, "stream": True}, AUTH)
+            good = status == 200 and raw.rstrip().endswith(b"data: [DONE]") and b'"error"' not in raw
+            with lock:
+                counts["ok" if good else "bad"] += 1
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(num_clients)]
+    for thread in threads:
+        thread.start()
+    stop.wait()
+    for thread in threads:
+        thread.join(60)
+    return counts["ok"], counts["bad"]
+
+
+@pytest.mark.slow
+def test_a_persistent_grammar_attack_beside_eight_streams(replica, nginx, results_file):
+    """Fast twin: test_ten_grammar_requests_that_cannot_start_fail_alone."""
+    stop = threading.Event()
+    ready_failures, attack_statuses, open_breakers = 0, [], 0
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        normals = pool.submit(normal_streams, nginx, stop)
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
+            attack_statuses.append(grammar_attack(nginx, len(attack_statuses))[0])
+            ready_failures += http("GET", f"{nginx.url}/health/ready", timeout=10)[0] != 200
+            open_breakers += any(state != 0 for state in breaker_states(replica).values())
+            time.sleep(2)
+        stop.set()
+        ok, bad = normals.result()
+    results_file("grammar_attack", {"attack_requests": len(attack_statuses),
+                                    "attack_4xx": sum(400 <= s < 500 for s in attack_statuses),
+                                    "normal_streams_ok": ok, "normal_streams_failed": bad,
+                                    "ready_failures": ready_failures, "samples_with_a_breaker_open": open_breakers})
+    assert all(400 <= s < 500 for s in attack_statuses) and bad == 0 and ok > 0
+    assert ready_failures == 0 and open_breakers == 0
+
+
+@pytest.mark.slow
+def test_eight_keyless_gzip_bomb_clients_for_a_minute(replica, nginx, bomb, results_file):
+    """Fast twin: test_keyless_gzip_bombs_get_401_uninflated_and_liveness_holds."""
+    baseline = rss_bytes(replica)
+    stop = threading.Event()
+    statuses: list[int] = []
+    peak = baseline
+
+    def attacker() -> None:
+        while not stop.is_set():
+            statuses.append(post(f"{nginx.url}/v1/completions", bomb, {"Content-Encoding": "gzip"})[0])
+
+    with LiveProbe(replica) as probe:
+        threads = [threading.Thread(target=attacker, daemon=True) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
+            peak = max(peak, rss_bytes(replica))
+            time.sleep(0.5)
+        stop.set()
+        for thread in threads:
+            thread.join(60)
+    time.sleep(1)
+    after = rss_bytes(replica)
+    results_file("gzip_bombs", {"requests": len(statuses), "answered_401": statuses.count(401),
+                                "live_probes": len(probe.latencies_ms), "live_failures": probe.failures,
+                                "live_p99_ms": round(probe.p99_ms, 1), "rss_baseline_mib": baseline >> 20,
+                                "rss_peak_mib": peak >> 20, "rss_after_mib": after >> 20})
+    assert statuses and statuses.count(401) == len(statuses)
+    assert probe.failures == 0 and probe.p99_ms < LIVE_P99_MS
+    assert peak < baseline + (128 << 20) and after < baseline + (64 << 20)
