@@ -46,6 +46,9 @@ class EngineConfig:
     # run the engine loop in a process of its own (engine/process_engine.py): no GIL shared with the server
     engine_process: bool = False
     chat_template: str | None = field(default=None, repr=False)  # jinja text replacing the model's own
+    # every file of the model directory must resolve inside this one (links out are refused at load);
+    # None: inside the model directory itself
+    files_root: str | None = None
     # a request's deltas come out every this many tokens (and with its first and last): 1 streams each token
     stream_interval: int = 1
 

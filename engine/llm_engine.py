@@ -58,7 +58,7 @@ class _Request:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        files = validate_model_dir(config.model)
+        files = validate_model_dir(config.model, config.files_root)
         try:  # a default out of range would turn every request that relies on it into a 400
             SamplingParams(**files.sampling_defaults)
         except ValueError as exc:

@@ -19,6 +19,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 # what a model's generation_config.json may set for requests that do not (as vLLM's --generation-config auto)
 SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+MAX_MODEL_DIR_ENTRIES = 10_000  # files and folders a model directory may hold (each is checked for links out)
 
 
 @dataclass(frozen=True)
@@ -34,13 +35,15 @@ class ModelFiles:
         return (self.config.get("architectures") or ["?"])[0]
 
 
-def validate_model_dir(path: str | os.PathLike) -> ModelFiles:
-    """Check a local HF model directory; raise `ModelValidationError` naming the bad file."""
+def validate_model_dir(path: str | os.PathLike, files_root: str | os.PathLike | None = None) -> ModelFiles:
+    """Check a local HF model directory; raise `ModelValidationError` naming the bad file. Every file
+    in it must resolve inside `files_root` (default: the directory itself)."""
     root = Path(path).expanduser()
     if not root.exists():
         raise ModelValidationError(f"model path {str(root)!r} does not exist (models are local directories)")
     if not root.is_dir():
         raise ModelValidationError(f"model path {str(root)!r} is not a directory")
+    _check_confined(root.resolve(), Path(files_root or root).expanduser().resolve())
     config = _read_json(root / "config.json", required=True)
     if config.get("auto_map"):
         raise ModelValidationError(f"{root / 'config.json'}: auto_map asks for remote code, which is never run")
@@ -48,6 +51,20 @@ def validate_model_dir(path: str | os.PathLike) -> ModelFiles:
     for name in TOKENIZER_FILES:
         _read_json(root / name, required=True)
     return ModelFiles(root.resolve(), config, weights, _chat_template(root), _sampling_defaults(root))
+
+
+def _check_confined(root: Path, within: Path) -> None:
+    """No link in the directory leads outside `within`: transformers opens whatever tokenizer files it
+    finds, and a chat_template.jinja linked to /etc/passwd would be read by anyone through /tokenize."""
+    num_entries = 0
+    for folder, folders, files in os.walk(root):  # links to folders are listed, never followed
+        for name in folders + files:
+            num_entries += 1
+            if num_entries > MAX_MODEL_DIR_ENTRIES:
+                raise ModelValidationError(f"{root} holds more than {MAX_MODEL_DIR_ENTRIES} files and folders")
+            entry = Path(folder) / name
+            if entry.is_symlink() and not entry.resolve().is_relative_to(within):
+                raise ModelValidationError(f"{entry} links outside {within}: refused (copy the file in instead)")
 
 
 def _weight_files(root: Path) -> tuple[Path, ...]:

@@ -207,7 +207,7 @@ def _worker_main(rank: int, port: int, config: EngineConfig, conn) -> None:
         else:
             torch.set_num_threads(config.num_threads or worker_threads(size))
         group = TPGroup(rank, size, _store(port, size, is_master=False), device)
-        runner = ModelRunner(replace(config, device=device.type), validate_model_dir(config.model), tp=group)
+        runner = ModelRunner(replace(config, device=device.type), validate_model_dir(config.model, config.files_root), tp=group)
         conn.send(("ready", None))
         while (step := conn.recv()) is not None:
             copies, rows = step

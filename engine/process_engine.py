@@ -55,7 +55,7 @@ class ProcessEngine(EngineFrontend):
         child.close()
         try:
             info, stats = self._wait_loaded()
-            tokenizer = AutoTokenizer.from_pretrained(validate_model_dir(config.model).path, local_files_only=True)
+            tokenizer = AutoTokenizer.from_pretrained(validate_model_dir(config.model, config.files_root).path, local_files_only=True)
         except BaseException:
             self._kill()
             raise

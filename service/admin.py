@@ -6,6 +6,8 @@ or a memory leak."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import re
 from typing import Any
 
 from aiohttp import web
@@ -17,6 +19,8 @@ from service.config import ENGINE_OPTIONS, ConfigError, engine_config, parse_siz
 from service.errors import InvalidRequestError, ModelNotFoundError
 from service.keys import CONFIG_KEY, STATE_KEY
 from service.model_files import resolve_model_path
+
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:+@-]{0,127}")  # a name a log line or a path cannot misread
 
 FAULT_FIELDS = {"model", "kind", "seconds", "bytes_per_step", "delay_ms", "marker"}
 LOAD_FIELDS = {"name", "path", "fallback", "quota_bytes", *ENGINE_OPTIONS}
@@ -38,9 +42,11 @@ async def load_model(request: web.Request) -> web.Response:
     pool as quota - weights."""
     body = await _object(request, LOAD_FIELDS)
     name = body.get("name")
-    if not isinstance(name, str) or not name or name.strip() != name:
-        raise InvalidRequestError("'name' must be a non-empty string without surrounding spaces", param="name")
-    files = await asyncio.to_thread(resolve_model_path, body.get("path"), request.app[CONFIG_KEY].models_root_path)
+    if not isinstance(name, str) or not MODEL_NAME.fullmatch(name):
+        raise InvalidRequestError("'name' must be 1 to 128 letters, digits and . _ - : + @, starting with a letter or "
+                                  "digit (no path separator, space or control character)", param="name")
+    models_root = request.app[CONFIG_KEY].models_root_path
+    files = await asyncio.to_thread(resolve_model_path, body.get("path"), models_root)
     weight_bytes = sum(f.stat().st_size for f in files.weight_files)  # the estimate until it is loaded
     options = {k: v for k, v in body.items() if k in ENGINE_OPTIONS}
     quota = _size(body, "quota_bytes")
@@ -50,7 +56,7 @@ async def load_model(request: web.Request) -> web.Response:
                                       param="quota_bytes")
         options["kv_cache_memory"] = quota - weight_bytes
     try:
-        config = engine_config(files.path, options)
+        config = dataclasses.replace(engine_config(files.path, options), files_root=str(models_root))
     except ConfigError as exc:
         raise InvalidRequestError(str(exc)) from exc
     registry = request.app[STATE_KEY].registry

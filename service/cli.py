@@ -332,7 +332,7 @@ def check_model_dirs(config: ServerConfig) -> None:
 
     for spec in config.models:
         try:
-            validate_model_dir(spec.engine.model)
+            validate_model_dir(spec.engine.model, spec.engine.files_root)
         except ModelValidationError as exc:
             raise ConfigError(f"model {spec.name!r}: {exc}") from exc
 

@@ -19,7 +19,8 @@ DEFAULT_MODEL = MODELS_ROOT / "pagedserve-coder-small"
 DEFAULT_FALLBACK = MODELS_ROOT / "pagedserve-coder-tiny"
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 MAX_SIZE_BYTES = 2**60  # an exabyte: any larger size is a typo or an attack
-ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name != "model")
+# files_root is not an option: the server sets it (the models root for models loaded at run time)
+ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name not in ("model", "files_root"))
 SERVER_OPTIONS = ("host", "port", "api_keys", "admin_key", "max_body_bytes", "auth_metrics", "warmup",
                   "shutdown_timeout", "first_token_timeout_s", "idle_timeout_s", "stall_timeout_s", "request_timeout_s", "heartbeat_interval_s", "leak_min_growth_bytes",
                   "leak_action", "hang_timeout_s", "max_engine_rebuilds", "default_max_tokens", "bulkhead_max_seqs", "bulkhead_max_tokens", "max_queue_delay_s", "breaker_open_s", "enable_fault_injection", "models",

@@ -21,7 +21,7 @@ def resolve_model_path(raw: Any, models_root: Path) -> ModelFiles:
         if not real.is_relative_to(root):
             raise InvalidRequestError(f"model path {raw!r} is outside the models root {str(root)!r}",
                                       param="path", code="path_outside_models_root")
-        return validate_model_dir(real)
+        return validate_model_dir(real, root)
     except ModelValidationError as exc:
         raise InvalidRequestError(f"model path {raw!r}: {exc}", param="path", code="invalid_model") from exc
     except (OSError, RuntimeError) as exc:

@@ -49,7 +49,7 @@ async def ensure_loaded(registry: ModelRegistry, name: str, models_dir: Path, op
         except InvalidRequestError:
             return
         weight_bytes = sum(f.stat().st_size for f in files.weight_files)
-        config = EngineConfig(model=str(files.path), **options)
+        config = EngineConfig(model=str(files.path), **options, files_root=str(models_dir))
         estimate_bytes = weight_bytes + (config.kv_cache_memory or 0)
         task = asyncio.create_task(registry.load(name, config, fallback=fallback, estimate_bytes=estimate_bytes),
                                    name=f"load-{name}")

@@ -77,3 +77,29 @@ def test_bad_config_and_remote_code(model_dir):
     _fails_fast(model_dir, "remote code")
     (model_dir / "config.json").write_text("{not json")
     _fails_fast(model_dir, "config.json is not valid JSON")
+
+
+@pytest.mark.parametrize("name", ["chat_template.jinja", "tokenizer_config.json", "special_tokens_map.json",
+                                  "sub/vocab.txt"])
+def test_a_file_linked_out_of_the_model_directory_is_refused(model_dir, tmp_path, name):
+    """transformers opens whatever tokenizer files it finds: a link to a file outside would let any API
+    user read it (/tokenize renders the chat template)."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text(json.dumps({"secret": "root:x:0:0"}))
+    link = model_dir / name
+    link.parent.mkdir(exist_ok=True)
+    link.unlink(missing_ok=True)
+    link.symlink_to(secret)
+    _fails_fast(model_dir, f"{name} links outside .*refused")
+    assert validate_model_dir(model_dir, files_root=tmp_path).path == model_dir.resolve()  # inside the root given
+
+
+def test_links_inside_the_directory_or_its_root_are_followed(model_dir, tmp_path):
+    """An HF cache snapshot links its files into ../../blobs: inside a models root that holds both."""
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    (model_dir / "generation_config.json").rename(blobs / "abc123")
+    (model_dir / "generation_config.json").symlink_to(blobs / "abc123")
+    (model_dir / "copy.json").symlink_to(model_dir / "config.json")
+    _fails_fast(model_dir, "generation_config.json links outside")
+    assert validate_model_dir(model_dir, files_root=tmp_path).path == model_dir.resolve()

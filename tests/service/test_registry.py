@@ -40,6 +40,11 @@ def root(tmp_path_factory) -> Path:
     shutil.copytree(TINY, root / "no-tokenizer")
     (root / "no-tokenizer" / "tokenizer.json").unlink()
     (root / "escape").symlink_to(TINY)  # inside the root by name, outside once resolved
+    shutil.copytree(TINY, root / "linked-template")  # its chat template is a link to a file outside the root
+    secret = tmp_path_factory.mktemp("outside") / "secret.txt"
+    secret.write_text("a line of a file outside the models root")
+    (root / "linked-template" / "chat_template.jinja").unlink()
+    (root / "linked-template" / "chat_template.jinja").symlink_to(secret)
     return root
 
 
@@ -125,6 +130,7 @@ def test_admin_api_needs_the_admin_key(server):
     ("escape", "outside the models root"),
     ("missing", "does not exist"),
     ("no-tokenizer", "tokenizer.json is missing"),
+    ("linked-template", "chat_template.jinja links outside"),
 ])
 def test_bad_model_paths_are_400_with_the_reason(server, path, fragment):
     status, body = admin(server, "POST", "/admin/models/load", {"name": "bad", "path": path})
