@@ -47,13 +47,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         build_parser().print_help()
         return 2
-    configure_logging(args.log_level, args.log_format)
+    redactor = configure_logging(args.log_level, args.log_format)
     if args.command == "generate":
         return generate(args)
     if args.command == "bench":
         return bench(args)
     try:
         config = build_config(args, os.environ)
+        redactor.add_secrets([*config.api_keys, config.admin_key])
         check_model_dirs(config)
     except ConfigError as exc:
         print(f"pagedserve: {exc}", file=sys.stderr)

@@ -109,8 +109,12 @@ class ServerConfig:
                f"on_demand_fallback {self.on_demand_fallback!r} is not served (served: {names})")
         _check(0 <= self.port <= 65535, f"port must be in 0..65535, got {self.port}")
         _check(self.max_body_bytes >= 1024, f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
-        _check(all(isinstance(k, str) and k for k in self.api_keys), "API keys must be non-empty strings")
-        _check(self.admin_key is None or bool(self.admin_key), "the admin key must be a non-empty string")
+        admin_keys = () if self.admin_key is None else (self.admin_key,)
+        for what, keys in (("an API key", self.api_keys), ("the admin key", admin_keys)):
+            for key in keys:
+                _check(isinstance(key, str) and key.isprintable() and key != "" and not any(c.isspace() for c in key),
+                       f"{what} is empty or holds whitespace or a control character (a trailing newline from a "
+                       "file or an environment variable?): no Bearer token could match it")
         _check(self.shutdown_timeout >= 0, f"shutdown_timeout must be non-negative, got {self.shutdown_timeout}")
         for name in ("first_token_timeout_s", "request_timeout_s"):
             value = getattr(self, name)

@@ -63,6 +63,16 @@ def test_environment_like_vllm_docker():
     assert flagged.shutdown_timeout == 4.0
 
 
+@pytest.mark.parametrize(("args", "env"), [
+    (["--api-key", "sekrit\n"], {}), (["--api-key", "two words"], {}), ([], {"API_KEY": "sekrit\n"}),
+    ([], {"ADMIN_KEY": "sekrit\r\n"}), (["--admin-key", "sekrit\x00"], {}),
+])
+def test_a_key_no_bearer_token_could_match_is_refused_at_start_up(args, env):
+    with pytest.raises(ConfigError, match="trailing newline") as caught:
+        _config(["--model", "/m/a", *args], env)
+    assert "sekrit" not in str(caught.value)
+
+
 def test_keys_never_in_repr():
     config = _config(["--model", "/m/a", "--api-key", "sekrit-1", "--admin-key", "sekrit-2"])
     assert "sekrit" not in repr(config)

@@ -103,6 +103,20 @@ def test_an_encoded_newline_cannot_forge_an_access_log_line(server):
     assert any("/v1/x\\nrequest_id=forged\\x20status=200\\r status=404" in line for line in lines)
 
 
+def test_malformed_requests_log_one_warning_without_the_key_or_a_traceback(server):
+    """aiohttp quoted the bad header line (the key with it) in a traceback at ERROR, once per request."""
+    before = len(server.log().splitlines())
+    for _ in range(5):
+        with connect(server) as sock:
+            sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + API_KEY.encode()
+                         + b"\x01\r\n\r\n")
+            assert sock.recv(4096).startswith(b"HTTP/1.0 400")
+    time.sleep(0.2)
+    new = server.log().splitlines()[before:]
+    assert API_KEY not in "\n".join(new) and not any("Traceback" in line for line in new)
+    assert len([line for line in new if "WARNING aiohttp.server: malformed request (400" in line]) == 1
+
+
 def test_concurrent_health_generate_calls_all_succeed(server):
     time.sleep(6)  # past health_generate_skip_s (5 s) since the last token: every call runs its probe
     results: list[int] = []
