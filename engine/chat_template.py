@@ -9,10 +9,13 @@ import ctypes
 import threading
 from collections.abc import Callable
 
+from jinja2 import TemplateError
+
 from engine.errors import RequestRejectedError
 
 RENDER_TIMEOUT_S = 2.0
 MAX_RENDERED_CHARS = 16 << 20
+MAX_TEMPLATE_ERROR_CHARS = 300
 
 
 class _RenderTimeout(BaseException):  # BaseException: a template's own `except Exception` cannot catch it
@@ -60,5 +63,9 @@ def chat_prompt(tokenizer, chat_template: str | None, messages: list[dict], tool
     knows them (one that does not ignores them)."""
     if not chat_template:
         raise RequestRejectedError("this model has no chat template; use the completions API")
-    return render_bounded(lambda: tokenizer.apply_chat_template(
-        messages, tools=tools or None, chat_template=chat_template, tokenize=False, add_generation_prompt=True))
+    try:
+        return render_bounded(lambda: tokenizer.apply_chat_template(
+            messages, tools=tools or None, chat_template=chat_template, tokenize=False, add_generation_prompt=True))
+    except TemplateError as exc:  # raise_exception(), an undefined name, the sandbox, a syntax error: a 400
+        raise RequestRejectedError(f"the chat template failed on these messages ({exc.__class__.__name__}): "
+                                   f"{str(exc)[:MAX_TEMPLATE_ERROR_CHARS]}") from None

@@ -11,6 +11,10 @@ PREEMPTION_MODES = ("recompute", "swap")
 QUANTIZATIONS = ("int8", "awq", "gptq")
 ATTENTION_BACKENDS = ("auto", "torch", "flex")
 LINEAR_KERNELS = ("auto", "aten", "onednn")
+# sizes a config may ask for: the warm-up visits every row count up to them, and the CPU KV pool holds
+# max_num_seqs sequences (10^9 hung a load, its thread burning a core after the client left)
+MAX_NUM_SEQS = 16_384
+MAX_NUM_TOKENS = 1 << 20  # max_num_batched_tokens, max_num_waiting
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 
 
@@ -65,12 +69,13 @@ class EngineConfig:
                f"kv_cache_memory must be positive bytes, got {self.kv_cache_memory}")
         _check(0 < self.gpu_memory_utilization <= 1,
                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        _check(self.max_num_seqs >= 1, f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
-        _check(self.max_num_batched_tokens >= 1,
-               f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
+        _check(1 <= self.max_num_seqs <= MAX_NUM_SEQS, f"max_num_seqs must be in 1..{MAX_NUM_SEQS}, got {self.max_num_seqs}")
+        _check(1 <= self.max_num_batched_tokens <= MAX_NUM_TOKENS,
+               f"max_num_batched_tokens must be in 1..{MAX_NUM_TOKENS}, got {self.max_num_batched_tokens}")
         _check(self.max_model_len is None or self.max_model_len >= 2,
                f"max_model_len must be at least 2, got {self.max_model_len}")
-        _check(self.max_num_waiting >= 1, f"max_num_waiting must be at least 1, got {self.max_num_waiting}")
+        _check(1 <= self.max_num_waiting <= MAX_NUM_TOKENS,
+               f"max_num_waiting must be in 1..{MAX_NUM_TOKENS}, got {self.max_num_waiting}")
         _check(self.scheduler_policy in POLICIES,
                f"scheduler_policy must be one of {POLICIES}, got {self.scheduler_policy!r}")
         _check(self.preemption_mode in PREEMPTION_MODES,

@@ -43,6 +43,8 @@ class Fault:
             raise ValueError(f"delay_ms must be in [0, {MAX_DELAY_MS:g}], got {self.delay_ms}")
         if self.kind == "leak" and not self.bytes_per_step:
             raise ValueError("a leak fault needs bytes_per_step")
+        if self.marker is not None and not isinstance(self.marker, str):  # matched against prompt text on the loop
+            raise ValueError(f"marker must be a string, got {type(self.marker).__name__}")
         if (self.kind == "poison") != bool(self.marker):
             raise ValueError("a poison fault needs a non-empty marker, and only a poison fault takes one")
 

@@ -96,8 +96,10 @@ class Grammar:
             row[forced >> 5] = (1 << (forced & 31)) - (1 << 32 if forced & 31 == 31 else 0)  # int32 bit 31
             return
         self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
-        if self.matcher.is_error():  # a step over llguidance's per-step fuel
-            raise StructuredOutputError(f"structured output: {self.matcher.get_error()[:MAX_ERROR_CHARS]}")
+        if self.matcher.is_error():  # a step over llguidance's per-step fuel: the request's, told without internals
+            logger.warning("structured output: a mask failed: %s", self.matcher.get_error()[:MAX_ERROR_CHARS])
+            raise StructuredOutputError("structured output: the constraint could not be applied at this token (it "
+                                        "needs more work per token than allowed); simplify it")
 
 
 def apply_masks(logits: torch.Tensor, raw: torch.Tensor, rows: list[int], grammars: list[Grammar],

@@ -5,12 +5,15 @@ if nothing happened, and every block comes back. A loop that dies anyway fails i
 import asyncio
 
 import pytest
+from transformers import AutoTokenizer
 
 from engine import AsyncEngine, EngineConfig, LLMEngine, SamplingParams
+from engine.chat_template import chat_prompt
 from engine.errors import EngineDeadError, EngineStepError, RequestFailedError, RequestRejectedError
 from engine.faults import Fault
 from engine.sampling_params import StructuredOutputs
 from engine.structured import StructuredOutputError
+from tests.service.server import TINY
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = {f"r{i}": [3 + i, 40 + i, 7, 9 + 2 * i] for i in range(5)}
@@ -120,6 +123,7 @@ async def test_crash_fault_kills_the_loop_and_fails_every_waiter(async_engine):
 @pytest.mark.parametrize(("fields", "message"), [
     ({"kind": "poison"}, "needs a non-empty marker"),
     ({"kind": "slow", "marker": "x"}, "only a poison fault takes one"),
+    ({"kind": "poison", "marker": 5}, "marker must be a string, got int"),
     ({"kind": "slow", "delay_ms": float("inf")}, "delay_ms must be in"),
     ({"kind": "slow", "delay_ms": float("nan")}, "delay_ms must be in"),
     ({"kind": "stall", "seconds": float("inf")}, "seconds must be a positive finite number"),
@@ -142,6 +146,18 @@ def test_a_hostile_chat_template_is_stopped_and_the_engine_goes_on(random_model,
         engine.apply_chat_template([{"role": "user", "content": "hi"}])
     engine.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     assert engine.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi"
+
+
+@pytest.mark.parametrize(("template", "message"), [
+    ("{{ raise_exception('only user and assistant roles') }}", "TemplateError.*only user and assistant roles"),
+    ("{{ messages[0].content.nope() }}", "UndefinedError"),
+    ("{{ ''.__class__.__mro__ }}", "SecurityError|UndefinedError"),
+    ("{% for m in messages %}{{ m.content }", "TemplateSyntaxError"),
+])
+def test_a_chat_template_that_fails_is_the_requests_error(template, message):
+    tokenizer = AutoTokenizer.from_pretrained(TINY)
+    with pytest.raises(RequestRejectedError, match=f"the chat template failed on these messages \\(({message})"):
+        chat_prompt(tokenizer, template, [{"role": "user", "content": "hi"}])
 
 
 def test_a_failed_rows_blocks_never_enter_the_prefix_cache(random_model):
