@@ -108,27 +108,41 @@ async def _server_header(request: web.Request, response: web.StreamResponse) -> 
 
 class ConnectionLimit:
     """Open client connections against a cap (aiohttp has none). A connection opened beyond the cap
-    gets one 503 with Retry-After and `Connection: close` for its request (health probes excepted);
-    a connection that sends no whole request head within `header_timeout_s` is closed (slowloris).
-    Fed by the server that `make_runner` builds; without it (in-process test clients) nothing is refused."""
+    closes the longest-open idle one (kept alive between requests, or silent since it opened), so idle
+    connections cannot lock clients out; only when every connection is busy does the new one get one
+    503 with Retry-After and `Connection: close` for its request (health probes excepted). A connection
+    that sends no whole request head within `header_timeout_s` is closed (slowloris). Fed by the server
+    that `make_runner` builds; without it (in-process test clients) nothing is refused."""
 
     def __init__(self, max_connections: int, header_timeout_s: float) -> None:
         self.max_connections = max_connections
         self.header_timeout_s = header_timeout_s
         self.num_connections = 0
         self.num_refused = 0
-        self._refused: set[Any] = set()  # request handlers (one per connection) opened over the cap
+        self._open: dict[Any, None] = {}  # request handlers (one per connection), oldest first
+        self._refused: set[Any] = set()  # handlers opened over the cap with no idle one to close
         self._timers: dict[Any, asyncio.TimerHandle] = {}  # handler -> its request-head deadline
 
     def opened(self, handler: Any) -> None:
         self.num_connections += 1
-        if self.num_connections > self.max_connections:
+        if self.num_connections > self.max_connections and not self._close_an_idle_one():
             self._refused.add(handler)
+        self._open[handler] = None
         loop = asyncio.get_running_loop()
         self._timers[handler] = loop.call_later(self.header_timeout_s, self._close_if_silent, handler)
 
+    def _close_an_idle_one(self) -> bool:
+        # idle as aiohttp's keep-alive timer judges it (_waiter: there is no public attribute): waiting for
+        # the next request's bytes
+        idle = next((h for h in self._open if h._waiter is not None and not h._waiter.done()), None)
+        if idle is None:
+            return False
+        idle.force_close()  # connection_lost follows: closed() counts it out
+        return True
+
     def closed(self, handler: Any) -> None:
         self.num_connections -= 1
+        self._open.pop(handler, None)
         self._refused.discard(handler)
         timer = self._timers.pop(handler, None)
         if timer is not None:

@@ -118,7 +118,8 @@ def _add_server_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--health-details-auth", action="store_true", default=None,
                    help="/health* bodies give details (reasons, breakers, memory) only with an API or admin key; "
                         "their status codes stay public")
-    p.add_argument("--max-connections", type=int, help="open client connections; beyond it 503 (default 1024)")
+    p.add_argument("--max-connections", type=int, help="open client connections (default 1024); beyond it the "
+                   "longest-open idle one is closed, or with none idle the new one gets 503")
     p.add_argument("--stream-write-timeout", dest="stream_write_timeout_s", type=float,
                    help="seconds a client may leave a stream unread before it is aborted (default 30)")
     p.add_argument("--body-read-timeout", dest="body_read_timeout_s", type=float,

@@ -149,19 +149,38 @@ def test_metrics_need_an_api_key(server):
     assert code == 200 and b"pagedserve:num_requests_running" in body
 
 
-def test_connections_over_the_cap_get_503_and_probes_still_answer(server):
-    idle = [connect(server) for _ in range(MAX_CONNECTIONS)]  # held open (closed after HEADER_TIMEOUT_S)
+def test_busy_connections_over_the_cap_get_503_and_probes_still_answer(server):
+    busy = [connect(server) for _ in range(MAX_CONNECTIONS)]  # each in a request whose body never comes
     try:
+        for sock in busy:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: 100\r\n\r\n{")
         time.sleep(0.2)
         code, headers, body = get(server, "/v1/models")
         assert code == 503 and headers["Retry-After"] and headers.get("Connection") == "close"
         assert json.loads(body)["error"]["code"] == "too_many_connections"
         assert get(server, "/health/live", key=None)[0] == 200
     finally:
-        for sock in idle:
+        for sock in busy:
             sock.close()
     time.sleep(0.5)
     assert get(server, "/v1/models")[0] == 200
+
+
+def test_idle_connections_at_the_cap_are_closed_oldest_first_for_new_ones(server):
+    """1,100 idle keep-alive connections made every new /v1 request 503 while /health stayed 200."""
+    idle = [connect(server) for _ in range(MAX_CONNECTIONS)]
+    try:
+        for sock in idle:  # one request each, then kept alive, idle
+            sock.sendall(b"GET /health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+        time.sleep(0.2)
+        for _ in range(3):
+            assert get(server, "/v1/models")[0] == 200
+        assert idle[0].recv(4096) == b""  # the oldest idle one was closed to make room
+    finally:
+        for sock in idle:
+            sock.close()
 
 
 def test_a_connection_that_never_finishes_its_request_head_is_closed(server):
