@@ -34,7 +34,6 @@ from engine.structured import GrammarCompiler
 logger = logging.getLogger(__name__)
 
 
-
 @dataclass
 class _Request:
     request_id: str

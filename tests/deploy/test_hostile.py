@@ -278,3 +278,42 @@ def test_eight_keyless_gzip_bomb_clients_for_a_minute(replica, nginx, bomb, resu
     assert statuses and statuses.count(401) == len(statuses)
     assert probe.failures == 0 and probe.p99_ms < LIVE_P99_MS
     assert peak < baseline + (128 << 20) and after < baseline + (64 << 20)
+
+
+def counter(replica: Replica, name: str, model: str) -> float:
+    """A per-model counter of /metrics (0 when not exported yet)."""
+    _, _, body = http("GET", f"{replica.url}/metrics", timeout=10)
+    pattern = rf'^pagedserve:{name}(?:_total)?\{{[^}}]*model_name="{re.escape(model)}"[^}}]*\}} (\S+)$'
+    return sum(float(m[1]) for m in re.finditer(pattern, body.decode(), re.M))
+
+
+@pytest.mark.slow
+def test_kv_pressure_from_ordinary_streams_is_queueing_not_a_sick_model(reaper, tmp_path_factory, results_file):
+    """Fast twin: test_router_deadlines' test_a_late_token_is_queueing_when_its_own_sequence_was_preempted.
+    48 well-behaved streams of 300 tokens on a KV pool that holds about two of them, with a 1 s first-token
+    deadline, so preempted streams wait between tokens far longer than it: no stream fails, and every late
+    token counts as late_in_queue, none as slow; the primary's breaker stays closed."""
+    replica = Replica("kv-pressure", free_port(), [
+        "--model", str(SMALL), "--served-model-name", "primary", "--fallback", str(TINY), "--api-key", API_KEY,
+        "--dtype", "float32", "--block-size", "8", "--max-num-seqs", "32", "--max-model-len", "512",
+        "--kv-cache-memory", "4MiB", "--first-token-timeout", "1"], tmp_path_factory.mktemp("kv") / "replica.log",
+        reaper)
+    start_and_wait([replica])
+    body = {**NORMAL, "max_tokens": 300, "ignore_eos": True, "stream": True}
+    states = []
+    with concurrent.futures.ThreadPoolExecutor(48) as pool:
+        streams = [pool.submit(post, f"{replica.url}/v1/completions", body, AUTH, 300) for _ in range(48)]
+        while not all(s.done() for s in streams):
+            states.append(breaker_states(replica).get("primary", 0.0))
+            time.sleep(1)
+    results = [s.result() for s in streams]
+    failed = [r for r in results if r[0] != 200 or b'"error"' in r[1] or not r[1].rstrip().endswith(b"[DONE]")]
+    figures = {"streams": len(results), "failed": len(failed),
+               "preemptions": counter(replica, "num_preemptions", "primary"),
+               "slow_calls": counter(replica, "slow_calls", "primary"),
+               "late_in_queue": counter(replica, "late_in_queue", "primary"),
+               "samples_with_the_breaker_open": sum(s != 0 for s in states)}
+    results_file("kv_pressure", figures)
+    replica.stop()
+    assert figures["failed"] == 0 and figures["preemptions"] > 0, figures
+    assert figures["slow_calls"] == 0 and figures["samples_with_the_breaker_open"] == 0, figures
