@@ -171,8 +171,9 @@ class LLMEngine:
         return bool(self.requests)
 
     def close(self) -> None:
-        """Stop what the engine runs outside this process (tensor-parallel ranks); idempotent."""
+        """Stop what the engine runs outside this process (tensor-parallel ranks, grammar workers); idempotent."""
         self.model_runner.close()
+        self.grammars.close()
 
     # --- the step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -7,35 +7,30 @@ JSON Schema's allOf where xgrammar warns "still ongoing" and compiles it without
 and GBNF; errors are matcher state, not crashes. Its mask costs more (10-20 us per row per step,
 the first step in a new lexer state up to 2 ms, against xgrammar's 1 us) on a ~10 ms step.
 Its fuel limits do not bound everything (an allOf of 20 patterns builds regex intersections for
-3.5 s, of 30 for minutes), so a compile runs in a daemon thread (llguidance drops the GIL) and is
-given up after `timeout_s`: the request is refused, the thread is left to finish on its own, and
-at most MAX_PENDING compiles run at once. At interpreter exit they are waited for (up to EXIT_WAIT_S):
-a compile thread that returns into Python while the interpreter tears down is ended by a forced unwind
-through llguidance's Rust frames, a segfault (seen at the end of pytest runs). The server leaves with
-os._exit and never tears down."""
+seconds and hundreds of MiB, of 21 for minutes and gigabytes), so a constraint is compiled first in a
+worker process that is killed past its time or memory (engine/grammar_sandbox.py), and only then in
+this one."""
 
-import atexit
 import json
 import logging
 import threading
-import time
 from collections import OrderedDict
+from copy import copy
 
 import llguidance
-import llguidance.hf
 import torch
 from llguidance.gbnf_to_lark import any_to_lark
 
 from engine.errors import EngineOverloadedError, RequestRejectedError
+from engine.grammar_sandbox import MEMORY_BYTES, CompileSandbox, SandboxBusy, Verdict
 from engine.json_closer import JsonCloser, TokenTable
 from engine.sampling_params import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
 COMPILE_TIMEOUT_S = 5.0  # llguidance: "100-1000 ms for extremely complex grammars"
-MAX_PENDING = 4  # compiles running at once (a timed-out one keeps a core until it ends by itself)
-COMPILE_THREAD = "grammar-compile"
-EXIT_WAIT_S = 60.0
+NUM_COMPILE_WORKERS = 2  # worker processes compiling at once, per engine
+QUEUE_WAIT_S = 5.0  # a compile waits this long for a free worker, then the request gets 429
 MAX_CACHED = 64  # compiled constraints kept per engine (each holds its lazily built lexer), LRU
 MAX_ERROR_CHARS = 400
 # a constraint whose first mask takes longer is refused: each step would wait that long for its row (a
@@ -130,19 +125,22 @@ class _Compile:
     def __init__(self) -> None:
         self.done = threading.Event()
         self.matcher: llguidance.LLMatcher | None = None
-        self.error: str | None = None
+        self.error: str | None = None  # refused: a 400
+        self.is_busy = False  # no worker was free in time: a 429, not remembered
 
 
 class GrammarCompiler:
     """Compiles constraints for one engine's tokenizer, once per distinct constraint (LRU cache);
     each sequence gets a copy of the compiled matcher. Thread-safe: the HTTP edge checks requests
-    in worker threads while the engine thread starts them."""
+    in worker threads while the engine thread starts them. A compile runs in its caller's thread,
+    bounded: first in the sandbox (time and memory), then here."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int],
-                 timeout_s: float = COMPILE_TIMEOUT_S) -> None:
+                 timeout_s: float = COMPILE_TIMEOUT_S, max_first_mask_s: float = MAX_FIRST_MASK_S) -> None:
         self._hf_tokenizer, self._vocab_size, self._eos_token_ids = tokenizer, vocab_size, eos_token_ids
-        self.timeout_s = timeout_s
+        self.timeout_s, self.max_first_mask_s = timeout_s, max_first_mask_s
         self._tokenizer: llguidance.LLTokenizer | None = None  # built on first use (~0.2 s)
+        self._sandbox: CompileSandbox | None = None  # its workers start on first use
         self._table: TokenTable | None = None  # the JSON closer's, built on first use
         self._lock = threading.Lock()
         self._tokenizer_lock = threading.Lock()
@@ -150,8 +148,9 @@ class GrammarCompiler:
         self._pending: dict[StructuredOutputs, _Compile] = {}
 
     def check(self, spec: StructuredOutputs) -> None:
-        """Raise StructuredOutputError unless spec compiles (EngineOverloadedError: too many compiling).
-        Runs off the engine loop, so the JSON closer's token table is built here too."""
+        """Raise StructuredOutputError unless spec compiles and can start (EngineOverloadedError: no
+        compile worker was free in time). Runs off the engine loop, so the JSON closer's token table
+        is built here too."""
         self._compiled(spec)
         if spec.kind in JSON_KINDS:
             self._token_table()
@@ -161,69 +160,87 @@ class GrammarCompiler:
         closer = JsonCloser(self._token_table()) if spec.kind in JSON_KINDS else None
         return Grammar(self._compiled(spec).deep_copy(), closer)
 
+    def close(self) -> None:
+        """Stop the compile workers (idempotent; a later compile starts new ones)."""
+        if self._sandbox is not None:
+            self._sandbox.close()
+
     def _compiled(self, spec: StructuredOutputs) -> llguidance.LLMatcher:
         with self._lock:
             found = self._cache.get(spec)
             if found is not None:
                 self._cache.move_to_end(spec)
             else:
-                job, is_new = self._pending.get(spec), False
-                if job is None:
-                    if len(self._pending) >= MAX_PENDING:
-                        raise EngineOverloadedError(f"{MAX_PENDING} structured-output grammars are compiling; "
-                                                    "retry later")
+                job = self._pending.get(spec)
+                is_new = job is None
+                if is_new:
                     job = self._pending[spec] = _Compile()
-                    is_new = True
         if found is None:
             if is_new:
-                threading.Thread(target=self._compile, args=(spec, job), name=COMPILE_THREAD, daemon=True).start()
-            found = self._wait(spec, job)
+                self._compile(spec, job)
+            job.done.wait()  # the compiling caller is bounded: the sandbox's wait and timeout, then a proven compile
+            if job.is_busy:
+                raise EngineOverloadedError(f"every structured-output compile worker stayed busy for {QUEUE_WAIT_S:g} "
+                                            "s; retry later")
+            found = job.matcher if job.matcher is not None else job.error
         if isinstance(found, str):
             raise StructuredOutputError(found)
         return found
 
-    def _wait(self, spec: StructuredOutputs, job: _Compile) -> llguidance.LLMatcher | str:
-        if job.done.wait(self.timeout_s):
-            return job.matcher if job.matcher is not None else job.error
-        error = f"the {spec.kind} constraint did not compile within {self.timeout_s:g} s; simplify it"
-        logger.warning("structured output: a %s constraint of %d chars did not compile within %g s",
-                       spec.kind, spec.size, self.timeout_s)
-        self._remember(spec, error)  # the same constraint again is refused at once
-        return error
-
     def _compile(self, spec: StructuredOutputs, job: _Compile) -> None:
         try:
-            matcher = llguidance.LLMatcher(self._llg_tokenizer(), to_grammar(spec), log_level=0,
-                                           limits=llguidance.LLParserLimits(verbose_errors=False))
-            if matcher.is_error():
-                job.error = f"the {spec.kind} constraint does not compile: {matcher.get_error()[:MAX_ERROR_CHARS]}"
-            elif (why := self._cannot_start(matcher)) is not None:
-                job.error = f"the {spec.kind} constraint {why}"
-            else:
-                job.matcher = matcher
+            grammar = to_grammar(spec)
+            job.error = self._refusal(spec, self._sandbox_for().check(grammar, self.timeout_s, QUEUE_WAIT_S))
+            if job.error is None:  # it compiled in the sandbox within its bounds: so it does here
+                job.matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0,
+                                                   limits=llguidance.LLParserLimits(verbose_errors=False))
+        except SandboxBusy:
+            job.is_busy = True
         except Exception as exc:  # noqa: BLE001 - llguidance raises ValueError and others for bad input
             job.error = f"the {spec.kind} constraint does not compile: {str(exc)[:MAX_ERROR_CHARS]}"
-        with self._lock:
-            self._pending.pop(spec, None)
-            if spec not in self._cache:  # a timed-out compile's refusal stands
-                self._remember_locked(spec, job.matcher if job.matcher is not None else job.error)
-        job.done.set()
+        finally:
+            with self._lock:
+                self._pending.pop(spec, None)
+                if not job.is_busy:
+                    self._remember_locked(spec, job.matcher if job.matcher is not None else job.error)
+            job.done.set()
 
-    def _cannot_start(self, matcher: llguidance.LLMatcher) -> str | None:
-        """Why no sequence could take a first token under this matcher (None: one can), found by
-        computing the first mask on a copy, as the step would: a grammar that refers to itself
-        without end, or matches nothing, fails here instead of inside a step."""
-        first = matcher.deep_copy()
-        row = torch.zeros((self._llg_tokenizer().vocab_size + 31) // 32, dtype=torch.int32)
-        start = time.monotonic()
-        first.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
-        took_s = time.monotonic() - start
-        if first.is_error() or not bool(row.any()):
-            return "cannot produce a first token (it matches nothing, or refers to itself without end)"
-        if took_s > MAX_FIRST_MASK_S:
-            return (f"is too costly: its first token mask took {took_s * 1000:.0f} ms (at most "
-                    f"{MAX_FIRST_MASK_S * 1000:.0f} ms), and every step of the batch would wait for it; simplify it")
+    def _refusal(self, spec: StructuredOutputs, verdict: Verdict) -> str | None:
+        """Why the constraint is refused (None: it is not), in the words a client can act on."""
+        what = f"the {spec.kind} constraint"
+        if verdict.kind in ("timeout", "memory"):
+            logger.warning("structured output: a %s constraint of %d chars was stopped (%s)", spec.kind, spec.size,
+                           verdict.kind)
+        match verdict.kind:
+            case "invalid":
+                return f"{what} does not compile: {verdict.detail}"
+            case "cannot_start":
+                return f"{what} cannot produce a first token (it matches nothing, or refers to itself without end)"
+            case "timeout":
+                return f"{what} did not compile within {self.timeout_s:g} s; simplify it"
+            case "memory":
+                return f"{what} needs more than {MEMORY_BYTES >> 20} MiB to compile; simplify it"
+        if verdict.first_mask_s > self.max_first_mask_s:
+            return (f"{what} is too costly: its first token mask took {verdict.first_mask_s * 1000:.0f} ms (at most "
+                    f"{self.max_first_mask_s * 1000:.0f} ms), and every step of the batch would wait for it; simplify it")
         return None
+
+    def _sandbox_for(self) -> CompileSandbox:
+        with self._tokenizer_lock:
+            if self._sandbox is None:
+                self._sandbox = CompileSandbox(self._tokenizer_json(), self._n_vocab(), sorted(self._eos_token_ids),
+                                               NUM_COMPILE_WORKERS)
+            return self._sandbox
+
+    def _tokenizer_json(self) -> str:
+        """The tokenizers library's JSON of the HF tokenizer (added tokens included), as llguidance.hf reads it."""
+        backend = copy(self._hf_tokenizer.backend_tokenizer)
+        backend.no_padding()
+        backend.no_truncation()
+        return backend.to_str()
+
+    def _n_vocab(self) -> int:
+        return max(self._vocab_size, len(self._hf_tokenizer))
 
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
         with self._tokenizer_lock:
@@ -231,9 +248,8 @@ class GrammarCompiler:
 
     def _llg_tokenizer_locked(self) -> llguidance.LLTokenizer:
         if self._tokenizer is None:
-            size = max(self._vocab_size, len(self._hf_tokenizer))
-            self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=size,
-                                                           eos_token=sorted(self._eos_token_ids) or None)
+            self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json(), n_vocab=self._n_vocab(),
+                                                     eos_token=sorted(self._eos_token_ids) or None)
         return self._tokenizer
 
     def _token_table(self) -> TokenTable:
@@ -242,25 +258,8 @@ class GrammarCompiler:
                 self._table = TokenTable(self._llg_tokenizer_locked(), self._eos_token_ids)
             return self._table
 
-    def _remember(self, spec: StructuredOutputs, value: llguidance.LLMatcher | str) -> None:
-        with self._lock:
-            self._remember_locked(spec, value)
-
     def _remember_locked(self, spec: StructuredOutputs, value: llguidance.LLMatcher | str) -> None:
         self._cache[spec] = value
         self._cache.move_to_end(spec)
         while len(self._cache) > MAX_CACHED:
             self._cache.popitem(last=False)
-
-
-@atexit.register
-def _wait_for_compiles() -> None:
-    """Runs after non-daemon threads were joined and before the interpreter tears down (module docstring)."""
-    deadline = time.monotonic() + EXIT_WAIT_S
-    for thread in threading.enumerate():
-        if thread.name == COMPILE_THREAD:
-            thread.join(max(0.0, deadline - time.monotonic()))
-    left = sum(t.name == COMPILE_THREAD and t.is_alive() for t in threading.enumerate())
-    if left:
-        logger.warning("%d grammar compiles still running after %g s at exit: the interpreter may crash tearing "
-                       "down", left, EXIT_WAIT_S)
