@@ -74,6 +74,7 @@ class GenerateRequest:
     encoded_by: str | None = None
     arrival: float | None = None  # on the router's clock (None: when the router sees it)
     group_id: str | None = None  # the client request it is part of (its prompts share it; default: itself)
+    owner: str | None = None  # who sent it (an API key's fingerprint): the bulkhead's owner share
 
 
 @dataclass
@@ -129,9 +130,10 @@ class ModelRouter:
     def bulkhead(self, model: str) -> Bulkhead:
         if model not in self.bulkheads:
             engine = self.engines.get(model)  # the engine's own capacity bounds it
-            capacity = engine.config.max_num_seqs + engine.config.max_num_waiting if engine is not None else None
+            seats = engine.config.max_num_seqs if engine is not None else None
+            capacity = seats + engine.config.max_num_waiting if engine is not None else None
             self.bulkheads[model] = Bulkhead(model, self.config.bulkhead, clock=self.clock,
-                                             engine_capacity=capacity)
+                                             engine_capacity=capacity, engine_seats=seats)
         return self.bulkheads[model]
 
     def ladder(self, model: str) -> list[str]:
@@ -280,7 +282,7 @@ class _Call:
         async with contextlib.AsyncExitStack() as stack:
             stack.callback(self.deadlines.close)
             stack.enter_context(router.bulkhead(name).try_acquire(num_tokens, req.params.n,
-                                                                  self.engine.queue_delay_s(req.priority)))
+                                                                  self.engine.queue_delay_s(req.priority), req.owner))
             self.breaker_call = await stack.enter_async_context(router.breaker(name).calling_async())
             router.num_engine_requests[name] += 1
             if is_retry:

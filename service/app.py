@@ -88,7 +88,7 @@ def create_app(config: ServerConfig, *, engine_factory: EngineFactory | None = N
         make_router, first_token_timeout_s=config.first_token_timeout_s, stall_timeout_s=config.stall_timeout_s,
         breaker_open_s=config.breaker_open_s,
         bulkhead=BulkheadConfig(max_num_seqs=config.bulkhead_max_seqs, max_num_tokens=config.bulkhead_max_tokens,
-                                max_queue_delay_s=config.queue_delay_target_s))
+                                max_queue_delay_s=config.queue_delay_target_s, max_owner_share=config.max_key_share))
     app.cleanup_ctx.append(engines_ctx)
     app.cleanup_ctx.append(supervision_ctx)
     app.on_shutdown.append(drain)

@@ -58,6 +58,13 @@ def holds_any_key(request: web.Request, api_keys: tuple[str, ...], admin_key: st
     return token is not None and bool(keys) and keys.matches(token)
 
 
+def key_owner(request: web.Request, api_keys: tuple[str, ...]) -> str | None:
+    """Who sent an authenticated /v1 request, as a fingerprint of its key (never the key): for per-key
+    bounds. None without API keys (every client is the same anonymous one)."""
+    token = bearer_token(request)
+    return _digest(token).hex()[:16] if api_keys and token is not None else None
+
+
 def bearer_token(request: web.Request) -> str | None:
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")

@@ -154,6 +154,9 @@ def _add_server_options(p: argparse.ArgumentParser) -> None:
                         "(default: the engine's --max-num-seqs + --max-num-waiting)")
     p.add_argument("--bulkhead-max-tokens", type=int,
                    help="prompt + n x max_tokens admitted per model at once; beyond it 429 (default: no bound)")
+    p.add_argument("--max-key-share", type=float,
+                   help="share (0-1] of a model's --max-num-seqs seats one API key may hold, queued requests "
+                        "included; beyond it 429, a request larger than it 400 (default: no bound)")
     p.add_argument("--max-queue-delay", dest="max_queue_delay_s", type=float,
                    help="seconds a model's queue may hold its longest-waiting request before new requests go "
                         "to its fallback (degraded), or get 429 without one (default: a quarter of "
@@ -268,6 +271,7 @@ def build_config(args: argparse.Namespace, env: Mapping[str, str]) -> ServerConf
         "leak_action": args.leak_action, "hang_timeout_s": args.hang_timeout_s,
         "max_engine_rebuilds": args.max_engine_rebuilds, "default_max_tokens": args.default_max_tokens,
         "bulkhead_max_seqs": args.bulkhead_max_seqs, "bulkhead_max_tokens": args.bulkhead_max_tokens,
+        "max_key_share": args.max_key_share,
         "max_queue_delay_s": args.max_queue_delay_s,
         "breaker_open_s": args.breaker_open_s, "models_root": args.models_root,
         "memory_budget_bytes": args.memory_budget_bytes, "models_dir": args.models_dir,

@@ -23,7 +23,7 @@ MAX_SIZE_BYTES = 2**60  # an exabyte: any larger size is a typo or an attack
 ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name not in ("model", "files_root"))
 SERVER_OPTIONS = ("host", "port", "api_keys", "admin_key", "max_body_bytes", "auth_metrics", "warmup",
                   "shutdown_timeout", "first_token_timeout_s", "idle_timeout_s", "stall_timeout_s", "request_timeout_s", "heartbeat_interval_s", "leak_min_growth_bytes",
-                  "leak_action", "hang_timeout_s", "max_engine_rebuilds", "default_max_tokens", "bulkhead_max_seqs", "bulkhead_max_tokens", "max_queue_delay_s", "breaker_open_s", "enable_fault_injection", "models",
+                  "leak_action", "hang_timeout_s", "max_engine_rebuilds", "default_max_tokens", "bulkhead_max_seqs", "bulkhead_max_tokens", "max_queue_delay_s", "max_key_share", "breaker_open_s", "enable_fault_injection", "models",
                   "models_root", "memory_budget_bytes", "models_dir", "on_demand_fallback", "max_loaded_models", "health_details_auth",
                   "max_connections", "stream_write_timeout_s", "body_read_timeout_s", "header_timeout_s",
                   "keepalive_timeout_s", "allowed_origins", "otel_endpoint")
@@ -83,6 +83,7 @@ class ServerConfig:
     bulkhead_max_tokens: int | None = None  # prompt + n x max_tokens admitted per model; None: unbounded
     # a model whose queue held its head longer sheds to its fallback, else 429; None: a quarter of first_token_timeout_s; 0: off
     max_queue_delay_s: float | None = None
+    max_key_share: float | None = None  # share of a model's seats one API key may hold, queued included; None: all
     default_max_tokens: int = 512  # chat requests that name no max_tokens (completions keep OpenAI's 16)
     health_generate_skip_s: float = 5.0  # /health/generate skips its probe when a token came this recently
     retry_after_overload: int = 1  # seconds, on 429
@@ -130,6 +131,9 @@ class ServerConfig:
         for name in ("bulkhead_max_seqs", "bulkhead_max_tokens"):
             value = getattr(self, name)
             _check(value is None or value >= 1, f"{name} must be at least 1, got {value}")
+        _check(self.max_key_share is None or (isinstance(self.max_key_share, int | float)
+                                               and 0 < self.max_key_share <= 1),
+               f"max_key_share must be in (0, 1], got {self.max_key_share!r}")
         _check(self.max_queue_delay_s is None or (isinstance(self.max_queue_delay_s, int | float)
                                                    and math.isfinite(self.max_queue_delay_s) and self.max_queue_delay_s >= 0),
                f"max_queue_delay must be a non-negative number of seconds (0: off), got {self.max_queue_delay_s!r}")

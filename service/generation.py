@@ -16,6 +16,7 @@ from aiohttp import web
 
 from engine.client import EngineClient
 from engine.sampling_params import SamplingParams
+from service.auth import key_owner
 from service.errors import InvalidRequestError, ModelNotFoundError, UnavailableError
 from service.keys import CONFIG_KEY, METRICS_KEY, RECORD_KEY, REQUEST_ID_KEY, STATE_KEY
 from service.protocol import new_id
@@ -45,6 +46,7 @@ class Generation:
         if defaults:
             self.params = dataclasses.replace(self.params, **defaults)
         self.record.model = self.model
+        self.owner = key_owner(request, self.config.api_keys)
         self.prompts: list[str | list[int]] = []
         self.prompt_token_ids: list[list[int]] = []  # per prompt, encoded once by `encoded_by`'s tokenizer
         self.num_prompt_tokens: list[int] = []
@@ -110,7 +112,7 @@ class Generation:
         # its prompts are admitted side by side: a request bigger than the whole bulkhead never fits
         n, max_tokens = self.params.n, self.params.max_tokens or 0
         self.state.router.bulkhead(self.model).check_fits(
-            sum(self.num_prompt_tokens) + len(prompts) * n * max_tokens, len(prompts) * n)
+            sum(self.num_prompt_tokens) + len(prompts) * n * max_tokens, len(prompts) * n, self.owner)
 
     async def check_chat(self, messages: list[dict[str, str]], tools: list[dict] | None = None) -> None:
         prompt = await asyncio.to_thread(self.engine.apply_chat_template, messages, tools)
@@ -145,7 +147,8 @@ class Generation:
         requests = [GenerateRequest(f"{self.id}-{i}", self.model, prompt, self.params, self.priority,
                                     deadline=self.deadline, num_prompt_tokens=len(token_ids),
                                     arrival=self.record.start + self.record.load_wait_s,
-                                    prompt_token_ids=token_ids, encoded_by=self.encoded_by, group_id=self.id)
+                                    prompt_token_ids=token_ids, encoded_by=self.encoded_by, group_id=self.id,
+                                    owner=self.owner)
                     for i, (prompt, token_ids) in enumerate(zip(self.prompts, self.prompt_token_ids, strict=True))]
         streams = [self.state.router.generate(r) for r in requests]
         try:

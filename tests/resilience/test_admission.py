@@ -17,12 +17,31 @@ def make(clock, **kwargs) -> Bulkhead:
     ({"max_num_seqs": 0}, "max_num_seqs must be >= 1, got 0"),
     ({"max_num_tokens": 0}, "max_num_tokens must be >= 1, got 0"),
     ({"max_queue_delay_s": 0.0}, "max_queue_delay_s must be > 0 (None: off), got 0.0"),
+    ({"max_owner_share": 1.5}, "max_owner_share must be in (0, 1] (None: off), got 1.5"),
     ({"min_retry_after_s": 0.0}, "need 0 < min_retry_after_s <= max_retry_after_s, got 0.0, 30.0"),
     ({"min_retry_after_s": 5.0, "max_retry_after_s": 2.0}, "need 0 < min_retry_after_s <= max_retry_after_s, got 5.0, 2.0"),
 ], ids=kwargs_id)
 def test_config_rejects_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         BulkheadConfig(**kwargs)
+
+
+def test_one_owner_holds_at_most_its_share_of_the_engines_seats(clock):
+    """A key sending n=128 with long outputs took every seat of a model; others got no answer."""
+    bulkhead = Bulkhead("small", BulkheadConfig(max_owner_share=0.5), clock=clock, engine_capacity=40,
+                        engine_seats=8)
+    first = bulkhead.try_acquire(10, 3, owner="key-a")
+    with pytest.raises(AdmissionRejected) as info:
+        bulkhead.try_acquire(10, 2, owner="key-a")
+    assert info.value.reason == "this API key holds 3 sequences; 3 + 2 exceed its share, 4"
+    with pytest.raises(RequestRejectedError, match="one API key may hold at most 4 of the seats of model 'small'"):
+        bulkhead.try_acquire(10, 5, owner="key-b")
+    bulkhead.try_acquire(10, 4, owner="key-b")
+    bulkhead.try_acquire(10, 8)  # no owner (no API keys): only the model's own bounds
+    first.release()
+    bulkhead.try_acquire(10, 4, owner="key-a")
+    assert bulkhead.num_seqs_by_owner == {"key-a": 4, "key-b": 4}
+    assert bulkhead.num_rejected == {"owner_share": 1}
 
 
 def test_request_cap_refuses_at_once_and_release_makes_room(clock):

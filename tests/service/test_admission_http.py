@@ -37,3 +37,13 @@ async def test_a_full_bulkhead_is_429_and_a_request_too_big_for_it_is_400(start)
     assert (await held).status == 200
     h.primary.faults.clear()
     await until(h.idle)
+
+
+async def test_one_api_key_holds_at_most_its_share_of_a_models_seats(start):
+    h = await start(api_keys=("key-a", "key-b"), max_key_share=0.25, engine_kwargs={"max_num_seqs": 8})
+    body = {"model": "primary", "prompt": "def f(x):", "max_tokens": 2, "n": 3}
+    response = await h.client.post("/v1/completions", json=body, headers={"Authorization": "Bearer key-a"})
+    assert response.status == 400
+    assert "one API key may hold at most 2 of the seats of model 'primary'" in (await response.json())["error"]["message"]
+    response = await h.client.post("/v1/completions", json={**body, "n": 2}, headers={"Authorization": "Bearer key-b"})
+    assert response.status == 200 and len((await response.json())["choices"]) == 2
