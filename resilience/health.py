@@ -55,6 +55,7 @@ class HealthState:
         self.rebuilding: dict[str, str] = {}  # model -> why its engine is being rebuilt
         self.dead_reason: str | None = None
         self.probe_error: str | None = None
+        self.saturation: str | None = None  # why the listener takes no more work (every connection busy)
 
     # --- writers ----------------------------------------------------------------------------------
     def set_loading(self, is_loading: bool) -> None:
@@ -81,6 +82,10 @@ class HealthState:
         """Unrecoverable (rebuild failed, device lost, probe hung): liveness fails from now on."""
         if self.dead_reason is None:
             self.dead_reason = reason
+
+    def set_saturation(self, reason: str | None) -> None:
+        """The listener refuses new connections' work (None: it takes work again)."""
+        self.saturation = reason
 
     def set_probe_error(self, message: str | None) -> None:
         self.probe_error = message
@@ -147,6 +152,8 @@ class HealthState:
             loading = [name for name in self.required if name not in self.engines]
             return [f"models are loading: {loading}" if loading else "models are warming up"]
         reasons = ["draining"] * self.is_draining
+        if self.saturation is not None:
+            reasons.append(self.saturation)
         if self.leak is not None:
             reasons.append(f"memory leak suspected: {self.leak}")
         reasons += [f"rebuilding engine of {name!r}: {why}" for name, why in sorted(self.rebuilding.items())]

@@ -19,7 +19,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,7 +61,8 @@ def create_app(config: ServerConfig, *, engine_factory: EngineFactory | None = N
                router_factory: RouterFactory | None = None) -> web.Application:
     """`engine_factory` builds an engine from its config (blocking; run in a thread); tests pass
     fakes. `router_factory(engines, fallbacks)` builds the resilience router."""
-    limit = ConnectionLimit(config.max_connections, config.header_timeout_s)
+    state = ServerState(config.hang_timeout_s, config.model_names)
+    limit = ConnectionLimit(config.max_connections, config.header_timeout_s, state.health.set_saturation)
     middlewares = [access_middleware, limit.middleware, error_middleware,
                    auth_middleware(KeyRing(config.api_keys), KeyRing([config.admin_key] if config.admin_key else []),
                                    config.auth_metrics)]
@@ -71,7 +72,6 @@ def create_app(config: ServerConfig, *, engine_factory: EngineFactory | None = N
                                                 config.on_demand_fallback or config.models[0].name,
                                                 config.first_token_timeout_s))
     app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes, handler_args=HANDLER_ARGS)
-    state = ServerState(config.hang_timeout_s, config.model_names)
     app[CONFIG_KEY] = config
     app[TRACER_KEY] = make_tracer(config.otel_endpoint)
     if app[TRACER_KEY] is not None:
@@ -110,13 +110,16 @@ class ConnectionLimit:
     """Open client connections against a cap (aiohttp has none). A connection opened beyond the cap
     closes the longest-open idle one (kept alive between requests, or silent since it opened), so idle
     connections cannot lock clients out; only when every connection is busy does the new one get one
-    503 with Retry-After and `Connection: close` for its request (health probes excepted). A connection
-    that sends no whole request head within `header_timeout_s` is closed (slowloris). Fed by the server
-    that `make_runner` builds; without it (in-process test clients) nothing is refused."""
+    503 with Retry-After and `Connection: close` for its request (health probes excepted), and the
+    replica turns not-ready (`on_saturation`) until a connection closes. A connection that sends no
+    whole request head within `header_timeout_s` is closed (slowloris). Fed by the server that
+    `make_runner` builds; without it (in-process test clients) nothing is refused."""
 
-    def __init__(self, max_connections: int, header_timeout_s: float) -> None:
+    def __init__(self, max_connections: int, header_timeout_s: float,
+                 on_saturation: Callable[[str | None], None] = lambda reason: None) -> None:
         self.max_connections = max_connections
         self.header_timeout_s = header_timeout_s
+        self.on_saturation = on_saturation
         self.num_connections = 0
         self.num_refused = 0
         self._open: dict[Any, None] = {}  # request handlers (one per connection), oldest first
@@ -127,6 +130,7 @@ class ConnectionLimit:
         self.num_connections += 1
         if self.num_connections > self.max_connections and not self._close_an_idle_one():
             self._refused.add(handler)
+            self.on_saturation(f"listener saturated: {self.max_connections} connections, none idle")
         self._open[handler] = None
         loop = asyncio.get_running_loop()
         self._timers[handler] = loop.call_later(self.header_timeout_s, self._close_if_silent, handler)
@@ -144,6 +148,8 @@ class ConnectionLimit:
         self.num_connections -= 1
         self._open.pop(handler, None)
         self._refused.discard(handler)
+        if self.num_connections < self.max_connections:
+            self.on_saturation(None)
         timer = self._timers.pop(handler, None)
         if timer is not None:
             timer.cancel()

@@ -160,11 +160,14 @@ def test_busy_connections_over_the_cap_get_503_and_probes_still_answer(server):
         assert code == 503 and headers["Retry-After"] and headers.get("Connection") == "close"
         assert json.loads(body)["error"]["code"] == "too_many_connections"
         assert get(server, "/health/live", key=None)[0] == 200
+        code, _, body = get(server, "/health/ready")  # the listener is saturated: out of rotation meanwhile
+        assert code == 503 and "listener saturated" in json.loads(body)["reason"]
     finally:
         for sock in busy:
             sock.close()
     time.sleep(0.5)
     assert get(server, "/v1/models")[0] == 200
+    assert get(server, "/health/ready")[0] == 200
 
 
 def test_idle_connections_at_the_cap_are_closed_oldest_first_for_new_ones(server):
