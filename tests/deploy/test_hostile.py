@@ -16,6 +16,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import re
+import socket
 import statistics
 import threading
 import time
@@ -41,8 +42,10 @@ from tests.deploy.replicas import (
 
 RESULTS_NAME = "hostile.json"
 API_KEY = "hostile-key"
+ATTACKER_KEY = "hostile-attacker-key"
 REPLICA_ARGS = ["--model", str(SMALL), "--served-model-name", "primary", "--fallback", str(TINY),
-                "--api-key", API_KEY, "--dtype", "float32", "--block-size", "8", "--max-num-seqs", "16",
+                "--api-key", API_KEY, "--api-key", ATTACKER_KEY, "--max-key-share", "0.5",
+                "--dtype", "float32", "--block-size", "8", "--max-num-seqs", "16",
                 "--max-model-len", "512", "--kv-cache-memory", "8MiB", "--num-threads", "1"]
 OPTIONS = NginxOptions(worker_processes=1, worker_connections=512, rate_limit="off")
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -337,3 +340,50 @@ def test_kv_pressure_from_ordinary_streams_is_queueing_not_a_sick_model(reaper, 
     replica.stop()
     assert figures["failed"] == 0 and figures["preemptions"] > 0, figures
     assert figures["slow_calls"] == 0 and figures["samples_with_the_breaker_open"] == 0, figures
+
+
+def ttft_p99_ms(url: str, num: int = 12) -> tuple[float, int]:
+    """(p99 time to the first SSE byte in ms, requests not answered 200) of `num` streams one after another."""
+    times, failed = [], 0
+    for _ in range(num):
+        request = urllib.request.Request(f"{url}/v1/completions", method="POST", headers={
+            "Content-Type": "application/json", **AUTH}, data=json.dumps({**NORMAL, "stream": True}).encode())
+        start = time.monotonic()
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                response.read(1)
+                times.append((time.monotonic() - start) * 1000)
+                response.read()
+        except (urllib.error.HTTPError, OSError):
+            failed += 1
+    return (statistics.quantiles(times, n=100)[98] if len(times) > 1 else float("inf")), failed
+
+
+@pytest.mark.slow
+def test_an_idle_connection_flood_and_a_seat_hog_leave_normal_clients_served(replica, results_file):
+    """Fast twins: test_hardening's idle-connection test; test_admission's owner share."""
+    idle_p99, idle_failed = ttft_p99_ms(replica.url)
+    flood = []
+    for _ in range(1100):  # over --max-connections (1024): each sends one request, then stays open, idle
+        sock = socket.create_connection(("127.0.0.1", replica.port))
+        sock.sendall(b"GET /health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+        flood.append(sock)
+    for sock in flood:
+        sock.recv(4096)
+    flood_p99, flood_failed = ttft_p99_ms(replica.url)
+    for sock in flood:
+        sock.close()
+    hog = {**NORMAL, "n": 8, "max_tokens": 400, "ignore_eos": True}
+    attacker = {"Authorization": f"Bearer {ATTACKER_KEY}"}
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        hogs = [pool.submit(post, f"{replica.url}/v1/completions", hog, attacker, 300) for _ in range(4)]
+        time.sleep(1)
+        hog_p99, hog_failed = ttft_p99_ms(replica.url)
+        hog_statuses = sorted(h.result()[0] for h in hogs)
+    results_file("connections_and_seats", {
+        "idle_ttft_p99_ms": round(idle_p99, 1), "flood_1100_idle_connections_ttft_p99_ms": round(flood_p99, 1),
+        "seat_hog_ttft_p99_ms": round(hog_p99, 1), "failed": idle_failed + flood_failed + hog_failed,
+        "hog_statuses": hog_statuses})
+    assert idle_failed == flood_failed == hog_failed == 0
+    assert hog_statuses.count(429) == 3 and hog_statuses.count(200) == 1  # a key holds at most 8 of 16 seats
+    assert flood_p99 < max(2 * idle_p99, 100) and hog_p99 < max(2 * idle_p99, 100)
