@@ -19,6 +19,7 @@ import contextlib
 import functools
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,7 +63,8 @@ def create_app(config: ServerConfig, *, engine_factory: EngineFactory | None = N
     """`engine_factory` builds an engine from its config (blocking; run in a thread); tests pass
     fakes. `router_factory(engines, fallbacks)` builds the resilience router."""
     state = ServerState(config.hang_timeout_s, config.model_names)
-    limit = ConnectionLimit(config.max_connections, config.header_timeout_s, state.health.set_saturation)
+    limit = ConnectionLimit(config.max_connections, config.header_timeout_s, state.health.set_saturation,
+                            config.max_connections_per_client)
     middlewares = [access_middleware, limit.middleware, error_middleware,
                    auth_middleware(KeyRing(config.api_keys), KeyRing([config.admin_key] if config.admin_key else []),
                                    config.auth_metrics)]
@@ -112,33 +114,46 @@ class ConnectionLimit:
     connections cannot lock clients out; only when every connection is busy does the new one get one
     503 with Retry-After and `Connection: close` for its request (health probes excepted), and the
     replica turns not-ready (`on_saturation`) until a connection closes. A connection that sends no
-    whole request head within `header_timeout_s` is closed (slowloris). Fed by the server that
-    `make_runner` builds; without it (in-process test clients) nothing is refused."""
+    whole request head within `header_timeout_s` is closed (slowloris). With `max_per_client`, one
+    client address holds at most that many: past it, its own longest-open idle one is closed, else the
+    new one is refused the same way (the replica stays ready: one client is not the listener). Fed by
+    the server that `make_runner` builds; without it (in-process test clients) nothing is refused."""
 
     def __init__(self, max_connections: int, header_timeout_s: float,
-                 on_saturation: Callable[[str | None], None] = lambda reason: None) -> None:
+                 on_saturation: Callable[[str | None], None] = lambda reason: None,
+                 max_per_client: int | None = None) -> None:
         self.max_connections = max_connections
         self.header_timeout_s = header_timeout_s
         self.on_saturation = on_saturation
+        self.max_per_client = max_per_client
         self.num_connections = 0
         self.num_refused = 0
-        self._open: dict[Any, None] = {}  # request handlers (one per connection), oldest first
-        self._refused: set[Any] = set()  # handlers opened over the cap with no idle one to close
+        self._open: dict[Any, str] = {}  # request handler (one per connection) -> client address, oldest first
+        self._by_client: Counter[str] = Counter()
+        self._refused: dict[Any, str] = {}  # handlers opened over a cap with no idle one to close -> why
         self._timers: dict[Any, asyncio.TimerHandle] = {}  # handler -> its request-head deadline
 
-    def opened(self, handler: Any) -> None:
+    def opened(self, handler: Any, transport: asyncio.Transport) -> None:
+        peer = transport.get_extra_info("peername")
+        client = str(peer[0]) if isinstance(peer, tuple) else "local"  # a unix socket: one local client
+        self._open[handler] = client
+        self._by_client[client] += 1
         self.num_connections += 1
         if self.num_connections > self.max_connections and not self._close_an_idle_one():
-            self._refused.add(handler)
+            self._refused[handler] = f"too many open connections (at most {self.max_connections})"
             self.on_saturation(f"listener saturated: {self.max_connections} connections, none idle")
-        self._open[handler] = None
+        elif (self.max_per_client is not None and self._by_client[client] > self.max_per_client
+              and not self._close_an_idle_one(client)):
+            self._refused[handler] = f"too many open connections from {client} (at most {self.max_per_client})"
         loop = asyncio.get_running_loop()
         self._timers[handler] = loop.call_later(self.header_timeout_s, self._close_if_silent, handler)
 
-    def _close_an_idle_one(self) -> bool:
+    def _close_an_idle_one(self, client: str | None = None) -> bool:
+        """Close the longest-open idle connection (of `client`, if given); False: none is idle."""
         # idle as aiohttp's keep-alive timer judges it (_waiter: there is no public attribute): waiting for
         # the next request's bytes
-        idle = next((h for h in self._open if h._waiter is not None and not h._waiter.done()), None)
+        idle = next((h for h, c in self._open.items() if (client is None or c == client)
+                     and h._waiter is not None and not h._waiter.done()), None)
         if idle is None:
             return False
         idle.force_close()  # connection_lost follows: closed() counts it out
@@ -146,8 +161,12 @@ class ConnectionLimit:
 
     def closed(self, handler: Any) -> None:
         self.num_connections -= 1
-        self._open.pop(handler, None)
-        self._refused.discard(handler)
+        client = self._open.pop(handler, None)
+        if client is not None:
+            self._by_client[client] -= 1
+            if not self._by_client[client]:
+                del self._by_client[client]
+        self._refused.pop(handler, None)
         if self.num_connections < self.max_connections:
             self.on_saturation(None)
         timer = self._timers.pop(handler, None)
@@ -164,11 +183,11 @@ class ConnectionLimit:
 
     @web.middleware
     async def middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        if request.protocol in self._refused and not request.path.startswith(HEALTH_PATHS):
+        why = self._refused.get(request.protocol)
+        if why is not None and not request.path.startswith(HEALTH_PATHS):
             self.num_refused += 1
             config = request.app[CONFIG_KEY]
-            response = error_response(503, f"too many open connections (at most {self.max_connections}); "
-                                      "retry later", code="too_many_connections",
+            response = error_response(503, f"{why}; retry later", code="too_many_connections",
                                       headers={"Retry-After": str(config.retry_after_unavailable)})
             response.force_close()
             return response
@@ -204,7 +223,7 @@ class _Runner(web.AppRunner):
 
         def connection_made(handler: Any, transport: asyncio.Transport) -> None:
             made(handler, transport)
-            limit.opened(handler)
+            limit.opened(handler, transport)
 
         def connection_lost(handler: Any, exc: BaseException | None = None) -> None:
             lost(handler, exc)

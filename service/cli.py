@@ -120,6 +120,10 @@ def _add_server_options(p: argparse.ArgumentParser) -> None:
                         "their status codes stay public")
     p.add_argument("--max-connections", type=int, help="open client connections (default 1024); beyond it the "
                    "longest-open idle one is closed, or with none idle the new one gets 503")
+    p.add_argument("--max-connections-per-client", type=int,
+                   help="open connections of one client address; beyond it that client's longest-open idle one "
+                        "is closed, or with none idle the new one gets 503 (default: no bound; behind nginx every "
+                        "client is nginx's address)")
     p.add_argument("--stream-write-timeout", dest="stream_write_timeout_s", type=float,
                    help="seconds a client may leave a stream unread before it is aborted (default 30)")
     p.add_argument("--body-read-timeout", dest="body_read_timeout_s", type=float,
@@ -154,6 +158,7 @@ def _add_server_options(p: argparse.ArgumentParser) -> None:
                         "(default: the engine's --max-num-seqs + --max-num-waiting)")
     p.add_argument("--bulkhead-max-tokens", type=int,
                    help="prompt + n x max_tokens admitted per model at once; beyond it 429 (default: no bound)")
+    p.add_argument("--max-n", type=int, help="choices (n) one request may ask for (default and most: 128)")
     p.add_argument("--max-key-share", type=float,
                    help="share (0-1] of a model's --max-num-seqs seats one API key may hold, queued requests "
                         "included; beyond it 429, a request larger than it 400 (default: no bound)")
@@ -271,7 +276,7 @@ def build_config(args: argparse.Namespace, env: Mapping[str, str]) -> ServerConf
         "leak_action": args.leak_action, "hang_timeout_s": args.hang_timeout_s,
         "max_engine_rebuilds": args.max_engine_rebuilds, "default_max_tokens": args.default_max_tokens,
         "bulkhead_max_seqs": args.bulkhead_max_seqs, "bulkhead_max_tokens": args.bulkhead_max_tokens,
-        "max_key_share": args.max_key_share,
+        "max_key_share": args.max_key_share, "max_n": args.max_n,
         "max_queue_delay_s": args.max_queue_delay_s,
         "breaker_open_s": args.breaker_open_s, "models_root": args.models_root,
         "memory_budget_bytes": args.memory_budget_bytes, "models_dir": args.models_dir,
@@ -279,6 +284,7 @@ def build_config(args: argparse.Namespace, env: Mapping[str, str]) -> ServerConf
         "max_loaded_models": args.max_loaded_models,
         "enable_fault_injection": args.enable_fault_injection,
         "health_details_auth": args.health_details_auth, "max_connections": args.max_connections,
+        "max_connections_per_client": args.max_connections_per_client,
         "stream_write_timeout_s": args.stream_write_timeout_s, "body_read_timeout_s": args.body_read_timeout_s,
         "header_timeout_s": args.header_timeout_s, "keepalive_timeout_s": args.keepalive_timeout_s,
         "allowed_origins": tuple(args.allowed_origins) if args.allowed_origins else None,

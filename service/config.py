@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import EngineConfig
+from engine.sampling_params import MAX_N
 
 # the shipped defaults live beside the packages: <repo>/models/
 MODELS_ROOT = Path(__file__).resolve().parents[1] / "models"
@@ -23,9 +24,9 @@ MAX_SIZE_BYTES = 2**60  # an exabyte: any larger size is a typo or an attack
 ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name not in ("model", "files_root"))
 SERVER_OPTIONS = ("host", "port", "api_keys", "admin_key", "max_body_bytes", "auth_metrics", "warmup",
                   "shutdown_timeout", "first_token_timeout_s", "idle_timeout_s", "stall_timeout_s", "request_timeout_s", "heartbeat_interval_s", "leak_min_growth_bytes",
-                  "leak_action", "hang_timeout_s", "max_engine_rebuilds", "default_max_tokens", "bulkhead_max_seqs", "bulkhead_max_tokens", "max_queue_delay_s", "max_key_share", "breaker_open_s", "enable_fault_injection", "models",
+                  "leak_action", "hang_timeout_s", "max_engine_rebuilds", "default_max_tokens", "bulkhead_max_seqs", "bulkhead_max_tokens", "max_queue_delay_s", "max_key_share", "max_n", "breaker_open_s", "enable_fault_injection", "models",
                   "models_root", "memory_budget_bytes", "models_dir", "on_demand_fallback", "max_loaded_models", "health_details_auth",
-                  "max_connections", "stream_write_timeout_s", "body_read_timeout_s", "header_timeout_s",
+                  "max_connections", "max_connections_per_client", "stream_write_timeout_s", "body_read_timeout_s", "header_timeout_s",
                   "keepalive_timeout_s", "allowed_origins", "otel_endpoint")
 LEAK_ACTIONS = ("recycle", "exit")
 MODEL_OPTIONS = ("path", "name", "fallback", *ENGINE_OPTIONS)
@@ -84,12 +85,14 @@ class ServerConfig:
     # a model whose queue held its head longer sheds to its fallback, else 429; None: a quarter of first_token_timeout_s; 0: off
     max_queue_delay_s: float | None = None
     max_key_share: float | None = None  # share of a model's seats one API key may hold, queued included; None: all
+    max_n: int = MAX_N  # choices one request may ask for (each engine's max_num_seqs bounds it too)
     default_max_tokens: int = 512  # chat requests that name no max_tokens (completions keep OpenAI's 16)
     health_generate_skip_s: float = 5.0  # /health/generate skips its probe when a token came this recently
     retry_after_overload: int = 1  # seconds, on 429
     retry_after_unavailable: int = 5  # seconds, on 503
     health_details_auth: bool = False  # /health* bodies say more than their status only to a key holder
     max_connections: int = 1024  # open client connections; a request on one beyond it gets 503
+    max_connections_per_client: int | None = None  # open connections of one client address (None: no bound)
     stream_write_timeout_s: float = 30.0  # an SSE write the client does not take in this long aborts the stream
     body_read_timeout_s: float = 30.0  # a request body not received in this long is a 408
     header_timeout_s: float = 30.0  # a new connection without a whole request head in this long is closed
@@ -131,6 +134,7 @@ class ServerConfig:
         for name in ("bulkhead_max_seqs", "bulkhead_max_tokens"):
             value = getattr(self, name)
             _check(value is None or value >= 1, f"{name} must be at least 1, got {value}")
+        _check(1 <= self.max_n <= MAX_N, f"max_n must be in 1..{MAX_N}, got {self.max_n}")
         _check(self.max_key_share is None or (isinstance(self.max_key_share, int | float)
                                                and 0 < self.max_key_share <= 1),
                f"max_key_share must be in (0, 1], got {self.max_key_share!r}")
@@ -145,6 +149,8 @@ class ServerConfig:
         _check(self.max_loaded_models is None or self.max_loaded_models >= len(self.models),
                f"max_loaded_models must be at least the {len(self.models)} start-up models, got {self.max_loaded_models}")
         _check(self.max_connections >= 1, f"max_connections must be at least 1, got {self.max_connections}")
+        _check(self.max_connections_per_client is None or self.max_connections_per_client >= 1,
+               f"max_connections_per_client must be at least 1, got {self.max_connections_per_client}")
         for name in ("stream_write_timeout_s", "body_read_timeout_s", "header_timeout_s", "keepalive_timeout_s"):
             _check(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
         _check(all(isinstance(o, str) and (o == "*" or _ORIGIN.match(o)) for o in self.allowed_origins),

@@ -38,6 +38,8 @@ class Generation:
         self.record = request[RECORD_KEY]
         self.id = new_id(id_prefix)
         self.created = int(time.time())
+        if params.n > self.config.max_n:
+            raise InvalidRequestError(f"n must be at most {self.config.max_n} on this server, got {params.n}", param="n")
         self.params = params
         self.priority = priority
         self.deadline = self.record.start + self._timeout_s()  # time.monotonic(), as the router's clock

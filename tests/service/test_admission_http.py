@@ -47,3 +47,12 @@ async def test_one_api_key_holds_at_most_its_share_of_a_models_seats(start):
     assert "one API key may hold at most 2 of the seats of model 'primary'" in (await response.json())["error"]["message"]
     response = await h.client.post("/v1/completions", json={**body, "n": 2}, headers={"Authorization": "Bearer key-b"})
     assert response.status == 200 and len((await response.json())["choices"]) == 2
+
+
+async def test_max_n_bounds_the_choices_of_one_request(start):
+    h = await start(max_n=2)
+    body = {"model": "primary", "prompt": "def f(x):", "max_tokens": 2}
+    response = await h.client.post("/v1/completions", json={**body, "n": 3})
+    error = (await response.json())["error"]
+    assert response.status == 400 and error["param"] == "n" and "at most 2 on this server" in error["message"]
+    assert (await h.client.post("/v1/completions", json={**body, "n": 2})).status == 200

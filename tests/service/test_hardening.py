@@ -170,6 +170,36 @@ def test_busy_connections_over_the_cap_get_503_and_probes_still_answer(server):
     assert get(server, "/health/ready")[0] == 200
 
 
+@pytest.fixture(scope="module")
+def per_client_server(tmp_path_factory):
+    require_models(TINY)
+    srv = launch(["--model", str(TINY), "--max-connections-per-client", "2", "--body-read-timeout", "3",
+                  "--kv-cache-memory", "16MiB"], tmp_path_factory.mktemp("per-client") / "server.log")
+    yield srv
+    assert srv.stop() == 0, srv.log()[-3000:]
+
+
+def test_one_client_address_holds_at_most_its_connections_and_others_are_served(per_client_server):
+    srv = per_client_server
+    busy = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(2)]
+    try:
+        for sock in busy:  # each in a request whose body never comes
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{")
+        time.sleep(0.2)
+        with socket.create_connection(("127.0.0.1", srv.port)) as third:
+            third.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+            answer = read_all(third)
+        assert answer.startswith(b"HTTP/1.1 503") and b"too many open connections from 127.0.0.1" in answer
+        with socket.create_connection(("127.0.0.1", srv.port), source_address=("127.0.0.2", 0)) as other:
+            other.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert read_all(other).startswith(b"HTTP/1.1 200")  # another address is served
+        assert srv.get("/health/ready")[0] == 200  # one client is not the listener
+    finally:
+        for sock in busy:
+            sock.close()
+
+
 def test_idle_connections_at_the_cap_are_closed_oldest_first_for_new_ones(server):
     """1,100 idle keep-alive connections made every new /v1 request 503 while /health stayed 200."""
     idle = [connect(server) for _ in range(MAX_CONNECTIONS)]
