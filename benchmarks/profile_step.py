@@ -1,5 +1,5 @@
 """Where a step's time goes: the hot-spot table (attention, KV write, GEMMs, elementwise, sampling,
-host) of a batch on the real engine, under torch.profiler (engine/profiling.py does the work).
+host) of a batch on the real engine, under torch.profiler (engine/frontend/profiler.py does the work).
 
     python benchmarks/profile_step.py                                     # coder-small, 8 x (128 in, 32 out), fp32
     python benchmarks/profile_step.py --batch-size 16 --prompt-len 256 --output-len 64 --dtype bfloat16 --tag bf16
@@ -23,7 +23,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path[0] = str(REPO_ROOT)  # run as a script: the repository root, where `engine` is, leads sys.path
 
 from benchmarks import plots  # noqa: E402
-from engine.profiling import CATEGORIES, format_table, profile_arguments, run_profile, settings_from  # noqa: E402
+from engine.frontend.profiler import CATEGORIES, format_table, profile_arguments, run_profile, settings_from  # noqa: E402
 
 DEFAULT_MODEL = REPO_ROOT / "models" / "pagedserve-coder-small"
 

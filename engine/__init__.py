@@ -21,12 +21,12 @@ __all__ = [
 def __getattr__(name: str):
     # torch and transformers load only when the heavy classes are asked for
     if name == "LLM":
-        from engine.llm import LLM
+        from engine.frontend.llm import LLM
         return LLM
     if name == "LLMEngine":
-        from engine.llm_engine import LLMEngine
+        from engine.frontend.llm_engine import LLMEngine
         return LLMEngine
     if name == "AsyncEngine":
-        from engine.async_engine import AsyncEngine
+        from engine.frontend.async_engine import AsyncEngine
         return AsyncEngine
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

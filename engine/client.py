@@ -1,6 +1,6 @@
 """`EngineClient`: what the serving and resilience layers may use of an engine, as one typed seam.
 
-`engine.AsyncEngine` and `engine.process_engine.ProcessEngine` implement it (and so, in part, do the
+`engine.AsyncEngine` and `engine.frontend.process_engine.ProcessEngine` implement it (and so, in part, do the
 stand-ins of a few resilience tests). Code above the engine holds engines as `EngineClient`, never
 reaches inside them (`.engine`, `.model_runner`), and needs no torch to import this module."""
 
@@ -16,7 +16,7 @@ from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
 
 if TYPE_CHECKING:
-    from engine.dtype_probe import DtypeProbe  # imports torch
+    from engine.executor.dtype_probe import DtypeProbe  # imports torch
 
 # the known-good prompt: one greedy token of it warms a model before its first client, and probes a
 # model that failed a step in every row of one request (was it the request, or the model?)
@@ -31,7 +31,7 @@ class EngineClient(Protocol):
     sampling_defaults: dict[str, float | int]  # the model's generation_config.json, for requests that set none
     dtype: str  # what the weights and KV pool are held in ("float32", "bfloat16", "float16")
     dtype_probe: DtypeProbe | None  # on CPU with --dtype auto: what was measured to choose it
-    quantization: str | None  # "int8", "awq", "gptq": the linear weights are int8 (engine/quantization.py)
+    quantization: str | None  # "int8", "awq", "gptq": the linear weights are int8 (engine/executor/layers/quantization.py)
     attention_backend: str  # "torch" or "flex": what --attention-backend (auto: by device) resolved to
     faults: FaultInjector
     dead_error: BaseException | None  # why the loop died (None: alive)

@@ -38,16 +38,16 @@ class EngineConfig:
     aging_seconds: float = 5.0  # hybrid: a waiting request gains one priority level per this many seconds
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
-    quantization: str | None = None  # "int8" (at load), "awq" / "gptq" (the checkpoint's); engine/quantization.py
-    # "torch" (engine/attention.py: C decode kernel + SDPA), "flex" (engine/flex_attention.py); auto: flex on CUDA
+    quantization: str | None = None  # "int8" (at load), "awq" / "gptq" (the checkpoint's); engine/executor/layers/quantization.py
+    # "torch" (engine/executor/attention/torch_backend.py: C decode kernel + SDPA), "flex" (engine/executor/attention/flex_backend.py); auto: flex on CUDA
     attention_backend: str = "auto"
-    # CPU float linear layers (engine/onednn_linear.py): aten; onednn; auto, the faster one, measured at load
+    # CPU float linear layers (engine/executor/layers/onednn_linear.py): aten; onednn; auto, the faster one, measured at load
     # (aten under tensor parallelism and with compile)
     linear_kernel: str = "auto"
     compile: bool = False  # torch.compile each layer's dense halves at load (artifacts cached on disk)
-    # ranks the model is split over (engine/parallel.py): heads and MLP columns, one process each
+    # ranks the model is split over (engine/executor/parallel.py): heads and MLP columns, one process each
     tensor_parallel_size: int = 1
-    # run the engine loop in a process of its own (engine/process_engine.py): no GIL shared with the server
+    # run the engine loop in a process of its own (engine/frontend/process_engine.py): no GIL shared with the server
     engine_process: bool = False
     chat_template: str | None = field(default=None, repr=False)  # jinja text replacing the model's own
     # every file of the model directory must resolve inside this one (links out are refused at load);

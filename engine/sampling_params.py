@@ -101,7 +101,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per sampled token, plus the sampled one
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, in [-100, 100]
-    structured_outputs: StructuredOutputs | None = None  # the output must match it (engine/structured.py)
+    structured_outputs: StructuredOutputs | None = None  # the output must match it (engine/structured/grammar.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -236,7 +236,7 @@ class _Runner(web.AppRunner):
 
 def _real_engine(config: EngineConfig) -> EngineClient:
     if config.engine_process:
-        from engine.process_engine import ProcessEngine
+        from engine.frontend.process_engine import ProcessEngine
 
         return ProcessEngine(config)
     from engine import AsyncEngine  # torch loads here, in the loader's worker thread

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from engine.profiling import format_table, profile_arguments, run_profile, settings_from
+from engine.frontend.profiler import format_table, profile_arguments, run_profile, settings_from
 from service.config import (
     DEFAULT_FALLBACK,
     DEFAULT_MAX_BODY_BYTES,
@@ -216,13 +216,13 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                                           "AWQ / GPTQ 4-bit checkpoints are read as they are (awq | gptq)")
     g.add_argument("--attention-backend", help="auto | torch | flex (auto: flex on CUDA, torch on CPU)")
     g.add_argument("--linear-kernel", help="auto (default) | aten | onednn: CPU float linear layers; auto measures "
-                                           "at load which is faster (engine/onednn_linear.py)")
+                                           "at load which is faster (engine/executor/layers/onednn_linear.py)")
     g.add_argument("--tensor-parallel-size", type=int,
                    help="split each model over N processes (its heads and MLP columns; gloo on CPU, NCCL on CUDA: "
-                        "engine/parallel.py); float weights, aten linear layers, no --compile")
+                        "engine/executor/parallel.py); float weights, aten linear layers, no --compile")
     g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                    help="run each engine's loop in a process of its own, so it shares no GIL with the HTTP "
-                        "server (engine/process_engine.py); its memory is watched with this process's")
+                        "server (engine/frontend/process_engine.py); its memory is watched with this process's")
     g.add_argument("--stream-interval", type=int,
                    help="send a stream's tokens every N (its first and last at once): fewer, bigger SSE events for "
                         "throughput under many streams (default 1: every token as it comes)")
@@ -340,7 +340,7 @@ def _env_number(env: Mapping[str, str], name: str, kind: type) -> Any:
 def check_model_dirs(config: ServerConfig) -> None:
     """Fail before the port opens when a model directory is missing or incomplete."""
     from engine.errors import ModelValidationError
-    from engine.loader import validate_model_dir
+    from engine.executor.loader import validate_model_dir
 
     for spec in config.models:
         try:
@@ -420,7 +420,7 @@ def generate(args: argparse.Namespace) -> int:
 
 
 def bench(args: argparse.Namespace) -> int:
-    """The profile of benchmarks/profile_step.py (engine.profiling), printed as a table; no plot."""
+    """The profile of benchmarks/profile_step.py (engine.frontend.profiler), printed as a table; no plot."""
     try:
         result = run_profile(args.model, settings_from(args))
     except ValueError as exc:

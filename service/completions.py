@@ -16,7 +16,7 @@ from typing import Any
 from aiohttp import web
 
 from engine.outputs import CompletionOutput
-from engine.structured import StructuredOutputError
+from engine.structured.grammar import StructuredOutputError
 from service import protocol
 from service.body import read_json
 from service.constraints import ToolCalling

@@ -4,7 +4,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import ModelValidationError
-from engine.loader import ModelFiles, validate_model_dir
+from engine.executor.loader import ModelFiles, validate_model_dir
 from service.errors import InvalidRequestError
 
 

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.loader import SAMPLING_DEFAULTS
+from engine.executor.loader import SAMPLING_DEFAULTS
 from engine.sampling_params import (
     INT64_MAX,
     MAX_LOGIT_BIAS,

@@ -169,18 +169,18 @@ def test_cpu_kernel_is_built_in_a_build_stage_with_the_engines_flags():
     gcc = words.index("gcc")
     flags = words[gcc + 1:words.index("/src/paged_attention.c", gcc)]
     assert flags == [f if f != "-march=native" else "-march=${KERNEL_MARCH}" for f in engine_flags]
-    assert any(i.operands() == ["engine/csrc/paged_attention.c", "/src/paged_attention.c"] for i in kernel.ops("COPY"))
+    assert any(i.operands() == ["engine/kernels/csrc/paged_attention.c", "/src/paged_attention.c"] for i in kernel.ops("COPY"))
     runtime = df.runtime
     assert any(i.flags().get("from") == "kernel" for i in runtime.ops("COPY"))
     assert "CC=/opt/pagedserve/prebuilt-kernel-cc" in " ".join(i.args for i in runtime.ops("ENV"))
 
 
 def _engine_cflags() -> list[str]:
-    tree = ast.parse((ROOT / "engine/cpu_kernel.py").read_text())
+    tree = ast.parse((ROOT / "engine/kernels/cpu.py").read_text())
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "CFLAGS" for t in node.targets):
             return ast.literal_eval(node.value)
-    raise AssertionError("engine/cpu_kernel.py has no CFLAGS")
+    raise AssertionError("engine/kernels/cpu.py has no CFLAGS")
 
 
 def _env(stage: Stage) -> dict[str, str]:
@@ -268,14 +268,14 @@ def test_dockerignore_keeps_the_context_small_and_what_is_copied():
 
 
 def test_prebuilt_kernel_cc_hands_over_the_built_library(tmp_path):
-    source = ROOT / "engine/csrc/paged_attention.c"
+    source = ROOT / "engine/kernels/csrc/paged_attention.c"
     lib = tmp_path / "paged_attention.so"
     lib.write_bytes(b"\x7fELF prebuilt")
     (tmp_path / "paged_attention.so.source.sha256").write_text(hashlib.sha256(source.read_bytes()).hexdigest() + "\n")
     cc = ROOT / "deploy/image/prebuilt-kernel-cc"
     env = {**os.environ, "PAGEDSERVE_PREBUILT_KERNEL": str(lib)}
     out = tmp_path / "out.so"
-    # the command line engine/cpu_kernel.py runs
+    # the command line engine/kernels/cpu.py runs
     argv = [str(cc), *_engine_cflags(), str(source), "-o", str(out), "-lm"]
     assert subprocess.run(argv, env=env, capture_output=True, timeout=10).returncode == 0
     assert out.read_bytes() == lib.read_bytes()

@@ -3,9 +3,9 @@ ref counts and hashes. Every scenario ends with every block free again."""
 
 import pytest
 
-from engine.block_manager import BlockManager
+from engine.core.block_manager import BlockManager
+from engine.core.sequence import Sequence
 from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 8

@@ -8,7 +8,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.errors import ModelValidationError
-from engine.loader import validate_model_dir
+from engine.executor.loader import validate_model_dir
 
 
 @pytest.mark.parametrize("options,message", [

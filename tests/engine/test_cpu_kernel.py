@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, cpu_kernel
+from engine import LLM
+from engine.kernels import cpu as cpu_kernel
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                 reason="no C compiler: the engine runs its pure-torch path")
@@ -162,7 +163,7 @@ def test_rms_norm_keeps_nan_and_inf():
 @pytest.mark.parametrize(("tokens", "heads", "rotated", "head_dim"), [(1, 3, 2, 8), (37, 15, 12, 64), (2048, 15, 12, 64)])
 @pytest.mark.parametrize("num_threads", [1, 2])
 def test_rope_is_bit_for_bit_apply_rope(dtype, tokens, heads, rotated, head_dim, num_threads):
-    from engine.models.llama import apply_rope
+    from engine.executor.models.llama import apply_rope
 
     torch.manual_seed(tokens)
     x = torch.randn(tokens, heads, head_dim).mul(4).to(dtype)

@@ -3,7 +3,7 @@
 import pytest
 from transformers import AutoTokenizer
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.core.detokenizer import IncrementalDetokenizer
 
 TEXTS = ["def f(x):\n    return x  # done", "数据结构与算法 😀🎉 naïve café", "a\u200db 𝔘𝔫𝔦𝔠𝔬𝔡𝔢"]
 

@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from engine import dtype_probe
-from engine.dtype_probe import MIN_SPEEDUP, ROWS, DtypeProbe, probe_cpu_dtype
+from engine.executor import dtype_probe
+from engine.executor.dtype_probe import MIN_SPEEDUP, ROWS, DtypeProbe, probe_cpu_dtype
 
 
 @pytest.fixture(autouse=True)

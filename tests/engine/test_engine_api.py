@@ -8,7 +8,7 @@ import pytest
 from engine import AsyncEngine, EngineConfig, LLMEngine, SamplingParams
 from engine.errors import EngineDeadError, EngineOverloadedError, EngineStepError, RequestRejectedError
 from engine.faults import Fault, FaultInjector
-from engine.llm import _merge
+from engine.frontend.llm import _merge
 
 LONG = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 

@@ -90,7 +90,7 @@ def test_greedy_matches_transformers(references, preset, scenario):
 def test_torch_decode_path_matches_transformers(references, preset, scenario, monkeypatch):
     """Without the C kernel (no compiler, PAGEDSERVE_CPU_KERNEL=0, CUDA, half precision) decode
     attention gathers the blocks and runs SDPA: the same tokens."""
-    monkeypatch.setattr("engine.model_runner.cpu_kernel.load", lambda num_threads: None)
+    monkeypatch.setattr("engine.executor.model_runner.cpu_kernel.load", lambda num_threads: None)
     path, prompts, expected = references(preset)
     llm = LLM(path, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=32, **SCENARIOS[scenario])
     assert llm.engine.model_runner.decode_kernel is None

@@ -1,4 +1,4 @@
-"""The FlexAttention backend (engine/flex_attention.py, CUDA's by default): on CPU flex runs unfused,
+"""The FlexAttention backend (engine/executor/attention/flex_backend.py, CUDA's by default): on CPU flex runs unfused,
 reading every slot through the mask_mod, so these tests hold the mask_mod to the same tokens as the
 torch backend (test_equivalence / test_owned_model_window) and, apart, the block mask (which only
 the fused kernel reads) to listing every KV block a query sees, each once, and no other sequence's."""
@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from engine.flex_attention import Q_BLOCK, build_metadata
+from engine.executor.attention.flex_backend import Q_BLOCK, build_metadata
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 256

@@ -8,11 +8,11 @@ import pytest
 from transformers import AutoTokenizer
 
 from engine import AsyncEngine, EngineConfig, LLMEngine, SamplingParams
-from engine.chat_template import chat_prompt
+from engine.core.chat_template import chat_prompt
 from engine.errors import EngineDeadError, EngineStepError, RequestFailedError, RequestRejectedError
 from engine.faults import Fault
 from engine.sampling_params import StructuredOutputs
-from engine.structured import StructuredOutputError
+from engine.structured.grammar import StructuredOutputError
 from tests.service.server import TINY
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

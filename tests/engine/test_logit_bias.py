@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine
+from engine.core.sequence import Sequence
 from engine.errors import RequestRejectedError
-from engine.sampler import Sampler, SampleRow
+from engine.executor.sampler import Sampler, SampleRow
 from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
 
 
 def _seq(params: SamplingParams, seed: int = 0) -> Sequence:

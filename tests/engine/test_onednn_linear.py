@@ -1,4 +1,4 @@
-"""engine/onednn_linear.py: CPU linear layers on weights reordered for oneDNN, chosen at load by a probe.
+"""engine/executor/layers/onednn_linear.py: CPU linear layers on weights reordered for oneDNN, chosen at load by a probe.
 The products against F.linear, the probe's report, the swap of every float nn.Linear of the decoder
 layers (and nothing else), the engine's choice, and the bounded row counts that keep oneDNN's memory
 flat; greedy parity with HF on both kernels is in test_equivalence.py."""
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from engine import LLM, SamplingParams
-from engine.onednn_linear import (
+from engine.executor.layers.onednn_linear import (
     EXACT_ROWS,
     PROBE_ROWS,
     STEPS_PER_OCTAVE,
@@ -19,7 +19,7 @@ from engine.onednn_linear import (
     pack_linears,
     probe,
 )
-from engine.quantization import Int8Linear
+from engine.executor.layers.quantization import Int8Linear
 from resilience.probes import read_kib_field
 
 

@@ -8,10 +8,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
-from engine.attention import AttentionMetadata, PrefillSegment
-from engine.loader import validate_model_dir
-from engine.models import load_model
-from engine.models.llama import LlamaForCausalLM
+from engine.executor.attention.torch_backend import AttentionMetadata, PrefillSegment
+from engine.executor.loader import validate_model_dir
+from engine.executor.models import load_model
+from engine.executor.models.llama import LlamaForCausalLM
 from tests.conftest import FAMILIES
 
 BLOCK_SIZE = 8

@@ -64,7 +64,7 @@ def test_greedy_matches_transformers(windowed, name, scenario):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_torch_decode_path_and_prefix_cache(windowed, name, monkeypatch):
-    monkeypatch.setattr("engine.model_runner.cpu_kernel.load", lambda num_threads: None)
+    monkeypatch.setattr("engine.executor.model_runner.cpu_kernel.load", lambda num_threads: None)
     path, prompts, expected = windowed(name)
     llm = LLM(path, dtype="float32", max_model_len=MAX_MODEL_LEN, block_size=8)
     assert llm.engine.model_runner.decode_kernel is None

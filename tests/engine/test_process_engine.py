@@ -15,7 +15,7 @@ import pytest
 from engine import AsyncEngine, EngineConfig
 from engine.errors import ModelValidationError, RequestRejectedError
 from engine.faults import Fault
-from engine.process_engine import ProcessEngine
+from engine.frontend.process_engine import ProcessEngine
 from engine.sampling_params import SamplingParams, StructuredOutputs
 from resilience.probes import CpuMemoryProbe, read_kib_field
 from tests.service.server import TINY
@@ -140,7 +140,7 @@ def test_a_script_that_never_stops_its_engine_exits_and_leaves_no_process(tmp_pa
     """multiprocessing's exit hook would wait forever for a child that ignores SIGTERM (it must, so a
     TERM to the process group does not cut the server's drain short): ours stops the engine first."""
     script = tmp_path / "leave.py"
-    script.write_text("from engine import EngineConfig\nfrom engine.process_engine import ProcessEngine\n"
+    script.write_text("from engine import EngineConfig\nfrom engine.frontend.process_engine import ProcessEngine\n"
                       "if __name__ == '__main__':  # spawn imports this module again in the child\n"
                       f"    engine = ProcessEngine(EngineConfig(**{CONFIG!r}, engine_process=True))\n"
                       "    engine.start()\n    print(engine.pid, flush=True)\n")

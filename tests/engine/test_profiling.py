@@ -1,4 +1,4 @@
-"""engine.profiling on a real tiny engine: every step's time lands in exactly one category of the
+"""engine.frontend.profiler on a real tiny engine: every step's time lands in exactly one category of the
 hot-spot table, none negative, and the JSON carries the documented keys."""
 
 import json
@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from engine.profiling import CATEGORIES, SUM_TOLERANCE, ProfileSettings, _scope, phase, run_profile
+from engine.core.phases import phase
+from engine.frontend.profiler import CATEGORIES, SUM_TOLERANCE, ProfileSettings, _scope, run_profile
 
 # 2 x 12 prompt tokens under an 8-token budget: prefill chunks, then decode steps
 TINY = ProfileSettings(batch_size=2, prompt_len=12, output_len=3, max_num_batched_tokens=8, device="cpu",
@@ -66,7 +67,7 @@ def test_max_steps_bounds_the_profiled_steps(random_model):
 def test_scope_rules():
     assert _scope("aten::linear", "run") == "gemm"  # the LM head, outside the forward
     assert _scope("aten::mm", "forward") == "gemm"
-    assert _scope("mkldnn::_linear_pointwise", "forward") == "gemm"  # engine/onednn_linear.py's layers
+    assert _scope("mkldnn::_linear_pointwise", "forward") == "gemm"  # engine/executor/layers/onednn_linear.py's layers
     assert _scope("aten::index_copy_", "attention_module") == "kv_write"
     assert _scope("aten::index_copy_", "run") == "run"  # a block copy before the forward is host work
     assert _scope("aten::mul", "attention_module") == "elementwise"  # plain arithmetic inside attend

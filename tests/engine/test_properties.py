@@ -14,11 +14,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import EngineConfig, LLMEngine
-from engine.block_manager import BlockManager
-from engine.sampler import Sampler, SampleRow
+from engine.core.block_manager import BlockManager
+from engine.core.scheduler import Scheduler
+from engine.core.sequence import SampledToken, Sequence
+from engine.executor.sampler import Sampler, SampleRow
 from engine.sampling_params import SamplingParams, StructuredOutputs
-from engine.scheduler import Scheduler
-from engine.sequence import SampledToken, Sequence
 
 VOCAB = 64
 EXPLORE = os.environ.get("HYPOTHESIS_PROFILE") == "explore"

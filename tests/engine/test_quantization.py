@@ -1,4 +1,4 @@
-"""Weight-only quantization (engine/quantization.py): the int8 kernels against a float64 reference, the
+"""Weight-only quantization (engine/executor/layers/quantization.py): the int8 kernels against a float64 reference, the
 AWQ / GPTQ on-disk formats against words packed by hand from the formats' definitions, and whole models
 against HF transformers running the dequantized float32 weights."""
 
@@ -10,8 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from benchmarks.make_model import make_quantized_model
-from engine import LLM, SamplingParams, cpu_kernel
-from engine.quantization import (
+from engine import LLM, SamplingParams
+from engine.executor.layers.quantization import (
     CALIBRATION_ROWS,
     KERNEL_MAX_ROWS,
     Int8Linear,
@@ -22,6 +22,7 @@ from engine.quantization import (
     resolve,
     unpack_layer,
 )
+from engine.kernels import cpu as cpu_kernel
 
 needs_cc = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                               reason="no C compiler: int8 layers run their pure-torch path")

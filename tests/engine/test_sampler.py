@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from engine.sampler import Sampler, SampleRow
+from engine.core.sequence import Sequence
+from engine.executor.sampler import Sampler, SampleRow
 from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
 
 VOCAB = 8
 

@@ -6,12 +6,12 @@ from collections.abc import Callable
 
 import pytest
 
-from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.core.block_manager import BlockManager
+from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.core.sequence import SampledToken, Sequence, SequenceStatus
 from engine.errors import EngineOverloadedError
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.sequence import SampledToken, Sequence, SequenceStatus
 from engine.stats import EngineStats
 
 BLOCK_SIZE = 4

@@ -16,9 +16,9 @@ from transformers import AutoTokenizer
 
 from engine import EngineConfig, LLMEngine
 from engine.errors import RequestRejectedError
-from engine.json_closer import JsonCursor
 from engine.sampling_params import MAX_STRUCTURED_CHARS, SamplingParams, StructuredOutputs
-from engine.structured import NUM_COMPILE_WORKERS, GrammarCompiler, StructuredOutputError, to_grammar
+from engine.structured.grammar import NUM_COMPILE_WORKERS, GrammarCompiler, StructuredOutputError, to_grammar
+from engine.structured.json_closer import JsonCursor
 from tests.service.server import TINY
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags", "address"],
@@ -226,7 +226,7 @@ def test_a_constraint_too_costly_to_compile_is_refused_within_the_time_bound_and
 
 
 def _sandbox_workers() -> set[int]:
-    """Live processes of this one running engine/grammar_sandbox.py."""
+    """Live processes of this one running engine/structured/sandbox.py."""
     found = set()
     for status in Path("/proc").glob("[0-9]*/status"):
         try:
@@ -234,7 +234,7 @@ def _sandbox_workers() -> set[int]:
             cmdline = (status.parent / "cmdline").read_bytes()
         except (OSError, TypeError):
             continue
-        if ppid == os.getpid() and b"grammar_sandbox.py" in cmdline:
+        if ppid == os.getpid() and b"structured/sandbox.py" in cmdline:
             found.add(int(status.parent.name))
     return found
 
@@ -259,7 +259,7 @@ def test_a_compile_past_its_time_is_killed_with_its_worker_at_once(engine):
 
 
 def test_a_compile_past_its_memory_ends_its_worker():
-    from engine.grammar_sandbox import CompileSandbox
+    from engine.structured.sandbox import CompileSandbox
 
     compiler = GrammarCompiler(AutoTokenizer.from_pretrained(TINY), 4096, frozenset([0]))
     sandbox = CompileSandbox(compiler._tokenizer_json(), 4096, [0], num_workers=1, memory_bytes=48 << 20)

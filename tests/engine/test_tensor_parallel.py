@@ -12,7 +12,7 @@ import pytest
 from engine import LLM, AsyncEngine, SamplingParams
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
-from engine.models.llama import LlamaArgs
+from engine.executor.models.llama import LlamaArgs
 from tests.conftest import FAMILIES
 from tests.engine.test_equivalence import MAX_MODEL_LEN, NUM_NEW, SCENARIOS, _prompts
 

@@ -1,10 +1,10 @@
-"""`pagedserve bench --profile` runs engine.profiling's profile with the options it parses."""
+"""`pagedserve bench --profile` runs engine.frontend.profiler's profile with the options it parses."""
 
 import json
 
 import pytest
 
-from engine.profiling import CATEGORIES
+from engine.frontend.profiler import CATEGORIES
 from service.cli import build_parser, main
 
 

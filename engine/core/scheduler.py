@@ -1,0 +1,312 @@
+"""Continuous batching under a per-step token budget and a sequence cap. Pure Python, no torch.
+
+Each step: running sequences first (decodes and unfinished prefill chunks), then swapped ones,
+then waiting ones, as long as nothing was preempted this step. A prefill longer than the budget
+is spread over steps (chunked prefill) and shares steps with decodes. When blocks run out the
+least important running sequence is preempted: recomputed later from its tokens, or swapped to
+the host pool and copied back.
+
+Policies (a sort key, lower first):
+  fcfs      arrival order
+  priority  (priority, arrival): the least important is preempted first
+  hybrid    priority minus one level per `aging_seconds` since arrival (no starvation), decodes scheduled
+            before prefills, and prefill tokens per step capped to protect inter-token latency
+"""
+
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.core.block_manager import BlockCopies, BlockManager
+from engine.core.sequence import Detokenizer, SampledToken, Sequence, SequenceStatus
+from engine.errors import EngineOverloadedError
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    start: int  # first position computed this step
+    num_new_tokens: int
+    num_samples: int  # tokens to sample after this chunk: 0 mid-prefill, n at a fan-out, else 1
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq]
+    copies: BlockCopies
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class _Budget:
+    tokens: int
+    prefill_tokens: int
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.clock = clock
+        self.waiting: list[Sequence] = []  # new and recompute-preempted
+        self.running: list[Sequence] = []
+        self.swapped: list[Sequence] = []
+        self.make_detokenizer: Callable[[Sequence], Detokenizer | None] = lambda seq: None
+        self.num_preemptions = 0
+        self.is_full = False  # the last step left a queued sequence out for lack of seats or KV blocks
+
+    # --- queues ----------------------------------------------------------------------------------
+    def add_seq(self, seq: Sequence) -> None:
+        if len(self.waiting) >= self.config.max_num_waiting:
+            raise EngineOverloadedError(f"waiting queue is full ({self.config.max_num_waiting} requests)")
+        seq.status = SequenceStatus.WAITING
+        seq.queued_time = seq.arrival_time
+        self.waiting.append(seq)
+
+    def queue_heads(self) -> tuple[tuple[int, float], ...]:
+        """(priority, when its longest-queued sequence joined the queue) for each priority that has
+        sequences waiting or swapped out, most important first: how long the queue has held its head."""
+        heads: dict[int, float] = {}
+        for seq in itertools.chain(self.waiting, self.swapped):
+            heads[seq.priority] = min(heads.get(seq.priority, seq.queued_time), seq.queued_time)
+        return tuple(sorted(heads.items()))
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def _key(self, seq: Sequence) -> tuple[float, float, int]:
+        policy = self.config.scheduler_policy
+        if policy == "fcfs":
+            return (0, seq.arrival_time, seq.seq_id)
+        priority = float(seq.priority)
+        if policy == "hybrid":
+            # every sequence ages alike (running ones too, and continuously): the order between two
+            # never flips, so a preempted sequence never outranks, and preempts, its preemptor
+            priority -= (self.clock() - seq.arrival_time) / self.config.aging_seconds
+        return (priority, seq.arrival_time, seq.seq_id)
+
+    def _has_seats_for(self, seq: Sequence) -> bool:
+        """max_num_seqs counts the sequences a request will fan out to: a parent not yet forked
+        holds n seats, so its first sampled token never pushes the batch past the cap."""
+        return self._num_seats_taken() + _seats(seq) <= self.config.max_num_seqs
+
+    def _num_seats_taken(self) -> int:
+        return sum(_seats(s) for s in self.running)
+
+    # --- schedule --------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = _Budget(self.config.max_num_batched_tokens, self._prefill_cap())
+        scheduled: list[ScheduledSeq] = []
+        preempted: list[Sequence] = []
+        if self.config.scheduler_policy != "fcfs":
+            self._preempt_for_waiting(preempted)
+        self._schedule_running(budget, scheduled, preempted)
+        self.is_full = bool(preempted)  # and below, when a queued sequence does not fit
+        if not preempted:
+            self._schedule_swapped(budget, scheduled)
+            self._schedule_waiting(budget, scheduled)
+        self.num_preemptions += len(preempted)
+        return SchedulerOutput(scheduled, self.block_manager.take_copies(), preempted)
+
+    def _prefill_cap(self) -> int:
+        if self.config.scheduler_policy != "hybrid":
+            return self.config.max_num_batched_tokens
+        return self.config.max_prefill_tokens or max(1, self.config.max_num_batched_tokens // 2)
+
+    def _num_new_tokens(self, seq: Sequence, budget: _Budget) -> int:
+        num_new = min(seq.num_uncomputed_tokens, budget.tokens)
+        return min(num_new, budget.prefill_tokens) if seq.is_prefill else num_new
+
+    def _schedule(self, seq: Sequence, num_new: int, budget: _Budget, scheduled: list[ScheduledSeq]) -> None:
+        start = seq.num_computed_tokens
+        self.block_manager.allocate(seq, num_new)
+        budget.tokens -= num_new
+        if seq.is_prefill:
+            budget.prefill_tokens -= num_new
+        samples = start + num_new == seq.num_tokens
+        num_samples = seq.params.n if samples and not seq.is_forked else int(samples)
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = self.clock()
+        scheduled.append(ScheduledSeq(seq, start, num_new, num_samples))
+
+    def _schedule_running(self, budget: _Budget, scheduled: list[ScheduledSeq],
+                          preempted: list[Sequence]) -> None:
+        order = sorted(self.running, key=self._key)
+        if self.config.scheduler_policy == "hybrid":  # decodes first
+            order = [s for s in order if not s.is_prefill] + [s for s in order if s.is_prefill]
+        i = 0
+        while i < len(order):
+            seq = order[i]
+            num_new = self._num_new_tokens(seq, budget)
+            while num_new and not self.block_manager.can_allocate(seq, num_new):
+                victim = max(order[i + 1:], key=self._key, default=seq)
+                order.remove(victim)
+                self._preempt(victim, preempted)
+                if victim is seq:
+                    break
+            else:
+                if num_new:
+                    self._schedule(seq, num_new, budget, scheduled)
+                i += 1
+
+    def _schedule_swapped(self, budget: _Budget, scheduled: list[ScheduledSeq]) -> None:
+        if not self.swapped:
+            return
+        # swapped and waiting sequences are served in one policy order: a swapped one behind a
+        # waiting one would take back the room just made for it
+        first_waiting = min(map(self._key, self.waiting), default=None)
+        for seq in sorted(self.swapped, key=self._key):
+            if first_waiting is not None and first_waiting < self._key(seq):
+                return
+            if not self._has_seats_for(seq) or not self.block_manager.can_swap_in(seq):
+                self.is_full = True
+                return
+            self.block_manager.swap_in(seq)
+            self.swapped.remove(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            num_new = self._num_new_tokens(seq, budget)
+            if num_new and self.block_manager.can_allocate(seq, num_new):
+                self._schedule(seq, num_new, budget, scheduled)
+
+    def _schedule_waiting(self, budget: _Budget, scheduled: list[ScheduledSeq]) -> None:
+        if not self.waiting or budget.tokens == 0 or budget.prefill_tokens == 0:
+            return
+        if self._num_seats_taken() >= self.config.max_num_seqs:
+            # not one seat (the usual state under overload): no need to order the whole queue to find out
+            self.is_full = True
+            return
+        first_swapped = min(map(self._key, self.swapped), default=None)  # still out: not overtaken
+        for seq in sorted(self.waiting, key=self._key):
+            if first_swapped is not None and first_swapped < self._key(seq):
+                return
+            if budget.tokens == 0 or budget.prefill_tokens == 0:  # this step's budget: room next step
+                return
+            if not self._has_seats_for(seq) or not self._admit(seq, budget):
+                self.is_full = True
+                return
+            self.waiting.remove(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._schedule(seq, self._num_new_tokens(seq, budget), budget, scheduled)
+
+    def _admit(self, seq: Sequence, budget: _Budget) -> bool:
+        """Take seq's cached prefix if blocks for its first chunk fit beside it."""
+        bm = self.block_manager
+        hits = bm.find_cached_prefix(seq)
+        num_hit_tokens = len(hits) * bm.block_size
+        num_new = min(seq.num_tokens - num_hit_tokens, budget.tokens, budget.prefill_tokens)
+        needed = bm.blocks_needed(num_hit_tokens + num_new) - len(hits)
+        revived = sum(1 for block in hits if block.ref_count == 0)  # leave the free queue when taken
+        if needed + revived > bm.num_free_blocks:
+            return False
+        num_hit_tokens = bm.take_cached_prefix(seq)
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = num_hit_tokens
+        return True
+
+    # --- preemption ------------------------------------------------------------------------------
+    def _preempt_for_waiting(self, preempted: list[Sequence]) -> None:
+        """priority/hybrid: make room for a waiting sequence more important than running ones."""
+        if not self.waiting or not self.running:
+            return
+        best = min(self.waiting, key=self._key)
+        bm = self.block_manager
+        needed = bm.blocks_needed(min(best.num_tokens, self.config.max_num_batched_tokens))
+        while self.running:
+            worst = max(self.running, key=self._key)
+            if self._key(worst) <= self._key(best):
+                return
+            if needed <= bm.num_free_blocks and self._has_seats_for(best):
+                return
+            self._preempt(worst, preempted)
+
+    def _preempt(self, seq: Sequence, preempted: list[Sequence]) -> None:
+        self.running.remove(seq)
+        seq.num_preemptions += 1
+        seq.queued_time = self.clock()
+        preempted.append(seq)
+        if self.config.preemption_mode == "swap" and self.block_manager.can_swap_out(seq):
+            self.block_manager.swap_out(seq)
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(seq)
+            return
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.PREEMPTED
+        self.waiting.append(seq)  # its arrival time keeps it ahead of newer requests
+
+    # --- after the forward -------------------------------------------------------------------------
+    def postprocess(self, output: SchedulerOutput, sampled: dict[int, list[SampledToken]],
+                    on_error: Callable[[Sequence, Exception], None] | None = None) -> list[Sequence]:
+        """Account computed tokens, append sampled ones, finish what stopped.
+        Returns every sequence that got a token (fan-out children included). A sequence whose
+        update raises goes to `on_error` (the engine fails its request) and the others go on."""
+        updated = []
+        for item in output.scheduled:
+            if item.seq.is_finished:  # aborted while its step ran
+                continue
+            try:
+                updated += self._postprocess_one(item, sampled.get(item.seq.seq_id))
+            except Exception as exc:
+                if on_error is None:
+                    raise
+                on_error(item.seq, exc)
+        return updated
+
+    def _postprocess_one(self, item: ScheduledSeq, tokens: list[SampledToken] | None) -> list[Sequence]:
+        seq = item.seq
+        seq.num_computed_tokens = item.start + item.num_new_tokens
+        self.block_manager.cache_full_blocks(seq)
+        if not tokens:
+            return []
+        family = [seq] + self._fan_out(seq, len(tokens) - 1)
+        for member, token in zip(family, tokens, strict=True):
+            member.append_token(token)
+            if member.first_token_time is None:
+                member.first_token_time = self.clock()
+            if member.is_finished:
+                self._release(member)
+        return family
+
+    def _fan_out(self, parent: Sequence, num_children: int) -> list[Sequence]:
+        parent.is_forked = True
+        children = [parent.fork(i, self.make_detokenizer) for i in range(1, num_children + 1)]
+        for child in children:
+            self.block_manager.fork(parent, child)
+            self.running.append(child)
+        return children
+
+    def _release(self, seq: Sequence) -> None:
+        for queue in (self.running, self.waiting, self.swapped):
+            if seq in queue:
+                queue.remove(seq)
+        self.block_manager.free(seq)
+
+    def abort_seq(self, seq: Sequence) -> None:
+        """Idempotent: frees everything the sequence holds wherever it is."""
+        if seq.is_finished:
+            return
+        seq.status = SequenceStatus.FINISHED_ABORTED
+        self._release(seq)
+
+    def finish_seq(self, seq: Sequence, status: SequenceStatus) -> None:
+        if not seq.is_finished:
+            seq.status = status
+            self._release(seq)
+
+
+def _seats(seq: Sequence) -> int:
+    return 1 if seq.is_forked else seq.params.n

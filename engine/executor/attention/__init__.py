@@ -1,0 +1,1 @@
+"""Attention backends, one file each."""

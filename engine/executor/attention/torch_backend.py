@@ -1,0 +1,133 @@
+"""Paged attention over the KV block pool, called by the attention modules of engine/models: the
+CPU backend (attention_backend "torch"; engine/executor/attention/flex_backend.py is the CUDA one, same interface).
+
+Each layer calls `paged_attention` with q/k/v of the new tokens only (after RoPE), packed into one
+batch:
+
+    q [T, num_heads, head_dim], k/v [T, num_kv_heads, head_dim]
+    T = num_decodes (one token each, first) + the prefill chunks, back to back
+
+It writes the new K/V into the layer's pool at `slot_mapping`, then reads each sequence's context
+through its block table: decodes in one padded batch, prefill chunks one by one (SDPA's flash
+kernel with is_causal when the chunk has no cached context before it).
+
+The pool is head-major, [num_kv_heads, num_slots, head_dim] per layer: a block of one head is
+block_size x head_dim contiguous values. On CPU in float32 or bfloat16 decode attention reads the blocks in
+place in a small C kernel (engine/kernels/cpu.py). Elsewhere, and wherever that kernel cannot be
+built, the decodes' blocks are gathered into a padded [kv_head, seq, position, head_dim] copy,
+already in the layout SDPA reads, and masked.
+
+Sliding window (Mistral, Qwen's sliding layers): a windowed layer's query at position i sees keys at
+positions (i - window, i], as HF masks it. The model runner builds the window masks once a step, only
+where some query reaches past its window; a windowed layer then uses them (and the torch decode
+path, since the C kernel reads whole contexts), every other layer the plain causal ones.
+"""
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from engine.kernels.cpu import DecodeKernel
+
+
+class StepAttention(Protocol):
+    """What an attention layer calls once per step: the backend's metadata for that step (this module's
+    AttentionMetadata, the CPU backend; engine/executor/attention/flex_backend.py's FlexMetadata, the CUDA one)."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, scale: float, is_windowed: bool) -> torch.Tensor:
+        """Write k/v [T, KVH, D] into the layer's caches at the step's slots, attend q [T, H, D]; [T, H, D]."""
+        ...
+
+
+@dataclass
+class PrefillSegment:
+    start: int  # rows of the packed batch: [start, end)
+    end: int
+    context_slots: torch.Tensor | None  # [context_len] slot ids, None when the chunk is the whole context
+    mask: torch.Tensor | None  # [chunk_len, context_len] bool, True = attend; None = causal
+    window_mask: torch.Tensor | None = None  # the same for windowed layers; None = the window covers it all
+
+
+@dataclass
+class AttentionMetadata:
+    """What every attention layer of one step reads; the KV pool itself is owned by the layers."""
+
+    block_size: int
+    slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
+    num_decodes: int
+    decode_tables: torch.Tensor | None  # [num_decodes, max_blocks] block ids, each table padded with block 0
+    decode_lens: torch.Tensor | None  # [num_decodes] context lengths, the new token included
+    decode_mask: torch.Tensor | None  # torch path: [1, num_decodes, 1, max_blocks * block_size], 0 or -inf
+    decode_kernel: DecodeKernel | None  # engine.kernels.cpu's, where it runs (CPU, float32 or bfloat16)
+    prefills: list[PrefillSegment]
+    decode_window_mask: torch.Tensor | None = None  # like decode_mask, for windowed layers past their window
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, scale: float, is_windowed: bool) -> torch.Tensor:
+        return paged_attention(q, k, v, k_cache, v_cache, self, scale, is_windowed)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    is_windowed: bool = False) -> torch.Tensor:
+    """Write k/v [T, KVH, D] into the caches, attend q [T, H, D]; returns [T, H, D]."""
+    k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+    v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+    num_decodes = meta.num_decodes
+    window_mask = meta.decode_window_mask if is_windowed else None
+    if num_decodes and not meta.prefills:  # a decode-only step: the decodes' output is the whole output
+        return _decode(q, k_cache, v_cache, meta, scale, window_mask)
+    out = torch.empty_like(q)
+    if num_decodes:
+        out[:num_decodes] = _decode(q[:num_decodes], k_cache, v_cache, meta, scale, window_mask)
+    for seg in meta.prefills:
+        mask = seg.window_mask if is_windowed and seg.window_mask is not None else seg.mask
+        out[seg.start:seg.end] = _prefill(q, k, v, k_cache, v_cache, seg, mask, scale)
+    return out
+
+
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+            scale: float, window_mask: torch.Tensor | None) -> torch.Tensor:
+    """q [B, H, D] -> [B, H, D]."""
+    if meta.decode_kernel is not None and window_mask is None:  # reads the blocks in place
+        return meta.decode_kernel(q, k_cache, v_cache, meta.decode_tables, meta.decode_lens, meta.block_size, scale)
+    num_decodes, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[0]
+    block_ids = meta.decode_tables.flatten()
+    keys, values = (_gather(c, block_ids, meta.block_size).view(num_kv_heads, num_decodes, -1, head_dim)
+                    for c in (k_cache, v_cache))  # [KVH, B, max_blocks * block_size, D]
+    # one query token: the query heads of a KV group become the "sequence" axis (no K/V repeat)
+    q = q.view(num_decodes, num_kv_heads, -1, head_dim).transpose(0, 1)  # [KVH, B, groups, D]
+    mask = window_mask if window_mask is not None else meta.decode_mask
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    return out.transpose(0, 1).reshape(num_decodes, num_heads, head_dim)
+
+
+def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             seg: PrefillSegment, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """One chunk: rows [seg.start, seg.end) of q [T, H, D] -> [L, H, D]."""
+    qs = q[seg.start:seg.end].transpose(0, 1)  # [H, L, D]
+    if seg.context_slots is None:
+        ks, vs = k[seg.start:seg.end].transpose(0, 1), v[seg.start:seg.end].transpose(0, 1)
+    else:
+        ks, vs = _gather(k_cache, seg.context_slots, 1), _gather(v_cache, seg.context_slots, 1)
+    # grouped-query K/V read as they are (enable_gqa), not repeated per query head into a copy: the same
+    # result, bit for bit, and 10-40% faster on CPU at 64-256 tokens
+    out = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], attn_mask=mask, is_causal=mask is None,
+                                         scale=scale, enable_gqa=ks.shape[0] != qs.shape[0])
+    return out[0].transpose(0, 1)
+
+
+def _gather(cache: torch.Tensor, ids: torch.Tensor, rows_per_id: int) -> torch.Tensor:
+    """[KVH, num_slots, D] -> [KVH, len(ids) * rows_per_id, D]: slot ids (rows_per_id 1) or block ids
+    (block_size), in order. Head by head along dim 0: on CPU 3x faster than index_select on dim 1."""
+    num_kv_heads, _, head_dim = cache.shape
+    src = cache.view(num_kv_heads, -1, rows_per_id * head_dim)
+    out = src.new_empty(num_kv_heads, len(ids), rows_per_id * head_dim)
+    for head in range(num_kv_heads):
+        torch.index_select(src[head], 0, ids, out=out[head])
+    return out.view(num_kv_heads, -1, head_dim)
+

@@ -1,0 +1,1 @@
+"""Linear layers: weight-only quantization and the oneDNN linear."""

@@ -1,0 +1,215 @@
+"""Weight-only quantization: the decoder layers' linear weights as int8, with a float32 scale per output
+row and group of inputs (w = q * scale), activations in the model's dtype.
+
+    method  where the integers come from                          group
+    int8    a float checkpoint, quantized at load (symmetric,     the whole row (per channel)
+            scale = max |w| / 127 per row)
+    awq     an AutoAWQ checkpoint (4-bit, GEMM packing)           quantization_config.group_size
+    gptq    a GPTQ checkpoint (4-bit, gptq or gptq_v2 format)     quantization_config.group_size
+
+AWQ and GPTQ store unsigned 4-bit values q with a zero point z per group: w = (q - z) * scale. At load,
+q - z (in -15..15) is kept as int8, so every method runs the same kernels and w is reproduced exactly.
+Memory: 1 byte per weight (a quarter of float32; 4-bit checkpoints take twice their file size).
+The LM head and the embedding stay in the model's dtype, as vLLM keeps them.
+
+On CPU, a step with few rows (decode) reads the int8 bytes directly (engine/kernels/csrc/int8_linear.c, a
+quarter of float32's traffic); a step with many rows (prefill) dequantizes a slice of rows at a time
+into a reused float32 buffer and runs the GEMM on it. Where one path overtakes the other depends on the
+machine's GEMM (AVX2, AVX-512, AMX): `calibrate_kernel_rows` measures it at load. Without the C kernels, and on CUDA, a layer
+dequantizes its weight per call (correct, not fast).
+"""
+
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import QUANTIZATIONS as METHODS
+from engine.kernels import cpu as cpu_kernel
+
+KERNEL_MAX_ROWS = 32  # rows of x up to which a layer reads int8 directly, until calibrate_kernel_rows measures
+CALIBRATION_ROWS = (8, 16, 32, 64)
+SCRATCH_ELEMENTS = 1 << 20  # float32 weights dequantized at a time for a GEMM (4 MiB, stays in cache)
+AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # AWQ packs columns 0,2,4,6,1,3,5,7 into nibbles 0..7
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    method: str
+    group_size: int | None  # inputs sharing one scale; None: the whole row
+    zero_offset: int = 0  # GPTQ's original format stores each zero point minus one
+
+    @property
+    def from_checkpoint(self) -> bool:
+        """The integers are in the checkpoint (qweight / qzeros / scales), not made at load."""
+        return self.method != "int8"
+
+
+def resolve(requested: str | None, model_config: dict) -> QuantConfig | None:
+    """The quantization a model runs with: its checkpoint's own (config.json's quantization_config) or,
+    for a float checkpoint, the one asked for. A mismatch or a format we cannot read raises ValueError."""
+    if requested is not None and requested not in METHODS:
+        raise ValueError(f"quantization must be one of {METHODS}, got {requested!r}")
+    spec = model_config.get("quantization_config")
+    if not spec:
+        if requested in ("awq", "gptq"):
+            raise ValueError(f"quantization {requested!r} needs a {requested.upper()} checkpoint; this one has no "
+                             "quantization_config (use 'int8' to quantize a float checkpoint at load)")
+        return QuantConfig("int8", None) if requested == "int8" else None
+    method = str(spec.get("quant_method", "")).lower()
+    if method not in ("awq", "gptq"):
+        raise ValueError(f"checkpoint quantization {method!r} is not supported; supported: awq, gptq")
+    if requested not in (None, method):
+        raise ValueError(f"quantization {requested!r} asked for, but the checkpoint is {method.upper()}")
+    bits = spec.get("bits", spec.get("w_bit"))
+    if bits != 4:
+        raise ValueError(f"{method.upper()} checkpoints with {bits} bits are not supported (4 bits only)")
+    group_size = spec.get("group_size", spec.get("q_group_size"))
+    if not isinstance(group_size, int) or group_size == 0 or group_size < -1:
+        raise ValueError(f"{method.upper()} group_size must be a positive integer (or -1 in GPTQ), got {group_size!r}")
+    if method == "awq":
+        version = str(spec.get("version", "gemm")).lower()
+        if version != "gemm" or spec.get("zero_point", True) is not True:
+            raise ValueError(f"AWQ version {version!r} with zero_point={spec.get('zero_point')!r} is not supported "
+                             "(GEMM packing with zero points only)")
+        return QuantConfig("awq", group_size)
+    fmt = spec.get("checkpoint_format", "gptq")
+    if fmt not in ("gptq", "gptq_v2"):
+        raise ValueError(f"GPTQ checkpoint_format {fmt!r} is not supported; supported: gptq, gptq_v2")
+    return QuantConfig("gptq", None if group_size == -1 else group_size, zero_offset=1 if fmt == "gptq" else 0)
+
+
+def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8: (q [n, k] int8, scale [n, k / group_size] float32) with q * scale ~ weight."""
+    n, k = weight.shape
+    groups = weight.float().reshape(n, -1, group_size or k)
+    scale = (groups.abs().amax(dim=-1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+    q = torch.round(groups / scale[..., None]).clamp_(-127, 127).to(torch.int8)
+    return q.reshape(n, k), scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q * scale as a [n, k] weight (the reference the kernels are tested against)."""
+    n, k = q.shape
+    return (q.float().reshape(n, scale.shape[1], -1) * scale[..., None]).reshape(n, k).to(dtype)
+
+
+def _unpack_4bit(packed: torch.Tensor, dim: int) -> torch.Tensor:
+    """int32 words holding eight 4-bit values (nibble i = value i, low bits first) -> uint8 values,
+    the eight of each word consecutive along `dim`."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    if dim == 0:  # [r, c] -> [r, 8, c] -> [8r, c]
+        values = packed[:, None, :] >> shifts[None, :, None]
+    else:  # [r, c] -> [r, c, 8] -> [r, 8c]
+        values = packed[:, :, None] >> shifts[None, None, :]
+    return (values & 0xF).to(torch.uint8).flatten(dim, dim + 1)
+
+
+def unpack_layer(quant: QuantConfig, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                    name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """One AWQ or GPTQ layer (its packed tensors as stored) -> (q - zero as int8 [n, k], scale [n, groups])."""
+    if quant.method == "awq":  # qweight [k, n/8] and qzeros [groups, n/8], columns interleaved in each word
+        order = torch.arange(qweight.shape[1] * 8).view(-1, 8)[:, list(AWQ_REVERSE_ORDER)].flatten()
+        values, zeros = _unpack_4bit(qweight, 1)[:, order], _unpack_4bit(qzeros, 1)[:, order]
+    else:  # GPTQ: qweight [k/8, n] packed along the inputs, qzeros [groups, n/8] along the outputs
+        values, zeros = _unpack_4bit(qweight, 0), _unpack_4bit(qzeros, 1) + quant.zero_offset
+    k, n = values.shape
+    groups = scales.shape[0]
+    if zeros.shape != (groups, n) or scales.shape != (groups, n) or k % groups:
+        raise ValueError(f"{name}: qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)} and scales "
+                         f"{tuple(scales.shape)} do not fit one {quant.method.upper()} layer")
+    centered = values.to(torch.int16) - zeros.to(torch.int16).repeat_interleave(k // groups, dim=0)
+    return centered.to(torch.int8).T.contiguous(), scales.float().T.contiguous()
+
+
+def check_g_idx(g_idx: torch.Tensor, group_size: int | None, name: str) -> None:
+    """GPTQ's g_idx maps each input to its group; only the plain order (input i in group i // group_size)
+    is supported: act-order (desc_act) checkpoints permute it."""
+    k = g_idx.numel()
+    if not torch.equal(g_idx.long(), torch.arange(k) // (group_size or k)):
+        raise ValueError(f"{name}: GPTQ act-order (desc_act) checkpoints are not supported (g_idx is not in "
+                         "input order)")
+
+
+class Int8Linear(nn.Module):
+    """y = x @ (weight * scales)^T + bias, weight int8 [out, in], scales float32 [out, in / group_size]."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, group_size: int | None,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.group_size = group_size or in_features
+        if in_features % self.group_size:
+            raise ValueError(f"quantization group_size {group_size} does not divide the layer's {in_features} inputs")
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.int8), requires_grad=False)
+        self.scales = nn.Parameter(torch.empty(out_features, in_features // self.group_size, dtype=torch.float32),
+                                   requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.kernel_max_rows = KERNEL_MAX_ROWS
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernel = cpu_kernel.int8_linear(torch.get_num_threads()) if x.device.type == "cpu" else None
+        if kernel is None:
+            y = F.linear(x, dequantize(self.weight, self.scales, x.dtype))
+        elif x.shape[0] <= self.kernel_max_rows:
+            y = kernel(x.float(), self.weight, self.scales, self.group_size).to(x.dtype)
+        else:
+            y = self._gemm_by_slices(kernel, x)
+        return y if self.bias is None else y + self.bias
+
+    def _gemm_by_slices(self, kernel: cpu_kernel.Int8LinearKernel, x: torch.Tensor) -> torch.Tensor:
+        out_features, in_features = self.weight.shape
+        rows = max(1, SCRATCH_ELEMENTS // in_features)
+        y = torch.empty(x.shape[0], out_features, dtype=x.dtype)
+        for lo in range(0, out_features, rows):
+            hi = min(lo + rows, out_features)
+            w = kernel.dequantize(self.weight[lo:hi], self.scales[lo:hi], self.group_size, out=_scratch(hi - lo,
+                                                                                                        in_features))
+            y[:, lo:hi] = F.linear(x, w.to(x.dtype))
+        return y
+
+
+@torch.no_grad()
+def calibrate_kernel_rows(model: nn.Module, dtype: torch.dtype) -> int | None:
+    """Time both CPU paths on the model's largest int8 layer at 8..64 rows of x; every int8 layer then reads
+    int8 directly up to the most rows at which that was not slower. Returns that number (None: no int8
+    layer on CPU with the kernel). About a second for a 1.5B model."""
+    layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    kernel = cpu_kernel.int8_linear(torch.get_num_threads())
+    if not layers or kernel is None or layers[0].weight.device.type != "cpu":
+        return None
+    big = max(layers, key=lambda m: m.weight.numel())
+    best = 1
+    for rows in CALIBRATION_ROWS:
+        x = torch.randn(rows, big.weight.shape[1]).to(dtype)
+        direct = fastest(lambda: kernel(x.float(), big.weight, big.scales, big.group_size))  # noqa: B023
+        by_slices = fastest(lambda: big._gemm_by_slices(kernel, x))  # noqa: B023
+        if direct > by_slices:
+            break
+        best = rows
+    for layer in layers:
+        layer.kernel_max_rows = best
+    return best
+
+
+def fastest(fn, repeats: int = 3, min_seconds: float = 0.0) -> float:
+    """Best single time of fn, over at least `repeats` runs and `min_seconds` (small shapes take microseconds)."""
+    best, spent, runs = float("inf"), 0.0, 0
+    while runs < repeats or spent < min_seconds:
+        start = time.perf_counter()
+        fn()
+        took = time.perf_counter() - start
+        best, spent, runs = min(best, took), spent + took, runs + 1
+    return best
+
+
+_local = threading.local()  # one scratch buffer per thread: two engines' loops never share one
+
+
+def _scratch(rows: int, cols: int) -> torch.Tensor:
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.numel() < rows * cols:
+        buf = _local.buf = torch.empty(max(rows * cols, SCRATCH_ELEMENTS), dtype=torch.float32)
+    return buf[: rows * cols].view(rows, cols)

@@ -1,0 +1,422 @@
+"""The Llama-family decoder (Llama, Qwen2, Qwen3, Mistral) in one file, its differences as flags
+read from the HF config:
+
+    family    q/k/v bias                 q/k RMSNorm   sliding window
+    llama     attention_bias (o too)     no            no
+    qwen2     always (o never)           no            layers marked "sliding_attention"
+    qwen3     attention_bias (o too)     per head      layers marked "sliding_attention"
+    mistral   no                         no            every layer, when sliding_window is set
+
+Weights keep HF's checkpoint names on disk; q/k/v and gate/up are fused into one matrix each at load,
+so a layer runs four GEMMs (qkv, o, gate_up, down) instead of seven. In float32 the arithmetic follows
+HF's modules op for op (RMSNorm, RoPE as q*cos + rotate_half(q)*sin in halves, on q and k together),
+so float32 greedy tokens match HF `generate`; in bf16 RMSNorm is one fused op (see RMSNorm). A step
+is one packed batch of T tokens, no batch axis.
+"""
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from engine.executor.attention.torch_backend import StepAttention
+from engine.executor.layers.quantization import (
+    Int8Linear,
+    QuantConfig,
+    check_g_idx,
+    quantize_int8,
+    unpack_layer,
+)
+from engine.executor.parallel import TPGroup
+from engine.kernels import cpu as cpu_kernel
+
+# HF projection name -> (our fused module, its part); parts stack along the output rows in this order
+FUSED_PARTS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+QUANT_LEAVES = ("qweight", "qzeros", "scales")  # an AWQ / GPTQ layer's packed tensors
+# dynamic and longrope change their frequencies with the sequence length, which a paged cache written
+# at earlier lengths cannot follow
+STATIC_ROPE_TYPES = ("default", *(t for t in ROPE_INIT_FUNCTIONS if t not in ("dynamic", "longrope")))
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    sliding_windows: tuple[int | None, ...]  # per layer: keys visible to a query, itself included
+
+    @classmethod
+    def from_hf(cls, config: PretrainedConfig) -> "LlamaArgs":
+        if config.hidden_act != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; the Llama family uses 'silu'")
+        family = config.model_type
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        return cls(
+            config.vocab_size, config.hidden_size, config.intermediate_size, config.num_hidden_layers,
+            config.num_attention_heads, config.num_key_value_heads,
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+            config.rms_norm_eps, qkv_bias=attention_bias or family == "qwen2",
+            o_bias=attention_bias and family != "qwen2", mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            qk_norm=family == "qwen3", tie_word_embeddings=bool(config.tie_word_embeddings),
+            sliding_windows=_sliding_windows(config))
+
+    def shard(self, size: int) -> "LlamaArgs":
+        """One rank's share under tensor parallelism over `size` ranks: its attention heads, K/V heads
+        and intermediate columns (engine/executor/parallel.py)."""
+        for name in ("num_heads", "num_kv_heads", "intermediate_size"):
+            if getattr(self, name) % size:
+                raise ValueError(f"tensor_parallel_size {size} does not divide the model's {name} "
+                                 f"({getattr(self, name)})")
+        return replace(self, num_heads=self.num_heads // size, num_kv_heads=self.num_kv_heads // size,
+                       intermediate_size=self.intermediate_size // size)
+
+
+def _sliding_windows(config: PretrainedConfig) -> tuple[int | None, ...]:
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if config.model_type == "llama" or window is None:
+        return (None,) * config.num_hidden_layers
+    if layer_types is None:  # Mistral: every layer
+        return (window,) * config.num_hidden_layers
+    return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+
+
+def rope_frequencies(config: PretrainedConfig, head_dim: int, device: torch.device) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim / 2] float32, the cos/sin scale), as HF's rotary embedding computes them."""
+    rope = config.rope_parameters
+    if rope["rope_type"] not in STATIC_ROPE_TYPES:
+        raise ValueError(f"rope_type {rope['rope_type']!r} is not supported; supported: {STATIC_ROPE_TYPES}")
+    if rope["rope_type"] != "default":
+        inv_freq, scale = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, device)
+        return inv_freq.float(), scale
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim
+    return 1.0 / (rope["rope_theta"] ** exponents), 1.0
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D]; cos/sin [T, 1, D/2]. HF's x*cat(cos,cos) + rotate_half(x)*cat(sin,sin), by halves."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def _cpu_kernel(factory: Callable[[int], Any], x: torch.Tensor) -> Any:
+    """engine.kernels.cpu's kernel from `factory` where x is on CPU, else None (CUDA; and while torch.compile
+    traces: it cannot trace a ctypes call, and --compile's fused code replaces the kernels)."""
+    return factory(torch.get_num_threads()) if x.device.type == "cpu" and not torch.compiler.is_compiling() else None
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The norm of x; with `residual`, (x + residual, the norm of that sum).
+
+        F.rms_norm: in float32 bit-identical to HF's three ops; in half precision it sums in float32 and
+        rounds once, after the weight (HF rounds before it); measured on [64, 576] bf16, max error to the
+        float32 result 0.043 against HF's order's 0.051. On CPU it is a chain of aten ops, each waking
+        OpenMP's sleeping thread: engine/kernels/csrc/rms_norm.c computes the same in one pass (float32 results
+        within 2 ulp of it, another summation order), the residual add with it."""
+        kernel = _cpu_kernel(cpu_kernel.rms_norm, x)
+        if kernel is not None and kernel.runs(x, self.weight):
+            return kernel(x, self.weight, self.eps, None if residual is None else residual.contiguous())
+        if residual is None:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        x = x + residual
+        return x, F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+def linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+           quant: QuantConfig | None) -> nn.Module:
+    if quant is None:
+        return nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
+    return Int8Linear(in_features, out_features, bias, quant.group_size, dtype)
+
+
+class Attention(nn.Module):
+    """q/k/v in one GEMM and RoPE (`project`), paged attention over this layer's own views of the KV
+    pool (`attend`); o_proj is applied by the layer."""
+
+    def __init__(self, args: LlamaArgs, layer_idx: int, dtype: torch.dtype, quant: QuantConfig | None) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        q_size, kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+        self.qkv_proj = linear(args.hidden_size, q_size + 2 * kv_size, args.qkv_bias, dtype, quant)
+        self.o_proj = linear(q_size, args.hidden_size, args.o_bias, dtype, quant)
+        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps, dtype) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, dtype) if args.qk_norm else None
+        self.scale = args.head_dim**-0.5
+        self.sliding_window = args.sliding_windows[layer_idx]
+        self.k_cache: torch.Tensor | None = None  # [num_kv_heads, num_slots, head_dim], set by bind_kv_caches
+        self.v_cache: torch.Tensor | None = None
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [T, hidden] -> q [T, H, D], k and v [T, KVH, D], RoPE applied."""
+        heads = self.qkv_proj(x).view(x.shape[0], -1, self.head_dim)  # [T, H + 2 KVH, D]
+        q, k, v = heads.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+        if self.q_norm is not None:
+            return apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin), v
+        # q and k side by side: RoPE once for both, not once each
+        kernel = _cpu_kernel(cpu_kernel.rope, heads)
+        if kernel is not None and kernel.runs(heads, cos):
+            kernel(heads, self.num_heads + self.num_kv_heads, cos, sin)  # in place, what apply_rope gives
+            return heads.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+        q, k = apply_rope(heads[:, :self.num_heads + self.num_kv_heads], cos, sin).split(
+            [self.num_heads, self.num_kv_heads], dim=1)
+        return q, k, v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StepAttention) -> torch.Tensor:
+        return meta.attend(q, k, v, self.k_cache, self.v_cache, self.scale, self.sliding_window is not None)
+
+
+class MLP(nn.Module):
+    def __init__(self, args: LlamaArgs, dtype: torch.dtype, quant: QuantConfig | None) -> None:
+        super().__init__()
+        self.gate_up_proj = linear(args.hidden_size, 2 * args.intermediate_size, args.mlp_bias, dtype, quant)
+        self.down_proj = linear(args.intermediate_size, args.hidden_size, args.mlp_bias, dtype, quant)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        # on CPU F.silu and the product are two parallel regions, each waking OpenMP's sleeping thread:
+        # engine/kernels/csrc/silu_mul.c does both in one pass (bfloat16 as aten rounds it, float32 within a few ulp)
+        kernel = _cpu_kernel(cpu_kernel.silu_mul, gate_up)
+        if kernel is not None and kernel.runs(gate_up):
+            return self.down_proj(kernel(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def _no_reduce(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x [n, ...] with zero rows appended up to `rows`."""
+    return x if x.shape[0] == rows else F.pad(x, (0, 0) * (x.dim() - 1) + (0, rows - x.shape[0]))
+
+
+class DecoderLayer(nn.Module):
+    """`reduce`: sums a row-parallel layer's partial outputs over the tensor-parallel ranks (identity
+    on one rank)."""
+
+    def __init__(self, args: LlamaArgs, layer_idx: int, dtype: torch.dtype, quant: QuantConfig | None,
+                 reduce: Callable[[torch.Tensor], torch.Tensor] = _no_reduce) -> None:
+        super().__init__()
+        self.reduce = reduce
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        self.self_attn = Attention(args, layer_idx, dtype, quant)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        self.mlp = MLP(args, dtype, quant)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: StepAttention,
+                num_tokens: int) -> torch.Tensor:
+        """x [rows, hidden]: the step's num_tokens tokens, then padding rows (see row_bucket) that the
+        dense halves carry along and attention never sees."""
+        q, k, v = self.before_attention(x, cos, sin)
+        attn = self.self_attn.attend(q[:num_tokens], k[:num_tokens], v[:num_tokens], meta)
+        return self.after_attention(x, _pad_rows(attn, x.shape[0]))
+
+    # the two dense halves of a layer around the paged attention: what --compile compiles
+    def before_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.self_attn.project(self.input_layernorm(x), cos, sin)
+
+    def after_attention(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        x, h = self.post_attention_layernorm(x, self.reduce(self.self_attn.o_proj(attn.flatten(1))))
+        return x + self.reduce(self.mlp(h))
+
+    def compile_dense(self) -> None:
+        """torch.compile both dense halves, shapes dynamic (T changes every step); every layer runs the
+        same compiled code (parameters are inputs, not constants)."""
+        self.before_attention = torch.compile(self.before_attention, dynamic=True)
+        self.after_attention = torch.compile(self.after_attention, dynamic=True)
+
+
+class LlamaForCausalLM(nn.Module):
+    """`forward(input_ids [T], positions [T], meta)` -> final hidden states [T, hidden];
+    `compute_logits` runs the LM head only on the rows that are sampled. With `quant`, the decoder
+    layers' linear weights are int8 (engine/executor/layers/quantization.py)."""
+
+    def __init__(self, config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
+                 quant: QuantConfig | None = None, tp: TPGroup | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.quant = quant
+        self.tp = tp
+        self.args = args = LlamaArgs.from_hf(config) if tp is None else LlamaArgs.from_hf(config).shard(tp.size)
+        reduce = _no_reduce if tp is None else tp.all_reduce
+        with torch.device("meta"):  # every parameter comes from the checkpoint: no random init
+            self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype)
+            self.layers = nn.ModuleList(DecoderLayer(args, i, dtype, quant, reduce) for i in range(args.num_layers))
+            self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+            self.lm_head = None if args.tie_word_embeddings else nn.Linear(
+                args.hidden_size, args.vocab_size, bias=False, dtype=dtype)
+        self.to_empty(device=device).requires_grad_(False)
+        self.inv_freq, self.rope_scale = rope_frequencies(config, args.head_dim, device)
+        # the row count a step of n tokens runs its dense layers at (padding rows after the tokens): set
+        # where the products keep memory per row count (engine/executor/layers/onednn_linear.py's bucket); None: n itself
+        self.row_bucket: Callable[[int], int] | None = None
+
+    def bind_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Hand each attention layer its (K, V) pool views; copies between pools happen in place."""
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            layer.self_attn.k_cache, layer.self_attn.v_cache = k_cache, v_cache
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepAttention) -> torch.Tensor:
+        num_tokens = input_ids.shape[0]
+        rows = self._padded_rows(num_tokens)
+        x = self.embed_tokens(_pad_rows(input_ids, rows))
+        freqs = _pad_rows(positions, rows)[:, None].float() * self.inv_freq  # [rows, D/2], float32 as HF has it
+        cos = (freqs.cos() * self.rope_scale).to(x.dtype)[:, None]
+        sin = (freqs.sin() * self.rope_scale).to(x.dtype)[:, None]
+        for layer in self.layers:
+            x = layer(x, cos, sin, meta, num_tokens)
+        return self.norm(x[:num_tokens])
+
+    @torch.inference_mode()
+    def compile_layers(self) -> None:
+        """--compile: compile every layer's dense halves and compile them now, for one token and for
+        several (a single row is its own specialization), so no request waits for the compiler."""
+        for layer in self.layers:
+            layer.compile_dense()
+        a = self.args
+        for num_tokens in (2, 1):
+            x = torch.zeros(num_tokens, a.hidden_size, dtype=self.norm.weight.dtype, device=self.inv_freq.device)
+            cos_sin = torch.ones(num_tokens, 1, a.head_dim // 2, dtype=x.dtype, device=x.device)
+            attn = torch.zeros(num_tokens, a.num_heads, a.head_dim, dtype=x.dtype, device=x.device)
+            for layer in self.layers:
+                layer.before_attention(x, cos_sin, cos_sin)
+                layer.after_attention(x, attn)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        num_rows = hidden.shape[0]
+        return F.linear(_pad_rows(hidden, self._padded_rows(num_rows)), head.weight)[:num_rows]
+
+    def _padded_rows(self, n: int) -> int:
+        """The row count n rows run at: row_bucket's, or n where it is unset."""
+        return n if self.row_bucket is None else self.row_bucket(n)
+
+    @torch.inference_mode()
+    def warm_up_rows(self, max_tokens: int, max_logit_rows: int) -> list[int]:
+        """Run every linear product of a step once at each row count row_bucket makes of 1..max_tokens
+        tokens (the LM head: of 1..max_logit_rows rows), so the memory oneDNN keeps per count is taken
+        at load, before serving and before a leak detector's baseline, not as new counts arrive. Every
+        layer has the same shapes: one layer's products stand for all. Returns the counts."""
+        a, layer, dtype, device = self.args, self.layers[0], self.norm.weight.dtype, self.inv_freq.device
+        counts = sorted({self._padded_rows(n) for n in range(1, max_tokens + 1)})
+        head_counts = {self._padded_rows(n) for n in range(1, max_logit_rows + 1)}
+        for rows in counts:
+            hidden = torch.zeros(rows, a.hidden_size, dtype=dtype, device=device)
+            layer.self_attn.qkv_proj(hidden)
+            layer.self_attn.o_proj(torch.zeros(rows, a.num_heads * a.head_dim, dtype=dtype, device=device))
+            layer.mlp.gate_up_proj(hidden)
+            layer.mlp.down_proj(torch.zeros(rows, a.intermediate_size, dtype=dtype, device=device))
+            if rows in head_counts:
+                self.compute_logits(hidden)
+        return counts
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in (cast to our dtype), q/k/v and gate/up into their fused rows; into an
+        int8 layer, a float weight is quantized and an AWQ / GPTQ layer's packed tensors are unpacked.
+        Unknown names, wrong shapes and missing weights raise, naming the tensor."""
+        params = dict(self.named_parameters())
+        missing = {(name, part) for name, p in params.items() for part in range(self._num_parts(name))}
+        packed: dict[tuple[str, int], dict[str, torch.Tensor]] = {}  # an AWQ / GPTQ layer's tensors as they come
+        for hf_name, tensor in weights:
+            if hf_name.endswith("rotary_emb.inv_freq") or (hf_name == "lm_head.weight" and self.lm_head is None):
+                continue  # recomputed / tied to the embedding
+            name, part = self._our_name(hf_name)
+            module, leaf = name.rsplit(".", 1)
+            if self.quant is not None and self.quant.from_checkpoint and leaf in (*QUANT_LEAVES, "g_idx"):
+                if f"{module}.weight" not in params:
+                    raise ValueError(f"checkpoint tensor {hf_name} has no place in {type(self).__name__}")
+                if leaf == "g_idx":
+                    check_g_idx(tensor, self.quant.group_size, hf_name)
+                    continue
+                layer = packed.setdefault((module, part), {})
+                layer[leaf] = tensor
+                if len(layer) == len(QUANT_LEAVES):
+                    q, scale = unpack_layer(self.quant, *(layer.pop(k) for k in QUANT_LEAVES), hf_name)
+                    self._rows(params, f"{module}.weight", part, q.shape, hf_name).copy_(q)
+                    self._rows(params, f"{module}.scales", part, scale.shape, hf_name).copy_(scale)
+                    missing -= {(f"{module}.weight", part), (f"{module}.scales", part)}
+                continue
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {hf_name} has no place in {type(self).__name__}")
+            tensor = self._shard(name, tensor)
+            target = self._rows(params, name, part, tensor.shape, hf_name)
+            if target.dtype == torch.int8:  # a float weight for an int8 layer: quantize it
+                tensor, scale = quantize_int8(tensor, self.get_submodule(module).group_size)
+                self._rows(params, f"{module}.scales", part, scale.shape, hf_name).copy_(scale)
+                missing.discard((f"{module}.scales", part))
+            target.copy_(tensor)
+            missing.discard((name, part))
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+    def _rows(self, params: dict[str, torch.Tensor], name: str, part: int, shape: torch.Size,
+              hf_name: str) -> torch.Tensor:
+        """The rows of params[name] that part `part` fills, checked to have `shape`."""
+        target = self._part_rows(params[name], name, part)
+        if target.shape != shape:
+            raise ValueError(f"checkpoint tensor {hf_name}: shape {tuple(shape)}, expected {tuple(target.shape)}")
+        return target
+
+    def _shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a checkpoint tensor: column-parallel q/k/v and gate/up keep their block of
+        output rows (heads in order), row-parallel o_proj and down_proj their block of input columns;
+        their biases count once, on rank 0 (the all-reduce sums the ranks). Everything else is whole."""
+        if self.tp is None:
+            return tensor
+        module, leaf = name.rsplit(".", 1)
+        kind = module.rsplit(".", 1)[-1]
+        if kind in ("qkv_proj", "gate_up_proj"):
+            return tensor.chunk(self.tp.size, 0)[self.tp.rank]
+        if kind in ("o_proj", "down_proj"):
+            if leaf == "bias":
+                return tensor if self.tp.rank == 0 else torch.zeros_like(tensor)
+            return tensor.chunk(self.tp.size, 1)[self.tp.rank]
+        return tensor
+
+    @staticmethod
+    def _our_name(hf_name: str) -> tuple[str, int]:
+        *prefix, module, leaf = hf_name.removeprefix("model.").split(".")
+        if module in FUSED_PARTS:
+            fused, part = FUSED_PARTS[module]
+            return ".".join([*prefix, fused, leaf]), part
+        return ".".join([*prefix, module, leaf]), 0
+
+    def _part_sizes(self, name: str) -> list[int]:
+        if ".qkv_proj." in name:
+            a = self.args
+            return [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim]
+        if ".gate_up_proj." in name:
+            return [self.args.intermediate_size] * 2
+        return []
+
+    def _num_parts(self, name: str) -> int:
+        return len(self._part_sizes(name)) or 1
+
+    def _part_rows(self, param: torch.Tensor, name: str, part: int) -> torch.Tensor:
+        sizes = self._part_sizes(name)
+        return param.split(sizes)[part] if sizes else param

@@ -1,0 +1,1 @@
+"""What drives the engine: LLMEngine's step, the thread and process loops, the offline LLM, the profiler."""

@@ -1,0 +1,91 @@
+"""The offline API, shaped like vLLM's: `LLM(model=DIR).generate(prompts, SamplingParams(...))`."""
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from engine.config import EngineConfig
+from engine.frontend.llm_engine import LLMEngine
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+
+Prompt = str | dict  # a string, or {"prompt_token_ids": [...]}
+PROGRESS_BAR_MIN_PROMPTS = 16
+
+
+class LLM:
+    def __init__(self, model: str, **engine_options) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        self._request_ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in the order of the prompts.
+
+        sampling_params: one for all prompts, or one per prompt (as vLLM takes them); None: the model's
+        generation_config defaults. A prompt the engine refuses raises, and none of the batch is left queued.
+        """
+        prompts = [prompts] if isinstance(prompts, str | dict) else list(prompts)
+        params = sampling_params or SamplingParams(**self.engine.sampling_defaults)
+        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"{len(per_prompt)} sampling_params for {len(prompts)} prompts: give one, or one each")
+        order = []
+        try:
+            for i, (prompt, prompt_params) in enumerate(zip(prompts, per_prompt, strict=True)):
+                order.append(str(next(self._request_ids)))
+                tokens = prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt
+                self.engine.add_request(order[-1], tokens, prompt_params, priority=priority[i] if priority else 0)
+        except BaseException:
+            self._abort(order)
+            raise
+        return self._run(order, use_tqdm and len(prompts) >= PROGRESS_BAR_MIN_PROMPTS)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.engine.apply_chat_template(conv) for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, order: list[str], show_progress: bool) -> list[RequestOutput]:
+        finals: dict[str, RequestOutput] = {}
+        progress = tqdm(total=len(order), desc="generate", unit="req", disable=not show_progress)
+        try:
+            while self.engine.has_unfinished_requests:
+                for delta in self.engine.step():
+                    _merge(finals, delta)
+                    progress.update(int(delta.finished))
+        except BaseException:
+            self._abort(order)
+            raise
+        finally:
+            progress.close()
+        return [finals[request_id] for request_id in order]
+
+    def _abort(self, order: list[str]) -> None:
+        for request_id in order:
+            self.engine.abort_request(request_id)
+
+
+def _merge(finals: dict[str, RequestOutput], delta: RequestOutput) -> None:
+    """Fold a delta into the whole output of its request."""
+    whole = finals.setdefault(delta.request_id, RequestOutput(
+        delta.request_id, delta.prompt, delta.prompt_token_ids, [], num_cached_tokens=delta.num_cached_tokens))
+    by_index = {o.index: o for o in whole.outputs}
+    for part in delta.outputs:
+        out = by_index.setdefault(part.index, CompletionOutput(part.index, "", [], logprobs=None))
+        out.text += part.text
+        out.token_ids += part.token_ids
+        out.finish_reason, out.stop_reason = part.finish_reason, part.stop_reason
+        if part.logprobs is not None:
+            out.logprobs = (out.logprobs or []) + part.logprobs
+    whole.outputs = sorted(by_index.values(), key=lambda o: o.index)
+    whole.finished = delta.finished
+    whole.metrics = delta.metrics
+    whole.error = delta.error or whole.error

@@ -1,0 +1,1 @@
+"""The CPU C kernels (csrc/) and their ctypes bindings, compiled on first use."""

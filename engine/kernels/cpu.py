@@ -1,0 +1,345 @@
+"""The CPU kernels in engine/kernels/csrc (decode attention, the int8 linear layer, RMSNorm, RoPE, SiLU * up): built on first use,
+called via ctypes.
+
+The C sources are compiled with the system compiler (`cc`, or $CC) for this machine's CPU into one
+library in $PAGEDSERVE_KERNEL_CACHE (default ~/.cache/pagedserve/kernels), named by a hash of the
+sources, the flags and the CPU's feature flags, so a copy never runs on a CPU it was not built for.
+Building takes about a second. Without a compiler, or with PAGEDSERVE_CPU_KERNEL=0, `load()`,
+`int8_linear()`, `rms_norm()`, `rope()` and `silu_mul()` return None and the engine keeps its pure-torch paths (same results up to
+float rounding, slower).
+"""
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import cache
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = tuple(CSRC / name for name in ("paged_attention.c", "int8_linear.c", "rms_norm.c", "rope.c", "silu_mul.c"))
+HEADERS = (CSRC / "kernel_math.h",)
+# -fopenmp-simd: the simd pragmas only, no OpenMP runtime (torch brings its own); threads come from the caller
+CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c11"]
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+# below this many elements an elementwise kernel (RMSNorm, RoPE, SiLU * up) runs on the calling thread alone: it is done
+# before a second thread would have woken (tens of microseconds on a VM with OpenMP's threads asleep)
+PARALLEL_ELEMENTS = 1 << 20
+
+
+def _cpu_flags() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    return next((line for line in lines if line.startswith(("flags", "Features"))), "")
+
+
+def _build(compiler: str) -> Path:
+    key = hashlib.sha256(b"\0".join([*(p.read_bytes() for p in SOURCES + HEADERS), " ".join(CFLAGS).encode(),
+                                     compiler.encode(), _cpu_flags().encode()])).hexdigest()[:16]
+    cache_dir = Path(os.environ.get("PAGEDSERVE_KERNEL_CACHE") or Path.home() / ".cache" / "pagedserve" / "kernels")
+    target = cache_dir / f"pagedserve-kernels-{key}.so"
+    if not target.exists():
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:  # build aside, then rename: atomic for racers
+            built = Path(tmp) / target.name
+            subprocess.run([compiler, *CFLAGS, *map(str, SOURCES), "-o", str(built), "-lm"], check=True,
+                           capture_output=True, timeout=120)
+            built.replace(target)
+    return target
+
+
+@cache
+def _library() -> ctypes.CDLL | None:
+    if os.environ.get("PAGEDSERVE_CPU_KERNEL", "1") == "0":
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        logger.warning("no C compiler found: the CPU kernels fall back to slower pure-torch paths")
+        return None
+    try:
+        return ctypes.CDLL(str(_build(compiler)))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", b"") or b""
+        logger.warning("building the CPU kernels failed (%s %s): using the pure-torch paths",
+                       e, detail.decode(errors="replace")[-500:])
+        return None
+
+
+class Threads:
+    """Runs a ctypes kernel over [0, work) split into `num_threads` ranges: the calling thread takes the
+    first, a pool the rest (ctypes releases the GIL while the C code runs)."""
+
+    def __init__(self, num_threads: int) -> None:
+        self.num_threads = max(1, num_threads)
+        self._pool = self._new_pool()
+        # a forked child has none of the parent's threads: the old pool would take work and never run it
+        os.register_at_fork(after_in_child=self._renew_pool)
+
+    def _new_pool(self) -> ThreadPoolExecutor | None:
+        return ThreadPoolExecutor(self.num_threads - 1, "pagedserve-kernel") if self.num_threads > 1 else None
+
+    def _renew_pool(self) -> None:
+        self._pool = self._new_pool()
+
+    def run(self, fn: Callable[..., int], shared: tuple, work: int) -> bool:
+        """fn(*shared, begin, end) over every range; True if every call returned 0."""
+        bounds = [work * i // self.num_threads for i in range(self.num_threads + 1)]
+        ranges = [(lo, hi) for lo, hi in zip(bounds, bounds[1:], strict=False) if hi > lo]
+        if not ranges:
+            return True
+        futures = [self._pool.submit(fn, *shared, lo, hi) for lo, hi in ranges[1:]] if self._pool else []
+        codes = [fn(*shared, *ranges[0])] + [f.result() for f in futures]
+        return not any(codes)
+
+    def run_sized(self, fn: Callable[..., int], shared: tuple, work: int, elements: int) -> bool:
+        """`run`, or fn over the whole of [0, work) on this thread when it touches under PARALLEL_ELEMENTS."""
+        return self.run(fn, shared, work) if elements >= PARALLEL_ELEMENTS else fn(*shared, 0, work) == 0
+
+
+@cache
+def _threads(num_threads: int) -> Threads:
+    return Threads(num_threads)
+
+
+class DecodeKernel:
+    """paged_decode_f32 / _bf16 (by the caches' dtype), its work items (sequence x KV head) split over threads."""
+
+    DTYPES = (torch.float32, torch.bfloat16)
+
+    def __init__(self, library: ctypes.CDLL, threads: Threads) -> None:
+        self._fns = {torch.float32: library.paged_decode_f32, torch.bfloat16: library.paged_decode_bf16}
+        for fn in self._fns.values():
+            fn.argtypes = [_ptr] * 6 + [_i64] * 6 + [ctypes.c_float, _i64, _i64]
+            fn.restype = ctypes.c_int
+        self.threads = threads
+        # 0: the portable kernel only; bit 1: an AVX-512 one for head_dim % 32 == 0; bit 2: its bf16 scores
+        # on AVX512-BF16 (what the compiler targeted: this machine's CPU)
+        self.features = library.paged_decode_features()
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
+        """q [num_seqs, num_heads, head_dim]; caches [num_kv_heads, num_slots, head_dim] contiguous, float32 or
+        bfloat16 (sums in float32 either way); block_tables [num_seqs, max_blocks] and context_lens [num_seqs]
+        int64. Returns like q."""
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.is_contiguous()
+                and k_cache.dtype == v_cache.dtype and k_cache.dtype in self.DTYPES
+                and block_tables.dtype == context_lens.dtype == torch.int64):
+            raise ValueError("paged_decode reads raw memory: contiguous float32 or bfloat16 caches and int64 "
+                             "tables only")
+        q32, context_lens = q.float().contiguous(), context_lens.contiguous()
+        out = torch.empty_like(q32)
+        num_seqs, num_heads, head_dim = q.shape
+        num_kv_heads, num_slots, _ = k_cache.shape
+        shared = (q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+                  context_lens.data_ptr(), out.data_ptr(), num_heads, num_kv_heads, head_dim, num_slots,
+                  block_size, block_tables.shape[1], scale)
+        if not self.threads.run(self._fns[k_cache.dtype], shared, num_seqs * num_kv_heads):
+            raise MemoryError("paged_decode: out of memory for its scratch buffer")
+        return out.to(q.dtype)
+
+
+class Int8LinearKernel:
+    """Weights q [n, k] int8 times scale [n, k / group_size] float32 (both contiguous), output rows split
+    over threads: `__call__` is x @ (q * scale)^T read straight from the int8 bytes (few rows of x),
+    `dequantize` writes q * scale as float32 (for a GEMM over many rows)."""
+
+    def __init__(self, library: ctypes.CDLL, threads: Threads) -> None:
+        self._linear, self._dequantize = library.int8_linear_f32, library.int8_dequantize_f32
+        self._linear.argtypes = [_ptr] * 4 + [_i64] * 6
+        self._dequantize.argtypes = [_ptr] * 3 + [_i64] * 5
+        self._linear.restype = self._dequantize.restype = ctypes.c_int
+        self.threads = threads
+
+    @staticmethod
+    def _check(q: torch.Tensor, scale: torch.Tensor, group_size: int) -> None:
+        if not (q.is_contiguous() and scale.is_contiguous() and q.dtype == torch.int8
+                and scale.dtype == torch.float32 and group_size > 0 and q.shape[1] % group_size == 0
+                and scale.shape == (q.shape[0], q.shape[1] // group_size)):
+            raise ValueError("the int8 kernels read raw memory: contiguous int8 weights [n, k] and float32 "
+                             "scales [n, k / group_size]")
+
+    def __call__(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.Tensor:
+        """x [m, k] float32 -> [m, n] float32."""
+        self._check(q, scale, group_size)
+        if x.dtype != torch.float32 or x.shape[1] != q.shape[1]:
+            raise ValueError(f"x must be float32 [m, {q.shape[1]}], got {x.dtype} {tuple(x.shape)}")
+        x = x.contiguous()
+        (m, k), n = x.shape, q.shape[0]
+        y = torch.empty(m, n, dtype=torch.float32)
+        self.threads.run(self._linear, (x.data_ptr(), q.data_ptr(), scale.data_ptr(), y.data_ptr(), m, n, k,
+                                        group_size), n)
+        return y
+
+    def dequantize(self, q: torch.Tensor, scale: torch.Tensor, group_size: int,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        """q * scale as float32 [n, k], into `out` (contiguous, that shape) when given."""
+        self._check(q, scale, group_size)
+        w = torch.empty(q.shape, dtype=torch.float32) if out is None else out
+        if w.shape != q.shape or w.dtype != torch.float32 or not w.is_contiguous():
+            raise ValueError(f"out must be contiguous float32 {tuple(q.shape)}")
+        self.threads.run(self._dequantize, (q.data_ptr(), scale.data_ptr(), w.data_ptr(), *q.shape, group_size),
+                         q.shape[0])
+        return w
+
+
+def _by_dtype(library: ctypes.CDLL, name: str, argtypes: list) -> dict[torch.dtype, Callable[..., int]]:
+    """An elementwise kernel's `name`_f32 and `name`_bf16, typed (each returns 0, or an error code)."""
+    fns = {torch.float32: getattr(library, f"{name}_f32"), torch.bfloat16: getattr(library, f"{name}_bf16")}
+    for fn in fns.values():
+        fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    return fns
+
+
+class RMSNormKernel:
+    """rms_norm_f32 / _bf16: F.rms_norm over the last dimension in one pass per row, optionally after the
+    residual add (engine/kernels/csrc/rms_norm.c); rows are split over threads only past PARALLEL_ELEMENTS."""
+
+    def __init__(self, library: ctypes.CDLL, threads: Threads) -> None:
+        self._fns = _by_dtype(library, "rms_norm", [_ptr] * 5 + [_i64, ctypes.c_float, _i64, _i64])
+        self.threads = threads
+
+    def runs(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether this kernel can normalize x (rows of x's last dimension) by weight."""
+        return (x.device.type == "cpu" and x.dtype in self._fns and weight.dtype == x.dtype and x.is_contiguous()
+                and weight.is_contiguous() and x.dim() >= 1 and x.shape[-1] == weight.numel() <= 16384)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """F.rms_norm(x, weight.shape, weight, eps); with `residual` (like x), (s, F.rms_norm(s, ...)) for
+        s = x + residual."""
+        if not self.runs(x, weight) or (residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
+                                                                  or not residual.is_contiguous())):
+            raise ValueError("rms_norm reads raw memory: contiguous CPU float32 or bfloat16 x, weight and residual "
+                             "of one dtype, x's last dimension the weight's size (at most 16384)")
+        out = torch.empty_like(x)
+        total = None if residual is None else torch.empty_like(x)
+        dim = x.shape[-1]
+        rows = x.numel() // dim
+        shared = (x.data_ptr(), 0 if residual is None else residual.data_ptr(), weight.data_ptr(),
+                  0 if total is None else total.data_ptr(), out.data_ptr(), dim, eps)
+        self.threads.run_sized(self._fns[x.dtype], shared, rows, x.numel())  # fails only on rows `runs` refuses
+        return out if total is None else (total, out)
+
+
+class RopeKernel:
+    """rope_f32 / _bf16: RoPE in place on the first heads of a q/k/v projection's output, bit for bit
+    what engine/executor/models/llama.py's apply_rope computes (engine/kernels/csrc/rope.c); tokens are split over threads
+    only past PARALLEL_ELEMENTS."""
+
+    def __init__(self, library: ctypes.CDLL, threads: Threads) -> None:
+        self._fns = _by_dtype(library, "rope", [_ptr] * 3 + [_i64] * 5)
+        self.threads = threads
+
+    def runs(self, heads: torch.Tensor, cos: torch.Tensor) -> bool:
+        """Whether this kernel can rotate heads [T, H, D] by cos/sin [T, 1, D / 2] (or [T, D / 2])."""
+        return (heads.device.type == "cpu" and heads.dtype in self._fns and cos.dtype == heads.dtype
+                and heads.dim() == 3 and heads.is_contiguous() and heads.shape[2] % 2 == 0
+                and cos.numel() == heads.shape[0] * heads.shape[2] // 2)
+
+    def __call__(self, heads: torch.Tensor, rotated: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """heads[:, :rotated] = apply_rope(heads[:, :rotated], cos, sin), in place."""
+        if not (self.runs(heads, cos) and sin.shape == cos.shape and sin.dtype == cos.dtype
+                and 0 <= rotated <= heads.shape[1]):
+            raise ValueError("rope reads raw memory: contiguous CPU float32 or bfloat16 heads [T, H, D] and cos, "
+                             "sin of its dtype with T x D / 2 values")
+        cos, sin = cos.contiguous(), sin.contiguous()
+        tokens, num_heads, head_dim = heads.shape
+        shared = (heads.data_ptr(), cos.data_ptr(), sin.data_ptr(), num_heads, rotated, head_dim)
+        self.threads.run_sized(self._fns[heads.dtype], shared, tokens, heads.numel())
+
+
+class SiluMulKernel:
+    """silu_mul_f32 / _bf16: F.silu(gate) * up for x = [gate | up] (the fused gate/up projection's output) in
+    one pass (engine/kernels/csrc/silu_mul.c); rows are split over threads only past PARALLEL_ELEMENTS."""
+
+    def __init__(self, library: ctypes.CDLL, threads: Threads) -> None:
+        self._fns = _by_dtype(library, "silu_mul", [_ptr] * 2 + [_i64] * 3)
+        self.threads = threads
+
+    def runs(self, x: torch.Tensor) -> bool:
+        """Whether this kernel can read x [..., 2n]."""
+        return (x.device.type == "cpu" and x.dtype in self._fns and x.is_contiguous() and x.dim() >= 1
+                and x.shape[-1] % 2 == 0)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., 2n] -> [..., n]: what `gate, up = x.chunk(2, dim=-1); F.silu(gate) * up` gives."""
+        if not self.runs(x):
+            raise ValueError("silu_mul reads raw memory: a contiguous CPU float32 or bfloat16 x with an even "
+                             "last dimension")
+        n = x.shape[-1] // 2
+        out = x.new_empty(*x.shape[:-1], n)
+        self.threads.run_sized(self._fns[x.dtype], (x.data_ptr(), out.data_ptr(), n), out.numel() // max(n, 1),
+                               out.numel())
+        return out
+
+
+HUGE_PAGE = 2 << 20
+MADV_HUGEPAGE = 14
+
+
+@cache
+def _madvise() -> Callable[[int, int, int], int] | None:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):  # not Linux / no libc symbol
+        return None
+    fn.argtypes, fn.restype = [_ptr, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return fn
+
+
+def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """torch.zeros on CPU, its memory first marked for transparent huge pages (madvise, where THP is in
+    "madvise" mode; a no-op where it is "never" or the call is missing). For the KV pool: the decode kernel
+    reads each sequence's blocks from scattered 4 KiB pages, one TLB miss each; with 2 MiB pages it ran
+    1.4x faster on blocks spread over a 147 MiB pool (1.58 -> 1.10 ms a layer, 32 x 340 tokens, bf16)."""
+    t = torch.empty(shape, dtype=dtype)
+    start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    first, last = -(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE
+    madvise = _madvise()
+    if madvise is not None and last > first and madvise(first, last - first, MADV_HUGEPAGE) != 0:
+        logger.debug("madvise(MADV_HUGEPAGE) failed: errno %d", ctypes.get_errno())
+    return t.zero_()  # the first touch: where the advice took, pages come in huge
+
+
+@cache
+def _kernel(kind: type, num_threads: int):
+    """One `kind` of kernel for this machine (one per kind and thread count), or None (no compiler, a failed
+    build, or PAGEDSERVE_CPU_KERNEL=0)."""
+    library = _library()
+    return None if library is None else kind(library, _threads(num_threads))
+
+
+def load(num_threads: int) -> DecodeKernel | None:
+    """The decode-attention kernel for this machine, or None."""
+    return _kernel(DecodeKernel, num_threads)
+
+
+def int8_linear(num_threads: int) -> Int8LinearKernel | None:
+    """The int8 linear-layer kernel for this machine, or None."""
+    return _kernel(Int8LinearKernel, num_threads)
+
+
+def rms_norm(num_threads: int) -> RMSNormKernel | None:
+    """The RMSNorm kernel for this machine, or None."""
+    return _kernel(RMSNormKernel, num_threads)
+
+
+def rope(num_threads: int) -> RopeKernel | None:
+    """The RoPE kernel for this machine, or None."""
+    return _kernel(RopeKernel, num_threads)
+
+
+def silu_mul(num_threads: int) -> SiluMulKernel | None:
+    """The SiLU * up kernel for this machine, or None."""
+    return _kernel(SiluMulKernel, num_threads)

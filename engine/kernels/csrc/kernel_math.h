@@ -1,0 +1,49 @@
+/* Helpers the CPU kernels share (engine/kernels/csrc/*.c): bfloat16 <-> float32 as torch converts them, and a
+ * float32 e^x in plain C that the compiler vectorizes. */
+#ifndef PAGEDSERVE_KERNEL_MATH_H
+#define PAGEDSERVE_KERNEL_MATH_H
+
+#include <stdint.h>
+
+/* a bfloat16 is the top half of a float32 */
+static inline float bf16_load(uint16_t v)
+{
+    union { uint32_t u; float f; } x = {.u = (uint32_t)v << 16};
+    return x.f;
+}
+
+/* round to nearest even, as torch rounds float32 to bfloat16; a NaN stays a (quiet) NaN */
+static inline uint16_t bf16_store(float f)
+{
+    union { float f; uint32_t u; } x = {.f = f};
+    if ((x.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x.u >> 16) | 0x40);
+    return (uint16_t)((x.u + 0x7fffu + ((x.u >> 16) & 1u)) >> 16);
+}
+
+/* f rounded to bfloat16, as a float32: what a bfloat16 aten op's result reads back as */
+static inline float bf16_round(float f) { return bf16_load(bf16_store(f)); }
+
+/* e^x to within a few ulp (Cephes' expf: x = n ln2 + r, a degree-6 polynomial for e^r, 2^n put in the
+ * exponent bits), x clamped to [-87.33, 88.37] so 2^n stays a normal float: e^-inf gives about 1e-38,
+ * e^inf about 2.6e38, a NaN gives a number (callers keep NaN through their own arithmetic). Branch-free
+ * float and integer arithmetic, so a `#pragma omp simd` loop over it vectorizes. */
+static inline float exp_f32(float x)
+{
+    x = x < -87.33f ? -87.33f : (x > 88.37f ? 88.37f : x);
+    const float shifter = 12582912.0f; /* 1.5 * 2^23: adding it rounds to the nearest integer, in the low bits */
+    const float t = x * 1.44269504088896341f + shifter;
+    union { float f; int32_t i; } n_bits = {.f = t};
+    const float n = t - shifter;
+    float r = x - n * 0.693359375f; /* ln 2 in two parts, the first exact in a few bits */
+    r = r + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    union { int32_t i; float f; } scale = {.i = (n_bits.i - 0x4b400000 + 127) << 23};
+    return (p * r * r + r + 1.0f) * scale.f;
+}
+
+#endif

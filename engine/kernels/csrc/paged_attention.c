@@ -1,0 +1,358 @@
+/* Paged decode attention on CPU, K/V in float32 or bfloat16: one query token per sequence, K/V read in
+ * place from the head-major block pool ([num_kv_heads, num_slots, head_dim] per layer,
+ * engine/executor/attention/torch_backend.py). bfloat16 values are widened to float32 in registers (a bfloat16 is the top half
+ * of a float32) and every sum is in float32: the portable path, which the compiler vectorizes.
+ * Where the compiler targets AVX-512 (-march=native on such a CPU) and head_dim is a multiple of 32,
+ * paged_decode_avx512 (below) runs instead: the same two passes, 16 keys at a time.
+ *
+ * The pure-torch path first gathers every sequence's blocks into a padded copy and then runs SDPA
+ * over it; on a memory-bound CPU that copy costs more than the attention. Here each (sequence, KV
+ * head) work item walks its block table once for the scores and once for the values, reading each
+ * block's block_size x head_dim values contiguously, with an exact two-pass softmax.
+ *
+ * Built by engine/kernels/cpu.py with the system C compiler; no torch headers, called through ctypes
+ * (which releases the GIL, so callers split [work_begin, work_end) across threads). */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "kernel_math.h"
+
+/* 8 partial sums: the compiler turns the inner loop into one vector multiply-add per 8 values */
+static inline float dot(const float *restrict a, const float *restrict b, int64_t n)
+{
+    float part[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; ++j) part[j] += a[i + j] * b[i + j];
+    float tail = 0.0f;
+    for (; i < n; ++i) tail += a[i] * b[i];
+    return ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7])) + tail;
+}
+
+static inline float dot_bf16(const float *restrict a, const uint16_t *restrict b, int64_t n)
+{
+    float part[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; ++j) part[j] += a[i + j] * bf16_load(b[i + j]);
+    float tail = 0.0f;
+    for (; i < n; ++i) tail += a[i] * bf16_load(b[i]);
+    return ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7])) + tail;
+}
+
+/* ask for the next block while this one is read: blocks are scattered, so the hardware prefetcher,
+ * which follows streams within a page, would otherwise start each one cold */
+static inline void prefetch_row(const char *row, int64_t bytes)
+{
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(row + i, 0, 3);
+}
+
+/* the rows of the block holding position pos (n of them: fewer in the last block), rows of row_bytes;
+ * *next is the following block, NULL in the last one */
+static inline const char *block_rows(const char *head, const int64_t *table, int64_t pos, int64_t len,
+                                     int64_t block_size, int64_t row_bytes, const char **next, int64_t *n)
+{
+    const int64_t blk = pos / block_size, stride = block_size * row_bytes;
+    *next = pos + block_size < len ? head + table[blk + 1] * stride : NULL;
+    *n = len - pos < block_size ? len - pos : block_size;
+    return head + table[blk] * stride;
+}
+
+/* the longest context among work items [work_begin, work_end) (work item = seq * num_kv_heads + kv_head) */
+static inline int64_t max_context_len(const int64_t *context_lens, int64_t num_kv_heads, int64_t work_begin,
+                                      int64_t work_end)
+{
+    int64_t max_len = 0;
+    for (int64_t w = work_begin; w < work_end; ++w) {
+        const int64_t len = context_lens[w / num_kv_heads];
+        if (len > max_len) max_len = len;
+    }
+    return max_len;
+}
+
+/* what one work item (a sequence and one KV head) reads: its context length, block table, the query rows
+ * of the KV head's group, and the head's K and V pools */
+struct work_item {
+    int64_t seq, kv_head, len;
+    const int64_t *table;
+    const float *qh;
+    const char *kh, *vh;
+};
+
+static inline struct work_item work_item(int64_t w, const float *q, const void *k_cache, const void *v_cache,
+                                         const int64_t *block_tables, const int64_t *context_lens, int64_t num_heads,
+                                         int64_t num_kv_heads, int64_t head_dim, int64_t num_slots,
+                                         int64_t max_blocks, int64_t row_bytes)
+{
+    const int64_t seq = w / num_kv_heads, kv_head = w % num_kv_heads, groups = num_heads / num_kv_heads;
+    return (struct work_item){seq, kv_head, context_lens[seq], block_tables + seq * max_blocks,
+                              q + (seq * num_heads + kv_head * groups) * head_dim,
+                              (const char *)k_cache + kv_head * num_slots * row_bytes,
+                              (const char *)v_cache + kv_head * num_slots * row_bytes};
+}
+
+static inline void add_scaled(float *restrict acc, float p, const float *restrict v, int64_t n)
+{
+    for (int64_t i = 0; i < n; ++i) acc[i] += p * v[i];
+}
+
+static inline void add_scaled_bf16(float *restrict acc, float p, const uint16_t *restrict v, int64_t n)
+{
+    for (int64_t i = 0; i < n; ++i) acc[i] += p * bf16_load(v[i]);
+}
+
+/* kv_bf16: the caches hold bfloat16 (uint16) values, else float32; a constant at each call below, so
+ * the compiler builds one copy of this function per element type */
+static inline int paged_decode(const float *q,             /* [num_seqs, num_heads, head_dim] */
+                               const void *k_cache,        /* [num_kv_heads, num_slots, head_dim] */
+                               const void *v_cache,        /* same */
+                               const int64_t *block_tables, /* [num_seqs, max_blocks] */
+                               const int64_t *context_lens, /* [num_seqs], each >= 1 */
+                               float *out,                 /* [num_seqs, num_heads, head_dim] */
+                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t num_slots,
+                               int64_t block_size, int64_t max_blocks, float scale,
+                               int64_t work_begin, int64_t work_end, /* work item = seq * num_kv_heads + kv_head */
+                               const int kv_bf16)
+{
+    const int64_t groups = num_heads / num_kv_heads; /* query heads per KV head */
+    const int64_t row_bytes = head_dim * (kv_bf16 ? 2 : 4);
+    const int64_t max_len = max_context_len(context_lens, num_kv_heads, work_begin, work_end);
+    /* scratch: scores [groups, max_len], running max and 1/sum [groups], accumulators [groups, head_dim] */
+    float *scratch = malloc(sizeof(float) * (size_t)(groups * (max_len + 2 + head_dim)));
+    if (scratch == NULL) return -1;
+    float *scores = scratch, *mx = scores + groups * max_len, *inv = mx + groups, *acc = inv + groups;
+
+    for (int64_t w = work_begin; w < work_end; ++w) {
+        const struct work_item it = work_item(w, q, k_cache, v_cache, block_tables, context_lens, num_heads,
+                                              num_kv_heads, head_dim, num_slots, max_blocks, row_bytes);
+        const int64_t seq = it.seq, kv_head = it.kv_head, len = it.len, *table = it.table;
+        const float *qh = it.qh;
+        const char *kh = it.kh, *vh = it.vh;
+
+        for (int64_t g = 0; g < groups; ++g) mx[g] = -INFINITY;
+        for (int64_t pos = 0; pos < len; pos += block_size) {
+            const char *next;
+            int64_t n;
+            const char *kb = block_rows(kh, table, pos, len, block_size, row_bytes, &next, &n);
+            for (int64_t i = 0; i < n; ++i) {
+                const char *kp = kb + i * row_bytes;
+                if (next) prefetch_row(next + i * row_bytes, row_bytes);
+                for (int64_t g = 0; g < groups; ++g) {
+                    const float *qg = qh + g * head_dim;
+                    const float s = (kv_bf16 ? dot_bf16(qg, (const uint16_t *)kp, head_dim)
+                                             : dot(qg, (const float *)kp, head_dim)) * scale;
+                    scores[g * len + pos + i] = s;
+                    if (s > mx[g]) mx[g] = s;
+                }
+            }
+        }
+        for (int64_t g = 0; g < groups; ++g) {
+            float *sg = scores + g * len, sum = 0.0f;
+            for (int64_t j = 0; j < len; ++j) {
+                sg[j] = expf(sg[j] - mx[g]);
+                sum += sg[j];
+            }
+            inv[g] = 1.0f / sum;
+        }
+        for (int64_t j = 0; j < groups * head_dim; ++j) acc[j] = 0.0f;
+        for (int64_t pos = 0; pos < len; pos += block_size) {
+            const char *next;
+            int64_t n;
+            const char *vb = block_rows(vh, table, pos, len, block_size, row_bytes, &next, &n);
+            for (int64_t i = 0; i < n; ++i) {
+                const char *vp = vb + i * row_bytes;
+                if (next) prefetch_row(next + i * row_bytes, row_bytes);
+                for (int64_t g = 0; g < groups; ++g) {
+                    const float p = scores[g * len + pos + i];
+                    if (kv_bf16)
+                        add_scaled_bf16(acc + g * head_dim, p, (const uint16_t *)vp, head_dim);
+                    else
+                        add_scaled(acc + g * head_dim, p, (const float *)vp, head_dim);
+                }
+            }
+        }
+        for (int64_t g = 0; g < groups; ++g) {
+            float *o = out + (seq * num_heads + kv_head * groups + g) * head_dim;
+            for (int64_t d = 0; d < head_dim; ++d) o[d] = acc[g * head_dim + d] * inv[g];
+        }
+    }
+    free(scratch);
+    return 0;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define HAVE_AVX512 1
+
+/* 16 values at p (float32, or bfloat16 widened) */
+static inline __m512 load16(const void *p, const int kv_bf16)
+{
+    if (!kv_bf16) return _mm512_loadu_ps(p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p)), 16));
+}
+
+/* lane i of the result = the sum of v[i]'s 16 lanes: a transposing tree (45 shuffles and adds for 16
+ * sums, where a reduction per vector takes about 8 each) */
+static inline __m512 sum16x16(__m512 v[16])
+{
+    __m512 t[8], u[4], w[2];
+    for (int i = 0; i < 8; ++i) /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] of v[2i], v[2i+1] */
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; ++i) { /* per 128-bit lane: one partial sum of each of 4 vectors */
+        const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
+        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    for (int i = 0; i < 2; ++i) /* 128-bit lanes paired across vectors: [u0 L0+L1, u0 L2+L3, u1 L0+L1, u1 L2+L3] */
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+
+/* e^x for x <= 0 (scores minus their max), to about 1 ulp: Cephes' expf polynomial on x - n ln2, then
+ * scaled by 2^n (scalef); x is clamped at -88, so -inf gives e^-88 (about 6e-39), not 0 */
+static inline __m512 exp512(__m512 x)
+{
+    x = _mm512_max_ps(x, _mm512_set1_ps(-88.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* paged_decode for head_dim % 32 == 0 on AVX-512: scores 16 keys at a time (their dot products summed
+ * by sum16x16; in bf16 on vdpbf16ps where the CPU has AVX512-BF16, q rounded to bf16 once per work
+ * item, which is exact when the engine runs in bf16), softmax with a vector exp, values accumulated in
+ * registers 64 dimensions at a time */
+static int paged_decode_avx512(const float *q, const void *k_cache, const void *v_cache, const int64_t *block_tables,
+                               const int64_t *context_lens, float *out, int64_t num_heads, int64_t num_kv_heads,
+                               int64_t head_dim, int64_t num_slots, int64_t block_size, int64_t max_blocks,
+                               float scale, int64_t work_begin, int64_t work_end, const int kv_bf16)
+{
+    const int64_t groups = num_heads / num_kv_heads, elem = kv_bf16 ? 2 : 4, row_bytes = head_dim * elem;
+    const int64_t max_len = max_context_len(context_lens, num_kv_heads, work_begin, work_end);
+    /* scratch: scores [groups, max_len rounded up to 16], q as bf16 [groups, head_dim] (half a float each) */
+    const int64_t stride = (max_len + 15) / 16 * 16;
+    float *scores = malloc(sizeof(float) * (size_t)(groups * (stride + head_dim / 2)));
+    if (scores == NULL) return -1;
+    uint16_t *q16 = (uint16_t *)(scores + groups * stride);
+#if defined(__AVX512BF16__)
+    const int use_dp = kv_bf16;
+#else
+    const int use_dp = 0;
+#endif
+    for (int64_t w = work_begin; w < work_end; ++w) {
+        const struct work_item it = work_item(w, q, k_cache, v_cache, block_tables, context_lens, num_heads,
+                                              num_kv_heads, head_dim, num_slots, max_blocks, row_bytes);
+        const int64_t seq = it.seq, kv_head = it.kv_head, len = it.len, *table = it.table;
+        const float *qh = it.qh;
+        const char *kh = it.kh, *vh = it.vh;
+        if (use_dp)
+            for (int64_t j = 0; j < groups * head_dim; j += 16)
+                _mm256_storeu_si256((__m256i *)(q16 + j), _mm512_cvtepi32_epi16(_mm512_srli_epi32(
+                    _mm512_castps_si512(_mm512_loadu_ps(qh + j)), 16))); /* exact: q was bf16 */
+        /* pass 1: scores; keys in runs of up to 16 within a block */
+        for (int64_t pos = 0; pos < len; pos += block_size) {
+            const char *next;
+            int64_t n;
+            const char *kb = block_rows(kh, table, pos, len, block_size, row_bytes, &next, &n);
+            if (next) prefetch_row(next, n * row_bytes);
+            for (int64_t i0 = 0; i0 < n; i0 += 16) {
+                const int m = n - i0 < 16 ? (int)(n - i0) : 16;
+                for (int64_t g = 0; g < groups; ++g) {
+                    __m512 acc[16];
+                    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+                    for (int i = 0; i < m; ++i) {
+                        const char *kp = kb + (i0 + i) * row_bytes;
+#if defined(__AVX512BF16__)
+                        if (use_dp) {
+                            for (int64_t d = 0; d < head_dim; d += 32)
+                                acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(q16 + g * head_dim + d),
+                                                          (__m512bh)_mm512_loadu_si512(kp + d * 2));
+                            continue;
+                        }
+#endif
+                        for (int64_t d = 0; d < head_dim; d += 16)
+                            acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(qh + g * head_dim + d),
+                                                     load16(kp + d * elem, kv_bf16), acc[i]);
+                    }
+                    _mm512_mask_storeu_ps(scores + g * stride + pos + i0, (__mmask16)((1u << m) - 1),
+                                          _mm512_mul_ps(sum16x16(acc), _mm512_set1_ps(scale)));
+                }
+            }
+        }
+        for (int64_t g = 0; g < groups; ++g) {
+            float *sg = scores + g * stride;
+            /* the padding up to 16: e^-88 each after exp512, nothing beside the max's 1 (and pass 2 skips it) */
+            for (int64_t j = len; j < (len + 15) / 16 * 16; ++j) sg[j] = -INFINITY;
+            __m512 mx = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+            for (int64_t j = 0; j < len; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sg + j));
+            const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+            for (int64_t j = 0; j < len; j += 16) {
+                const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sg + j), top));
+                _mm512_storeu_ps(sg + j, e);
+                sum = _mm512_add_ps(sum, e);
+            }
+            const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+            /* pass 2: values, 64 dimensions (4 registers) at a time */
+            for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
+                const int nv = head_dim - d0 < 64 ? (int)(head_dim - d0) / 16 : 4;
+                __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+                for (int64_t pos = 0; pos < len; pos += block_size) {
+                    const char *next;
+                    int64_t n;
+                    const char *vb = block_rows(vh, table, pos, len, block_size, row_bytes, &next, &n);
+                    if (next && g == 0 && d0 == 0) prefetch_row(next, n * row_bytes);
+                    for (int64_t i = 0; i < n; ++i) {
+                        const __m512 p = _mm512_set1_ps(sg[pos + i]);
+                        const char *vp = vb + i * row_bytes + d0 * elem;
+                        for (int c = 0; c < nv; ++c)
+                            acc[c] = _mm512_fmadd_ps(p, load16(vp + c * 16 * elem, kv_bf16), acc[c]);
+                    }
+                }
+                float *o = out + (seq * num_heads + kv_head * groups + g) * head_dim + d0;
+                for (int c = 0; c < nv; ++c) _mm512_storeu_ps(o + c * 16, _mm512_mul_ps(acc[c], inv));
+            }
+        }
+    }
+    free(scores);
+    return 0;
+}
+#else
+#define HAVE_AVX512 0
+#endif
+
+#define DECODE_ARGS const float *q, const void *k_cache, const void *v_cache, const int64_t *block_tables, \
+    const int64_t *context_lens, float *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, \
+    int64_t num_slots, int64_t block_size, int64_t max_blocks, float scale, int64_t work_begin, int64_t work_end
+#define DECODE_CALL(bf16) paged_decode(q, k_cache, v_cache, block_tables, context_lens, out, num_heads, num_kv_heads, \
+    head_dim, num_slots, block_size, max_blocks, scale, work_begin, work_end, bf16)
+
+#if HAVE_AVX512
+#define DECODE(bf16) (head_dim % 32 == 0 ? paged_decode_avx512(q, k_cache, v_cache, block_tables, context_lens, out, \
+    num_heads, num_kv_heads, head_dim, num_slots, block_size, max_blocks, scale, work_begin, work_end, bf16) \
+    : DECODE_CALL(bf16))
+#else
+#define DECODE(bf16) DECODE_CALL(bf16)
+#endif
+
+int paged_decode_f32(DECODE_ARGS) { return DECODE(0); }
+int paged_decode_bf16(DECODE_ARGS) { return DECODE(1); }
+
+/* which paths this build has: 1 = the AVX-512 kernel, 2 = its scores on AVX512-BF16 (tests, logs) */
+int paged_decode_features(void)
+{
+#if HAVE_AVX512 && defined(__AVX512BF16__)
+    return 3;
+#else
+    return HAVE_AVX512;
+#endif
+}

@@ -1,0 +1,1 @@
+"""Structured output: constraints compiled by llguidance (in a sandbox first), masks, the JSON closer."""
