@@ -15,8 +15,8 @@ from engine.config import EngineConfig, KVCacheLayout
 from engine.core.block_manager import BlockCopies
 from engine.core.scheduler import ScheduledSeq, SchedulerOutput
 from engine.core.sequence import SampledToken
-from engine.executor.attention import flex_backend as flex_attention
-from engine.executor.attention.torch_backend import AttentionMetadata, PrefillSegment, StepAttention
+from engine.executor.attention import select_backend
+from engine.executor.attention.base import StepAttention, StepBatch, block_slots
 from engine.executor.dtype_probe import DtypeProbe, probe_cpu_dtype
 from engine.executor.layers import onednn_linear, quantization
 from engine.executor.loader import ModelFiles, validate_model_dir
@@ -105,18 +105,13 @@ class ModelRunner:
         self.swap_caches = self._allocate(self.layout.num_swap_blocks, host=True)
         self.model.bind_kv_caches(self.kv_caches)
         self.sampler = Sampler()
-        backend = config.attention_backend
-        self.attention_backend = backend if backend != "auto" else "flex" if self.device.type == "cuda" else "torch"
-        # torch backend: decode attention straight from the block pool in C where it runs, else gather + SDPA
-        kernel_runs = (self.attention_backend == "torch" and self.device.type == "cpu"
-                       and self.dtype in cpu_kernel.DecodeKernel.DTYPES)
-        self.decode_kernel = cpu_kernel.load(torch.get_num_threads()) if kernel_runs else None
         # keys a windowed layer sees (itself included); every windowed layer of a model shares it
-        self.sliding_window = next((w for w in self.model.args.sliding_windows if w is not None), None)
+        sliding_window = next((w for w in self.model.args.sliding_windows if w is not None), None)
+        self.attention = select_backend(config.attention_backend, self.device, self.dtype, sliding_window)
         logger.info("loaded %s (%s, %s%s, %s attention): %.1f MiB weights, %d KV blocks of %d tokens (%.1f MiB), "
                     "max_model_len %d", files.path.name, self.device, self.dtype,
                     f", {self.quant.method} linear weights, int8 read directly up to {self.int8_kernel_rows} rows"
-                    if self.quant else "", self.attention_backend, self.weight_bytes / 2**20,
+                    if self.quant else "", self.attention.name, self.weight_bytes / 2**20,
                     self.layout.num_blocks,
                     self.layout.block_size, self.layout.total_bytes / 2**20, self.layout.max_model_len)
         if self.workers is not None:
@@ -227,16 +222,11 @@ class ModelRunner:
                                           (copies.copy, self.kv_caches, self.kv_caches)):
             if not pairs:
                 continue
-            src_slots = self._block_slots([s for s, _ in pairs], src_pool[0][0].device)
-            dst_slots = self._block_slots([d for _, d in pairs], dst_pool[0][0].device)
+            src_slots = block_slots([s for s, _ in pairs], self.layout.block_size, src_pool[0][0].device)
+            dst_slots = block_slots([d for _, d in pairs], self.layout.block_size, dst_pool[0][0].device)
             for (src_k, src_v), (dst_k, dst_v) in zip(src_pool, dst_pool, strict=True):
                 for src, dst in ((src_k, dst_k), (src_v, dst_v)):
                     dst.index_copy_(1, dst_slots, src.index_select(1, src_slots.to(src.device)).to(dst.device))
-
-    def _block_slots(self, block_ids: list[int], device: torch.device) -> torch.Tensor:
-        bs = self.layout.block_size
-        blocks = torch.tensor(block_ids, dtype=torch.long, device=device)
-        return (blocks[:, None] * bs + torch.arange(bs, device=device)).flatten()
 
     # --- a step ------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -287,56 +277,10 @@ class ModelRunner:
                 rows.append(SampleRow(seq, item.num_samples))
         dev = self.device
         slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
-        if self.attention_backend == "flex":
-            meta = flex_attention.build_metadata(
-                bs, self.layout.num_blocks, slot_mapping, [d.seq.block_table for d in decodes],
-                [d.start + 1 for d in decodes], [(item.seq.block_table, item.start, item.start + item.num_new_tokens)
-                                                 for _, _, item in segments], self.sliding_window)
-        else:
-            tables, lengths, mask, window_mask = self._decode_context(decodes)
-            meta = AttentionMetadata(bs, slot_mapping, len(decodes), tables, lengths, mask, self.decode_kernel,
-                                     [self._segment(r0, r1, item) for r0, r1, item in segments], window_mask)
+        meta = self.attention.build(StepBatch(bs, self.layout.num_blocks, slot_mapping, decodes, segments))
         return _Batch(torch.tensor(ids, dtype=torch.long, device=dev),
                       torch.tensor(positions, dtype=torch.long, device=dev), meta,
                       torch.tensor(sample_at, dtype=torch.long, device=dev), rows)
-
-    def _context_slots(self, block_table: list[int], length: int) -> torch.Tensor:
-        return self._block_slots(block_table[:math.ceil(length / self.layout.block_size)], self.device)[:length]
-
-    def _decode_context(self, decodes: list[ScheduledSeq]) -> tuple:
-        """(block tables padded with block 0, context lengths, the torch path's additive mask, the mask of
-        windowed layers when a decode reaches past the window) of the decodes."""
-        if not decodes:
-            return None, None, None, None
-        bs, dev, window = self.layout.block_size, self.device, self.sliding_window
-        max_blocks = max(len(d.seq.block_table) for d in decodes)
-        tables = torch.tensor([d.seq.block_table + [0] * (max_blocks - len(d.seq.block_table)) for d in decodes],
-                              dtype=torch.long, device=dev)
-        lengths = torch.tensor([d.start + 1 for d in decodes], dtype=torch.long, device=dev)
-        key_pos, lens = torch.arange(max_blocks * bs, device=dev)[None, :], lengths[:, None]
-        mask = None if self.decode_kernel is not None else self._additive(key_pos >= lens)
-        needs_window = window is not None and max(d.start + 1 for d in decodes) > window
-        # the query sits at lens - 1 and sees keys (lens - 1 - window, lens - 1]
-        window_mask = self._additive((key_pos >= lens) | (key_pos < lens - window)) if needs_window else None
-        return tables, lengths, mask, window_mask
-
-    def _additive(self, masked: torch.Tensor) -> torch.Tensor:
-        """[num_decodes, num_keys] bool, True = hidden -> [1, num_decodes, 1, num_keys] 0 or -inf."""
-        mask = torch.zeros(masked.shape, dtype=self.dtype, device=self.device).masked_fill_(masked, float("-inf"))
-        return mask[None, :, None, :]
-
-    def _segment(self, row_start: int, row_end: int, item: ScheduledSeq) -> PrefillSegment:
-        start, context_len, window = item.start, item.start + item.num_new_tokens, self.sliding_window
-        needs_window = window is not None and context_len > window
-        if start == 0 and not needs_window:
-            return PrefillSegment(row_start, row_end, None, None)
-        q_pos = torch.arange(start, context_len, device=self.device)[:, None]
-        key_pos = torch.arange(context_len, device=self.device)[None, :]
-        causal = key_pos <= q_pos
-        return PrefillSegment(row_start, row_end,
-                              None if start == 0 else self._context_slots(item.seq.block_table, context_len),
-                              None if start == 0 else causal,
-                              causal & (key_pos > q_pos - window) if needs_window else None)
 
 
 # --- a tensor-parallel worker rank (engine/executor/parallel.py spawns it) ---------------------------

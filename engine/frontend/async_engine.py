@@ -56,7 +56,7 @@ class EngineInfo:
         ranks = runner.tp.size if runner.tp is not None else 1
         return cls(engine.max_model_len, engine.vocab_size, engine.sampling_defaults,
                    str(runner.dtype).removeprefix("torch."), runner.dtype_probe,
-                   runner.quant.method if runner.quant else None, runner.attention_backend, engine.chat_template,
+                   runner.quant.method if runner.quant else None, runner.attention.name, engine.chat_template,
                    (int(runner.weight_bytes) * ranks, int(runner.layout.total_bytes) * ranks))
 
 

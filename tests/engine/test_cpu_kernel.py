@@ -71,10 +71,10 @@ def test_the_build_has_the_paths_this_cpu_can_run():
 
 def test_engine_uses_kernel_on_cpu_fp32_and_bf16(random_model):
     for dtype in ("float32", "bfloat16"):
-        assert LLM(random_model("tiny-llama"), dtype=dtype, max_model_len=128).engine.model_runner.decode_kernel \
+        assert LLM(random_model("tiny-llama"), dtype=dtype, max_model_len=128).engine.model_runner.attention.decode_kernel \
             is not None
     llm = LLM(random_model("tiny-llama"), dtype="float16", max_model_len=128)
-    assert llm.engine.model_runner.decode_kernel is None
+    assert llm.engine.model_runner.attention.decode_kernel is None
 
 
 def _run_in_child(args, queue):

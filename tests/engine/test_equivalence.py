@@ -90,10 +90,10 @@ def test_greedy_matches_transformers(references, preset, scenario):
 def test_torch_decode_path_matches_transformers(references, preset, scenario, monkeypatch):
     """Without the C kernel (no compiler, PAGEDSERVE_CPU_KERNEL=0, CUDA, half precision) decode
     attention gathers the blocks and runs SDPA: the same tokens."""
-    monkeypatch.setattr("engine.executor.model_runner.cpu_kernel.load", lambda num_threads: None)
+    monkeypatch.setattr("engine.executor.attention.torch_backend.cpu_kernel.load", lambda num_threads: None)
     path, prompts, expected = references(preset)
     llm = LLM(path, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=32, **SCENARIOS[scenario])
-    assert llm.engine.model_runner.decode_kernel is None
+    assert llm.engine.model_runner.attention.decode_kernel is None
     _check(llm, prompts, expected)
 
 
@@ -115,7 +115,7 @@ def test_flex_backend_matches_transformers(references, preset):
     path, prompts, expected = references(preset)
     llm = LLM(path, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=32, attention_backend="flex",
               **SCENARIOS["chunked_prefill"])
-    assert llm.engine.model_runner.decode_kernel is None
+    assert llm.engine.model_runner.attention.name == "flex"
     _check(llm, prompts, expected)
     hits_before = llm.engine.block_manager.num_prefix_hits
     _check(llm, prompts, expected)

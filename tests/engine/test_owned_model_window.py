@@ -64,10 +64,10 @@ def test_greedy_matches_transformers(windowed, name, scenario):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_torch_decode_path_and_prefix_cache(windowed, name, monkeypatch):
-    monkeypatch.setattr("engine.executor.model_runner.cpu_kernel.load", lambda num_threads: None)
+    monkeypatch.setattr("engine.executor.attention.torch_backend.cpu_kernel.load", lambda num_threads: None)
     path, prompts, expected = windowed(name)
     llm = LLM(path, dtype="float32", max_model_len=MAX_MODEL_LEN, block_size=8)
-    assert llm.engine.model_runner.decode_kernel is None
+    assert llm.engine.model_runner.attention.decode_kernel is None
     _check(llm, prompts, expected)
     hits_before = llm.engine.block_manager.num_prefix_hits
     _check(llm, prompts, expected)  # the second pass reads most prompts from the cache

@@ -1,1 +1,19 @@
-"""Attention backends, one file each."""
+"""Attention backends, one file each; `select_backend` picks one from the config, device and dtype."""
+
+import torch
+
+from engine.executor.attention.base import AttentionBackend
+
+
+def select_backend(requested: str, device: torch.device, dtype: torch.dtype,
+                   sliding_window: int | None) -> AttentionBackend:
+    """`requested`: EngineConfig.attention_backend; auto is flex on CUDA, torch elsewhere. `sliding_window`:
+    the keys a windowed layer sees (every windowed layer of a model shares it), None without any."""
+    name = requested if requested != "auto" else "flex" if device.type == "cuda" else "torch"
+    if name == "flex":
+        from engine.executor.attention.flex_backend import FlexBackend
+
+        return FlexBackend(sliding_window)
+    from engine.executor.attention.torch_backend import TorchBackend
+
+    return TorchBackend(device, dtype, sliding_window)

@@ -22,6 +22,8 @@ from functools import cache
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from engine.executor.attention.base import StepBatch
+
 Q_BLOCK = 128  # query rows per block of the block mask (flex's default tile)
 
 
@@ -68,6 +70,21 @@ def _flex(device_type: str):
     if device_type == "cuda":
         return torch.compile(flex_attention, dynamic=True)
     return flex_attention
+
+
+class FlexBackend:
+    """Builds each step's FlexMetadata: the block masks of its decode and prefill calls."""
+
+    name = "flex"
+
+    def __init__(self, sliding_window: int | None) -> None:
+        self.sliding_window = sliding_window
+
+    def build(self, batch: StepBatch) -> "FlexMetadata":
+        return build_metadata(batch.block_size, batch.num_blocks, batch.slot_mapping,
+                              [d.seq.block_table for d in batch.decodes], [d.start + 1 for d in batch.decodes],
+                              [(item.seq.block_table, item.start, item.start + item.num_new_tokens)
+                               for _, _, item in batch.prefills], self.sliding_window)
 
 
 def build_metadata(block_size: int, num_blocks: int, slot_mapping: torch.Tensor,

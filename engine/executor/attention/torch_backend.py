@@ -18,28 +18,20 @@ built, the decodes' blocks are gathered into a padded [kv_head, seq, position, h
 already in the layout SDPA reads, and masked.
 
 Sliding window (Mistral, Qwen's sliding layers): a windowed layer's query at position i sees keys at
-positions (i - window, i], as HF masks it. The model runner builds the window masks once a step, only
+positions (i - window, i], as HF masks it. `TorchBackend` builds the window masks once a step, only
 where some query reaches past its window; a windowed layer then uses them (and the torch decode
 path, since the C kernel reads whole contexts), every other layer the plain causal ones.
 """
 
+import math
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.cpu import DecodeKernel
-
-
-class StepAttention(Protocol):
-    """What an attention layer calls once per step: the backend's metadata for that step (this module's
-    AttentionMetadata, the CPU backend; engine/executor/attention/flex_backend.py's FlexMetadata, the CUDA one)."""
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, scale: float, is_windowed: bool) -> torch.Tensor:
-        """Write k/v [T, KVH, D] into the layer's caches at the step's slots, attend q [T, H, D]; [T, H, D]."""
-        ...
+from engine.core.scheduler import ScheduledSeq
+from engine.executor.attention.base import StepBatch, block_slots
+from engine.kernels import cpu as cpu_kernel
 
 
 @dataclass
@@ -49,6 +41,60 @@ class PrefillSegment:
     context_slots: torch.Tensor | None  # [context_len] slot ids, None when the chunk is the whole context
     mask: torch.Tensor | None  # [chunk_len, context_len] bool, True = attend; None = causal
     window_mask: torch.Tensor | None = None  # the same for windowed layers; None = the window covers it all
+
+
+class TorchBackend:
+    """Builds each step's AttentionMetadata: block tables, masks and the decode kernel where it runs."""
+
+    name = "torch"
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, sliding_window: int | None) -> None:
+        self.device, self.dtype, self.sliding_window = device, dtype, sliding_window
+        # decode attention straight from the block pool in C where it runs, else gather + SDPA
+        kernel_runs = device.type == "cpu" and dtype in cpu_kernel.DecodeKernel.DTYPES
+        self.decode_kernel = cpu_kernel.load(torch.get_num_threads()) if kernel_runs else None
+
+    def build(self, batch: StepBatch) -> "AttentionMetadata":
+        tables, lengths, mask, window_mask = self._decode_context(batch.decodes, batch.block_size)
+        return AttentionMetadata(batch.block_size, batch.slot_mapping, len(batch.decodes), tables, lengths, mask,
+                                 self.decode_kernel, [self._segment(r0, r1, item, batch.block_size)
+                                                      for r0, r1, item in batch.prefills], window_mask)
+
+    def _decode_context(self, decodes: list[ScheduledSeq], bs: int) -> tuple:
+        """(block tables padded with block 0, context lengths, the torch path's additive mask, the mask of
+        windowed layers when a decode reaches past the window) of the decodes."""
+        if not decodes:
+            return None, None, None, None
+        dev, window = self.device, self.sliding_window
+        max_blocks = max(len(d.seq.block_table) for d in decodes)
+        tables = torch.tensor([d.seq.block_table + [0] * (max_blocks - len(d.seq.block_table)) for d in decodes],
+                              dtype=torch.long, device=dev)
+        lengths = torch.tensor([d.start + 1 for d in decodes], dtype=torch.long, device=dev)
+        key_pos, lens = torch.arange(max_blocks * bs, device=dev)[None, :], lengths[:, None]
+        mask = None if self.decode_kernel is not None else self._additive(key_pos >= lens)
+        needs_window = window is not None and max(d.start + 1 for d in decodes) > window
+        # the query sits at lens - 1 and sees keys (lens - 1 - window, lens - 1]
+        window_mask = self._additive((key_pos >= lens) | (key_pos < lens - window)) if needs_window else None
+        return tables, lengths, mask, window_mask
+
+    def _additive(self, masked: torch.Tensor) -> torch.Tensor:
+        """[num_decodes, num_keys] bool, True = hidden -> [1, num_decodes, 1, num_keys] 0 or -inf."""
+        mask = torch.zeros(masked.shape, dtype=self.dtype, device=self.device).masked_fill_(masked, float("-inf"))
+        return mask[None, :, None, :]
+
+    def _segment(self, row_start: int, row_end: int, item: ScheduledSeq, bs: int) -> "PrefillSegment":
+        start, context_len, window = item.start, item.start + item.num_new_tokens, self.sliding_window
+        needs_window = window is not None and context_len > window
+        if start == 0 and not needs_window:
+            return PrefillSegment(row_start, row_end, None, None)
+        q_pos = torch.arange(start, context_len, device=self.device)[:, None]
+        key_pos = torch.arange(context_len, device=self.device)[None, :]
+        causal = key_pos <= q_pos
+        if start == 0:  # the chunk is its whole context: no slots to read, a causal mask only where windowed
+            return PrefillSegment(row_start, row_end, None, None, causal & (key_pos > q_pos - window))
+        context_slots = block_slots(item.seq.block_table[:math.ceil(context_len / bs)], bs, self.device)[:context_len]
+        return PrefillSegment(row_start, row_end, context_slots, causal,
+                              causal & (key_pos > q_pos - window) if needs_window else None)
 
 
 @dataclass
@@ -61,7 +107,7 @@ class AttentionMetadata:
     decode_tables: torch.Tensor | None  # [num_decodes, max_blocks] block ids, each table padded with block 0
     decode_lens: torch.Tensor | None  # [num_decodes] context lengths, the new token included
     decode_mask: torch.Tensor | None  # torch path: [1, num_decodes, 1, max_blocks * block_size], 0 or -inf
-    decode_kernel: DecodeKernel | None  # engine.kernels.cpu's, where it runs (CPU, float32 or bfloat16)
+    decode_kernel: cpu_kernel.DecodeKernel | None  # engine.kernels.cpu's, where it runs (CPU, float32 or bfloat16)
     prefills: list[PrefillSegment]
     decode_window_mask: torch.Tensor | None = None  # like decode_mask, for windowed layers past their window
 

@@ -24,7 +24,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from engine.executor.attention.torch_backend import StepAttention
+from engine.executor.attention.base import StepAttention
 from engine.executor.layers.quantization import (
     Int8Linear,
     QuantConfig,
