@@ -1,9 +1,8 @@
-"""Load a local HF checkpoint, own the KV block pool, and run one packed forward per step."""
+"""Load a local HF checkpoint and run one packed forward per step over the KV pool its worker holds."""
 
 import contextlib
 import dataclasses
 import logging
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -11,54 +10,20 @@ from pathlib import Path
 
 import torch
 
-from engine.config import EngineConfig, KVCacheLayout
+from engine.config import EngineConfig
 from engine.core.block_manager import BlockCopies
 from engine.core.scheduler import ScheduledSeq, SchedulerOutput
 from engine.core.sequence import SampledToken
 from engine.executor.attention import select_backend
-from engine.executor.attention.base import StepAttention, StepBatch, block_slots
-from engine.executor.dtype_probe import DtypeProbe, probe_cpu_dtype
+from engine.executor.attention.base import StepAttention, StepBatch
 from engine.executor.layers import onednn_linear, quantization
 from engine.executor.loader import ModelFiles, validate_model_dir
 from engine.executor.models import load_model
-from engine.executor.parallel import TPGroup, Workers, make_store, worker_threads
+from engine.executor.parallel import Ranks, TPGroup, make_store, worker_threads
 from engine.executor.sampler import Sampler, SampleRow
-from engine.kernels import cpu as cpu_kernel
+from engine.executor.worker import Worker
 
 logger = logging.getLogger(__name__)
-
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-GiB = 1 << 30
-CPU_TOKENS_PER_SEQ = 256  # the default CPU KV pool holds max_num_seqs sequences this long
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' asked for, but CUDA is not available")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, model_config: dict, device: torch.device) -> tuple[torch.dtype, DtypeProbe | None]:
-    """The dtype asked for; for "auto", on CPU what this machine measures faster (fp32 or bf16: the
-    probe, returned for the log and /health), on CUDA the checkpoint's own (fp16 where bf16 is not)."""
-    if name != "auto":
-        return TORCH_DTYPES[name], None
-    if device.type == "cpu":
-        probe = probe_cpu_dtype(int(model_config["hidden_size"]), int(model_config["intermediate_size"]))
-        return TORCH_DTYPES[probe.chosen], probe
-    dtype = TORCH_DTYPES.get(str(model_config.get("dtype") or model_config.get("torch_dtype")), torch.float32)
-    if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        return torch.float16, None
-    return dtype, None
-
-
-def device_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
 
 @dataclass
 class _Batch:
@@ -77,13 +42,13 @@ class ModelRunner:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
-        self.device = resolve_device(config.device)
-        self.dtype, self.dtype_probe = resolve_dtype(config.dtype, files.config, self.device)
-        self.workers: Workers | None = None
-        if config.tensor_parallel_size > 1 and tp is None:  # rank 0: the workers load while it does
+        self.worker = Worker(config, files.config)
+        self.device, self.dtype, self.dtype_probe = self.worker.device, self.worker.dtype, self.worker.dtype_probe
+        self.ranks: Ranks | None = None
+        if config.tensor_parallel_size > 1 and tp is None:  # rank 0: the other ranks load while it does
             dtype_name = str(self.dtype).removeprefix("torch.")
-            self.workers = Workers(dataclasses.replace(config, dtype=dtype_name), self.device, rank_main)
-            tp = self.workers.group
+            self.ranks = Ranks(dataclasses.replace(config, dtype=dtype_name), self.device, rank_main)
+            tp = self.ranks.group
         self.tp = tp
         try:
             self._load(config, files)
@@ -100,10 +65,10 @@ class ModelRunner:
         self.row_counts = self._bound_row_counts()
         # reordered oneDNN weights are buffers
         self.weight_bytes = sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
-        self.layout = self._plan_kv(files.config)
-        self.kv_caches = self._allocate(self.layout.num_blocks)
-        self.swap_caches = self._allocate(self.layout.num_swap_blocks, host=True)
-        self.model.bind_kv_caches(self.kv_caches)
+        cfg, args = self.model.config, self.model.args  # args.num_kv_heads: this rank's share of them
+        self.layout = self.worker.allocate(cfg.num_hidden_layers, args.num_kv_heads, args.head_dim,
+                                           cfg.max_position_embeddings, self.tp.agree_min if self.tp else None)
+        self.model.bind_kv_caches(self.worker.kv_caches)
         self.sampler = Sampler()
         # keys a windowed layer sees (itself included); every windowed layer of a model shares it
         sliding_window = next((w for w in self.model.args.sliding_windows if w is not None), None)
@@ -114,14 +79,14 @@ class ModelRunner:
                     if self.quant else "", self.attention.name, self.weight_bytes / 2**20,
                     self.layout.num_blocks,
                     self.layout.block_size, self.layout.total_bytes / 2**20, self.layout.max_model_len)
-        if self.workers is not None:
-            self.workers.wait_ready()
-            logger.info("tensor parallel over %d ranks (worker pids %s)", self.tp.size, self.workers.pids)
+        if self.ranks is not None:
+            self.ranks.wait_ready()
+            logger.info("tensor parallel over %d ranks (worker pids %s)", self.tp.size, self.ranks.pids)
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any (idempotent)."""
-        if self.workers is not None:
-            self.workers.close()
+        """Stop the other tensor-parallel ranks, if any (idempotent)."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     def _choose_linear_kernel(self, requested: str) -> tuple[onednn_linear.LinearProbe | None, str]:
         """The decoder layers' float linear layers on CPU: aten's, or oneDNN's on reordered weights
@@ -163,86 +128,21 @@ class ModelRunner:
                     os.environ["TORCHINDUCTOR_CACHE_DIR"])
         return seconds
 
-    # --- KV pool -----------------------------------------------------------------------------------
-    def _plan_kv(self, model_config: dict) -> KVCacheLayout:
-        cfg, args = self.model.config, self.model.args
-        head_dim = args.head_dim
-        block_size = self.config.block_size
-        if block_size == "auto":
-            block_size = 8 if device_memory(self.device) < 16 * GiB else 16
-        max_model_len = cfg.max_position_embeddings
-        max_model_len = min(self.config.max_model_len or max_model_len, max_model_len)
-        dtype_bytes = torch.tensor([], dtype=self.dtype).element_size()
-        # this rank's KV heads (all of them without tensor parallelism)
-        per_block = 2 * cfg.num_hidden_layers * block_size * args.num_kv_heads * head_dim * dtype_bytes
-        num_blocks = self._kv_budget(per_block // block_size, max_model_len) // per_block
-        if not self.config.kv_cache_memory:  # a derived budget: no more than a full batch of full sequences
-            num_blocks = min(num_blocks, self.config.max_num_seqs * math.ceil(max_model_len / block_size))
-        if self.tp is not None:  # one block table for every rank: the pool the smallest rank can hold
-            num_blocks = self.tp.agree_min(num_blocks)
-        if num_blocks < math.ceil(max_model_len / block_size):
-            raise ValueError(f"KV budget holds {num_blocks} blocks of {block_size} tokens ({per_block} bytes each), "
-                             f"too few for one sequence of max_model_len {max_model_len}; raise kv_cache_memory "
-                             f"or lower max_model_len")
-        num_swap = int(self.config.swap_space * GiB) // per_block if self.config.preemption_mode == "swap" else 0
-        return KVCacheLayout(num_blocks, block_size, cfg.num_hidden_layers, args.num_kv_heads, head_dim,
-                             dtype_bytes, num_swap, max_model_len)
-
-    def _kv_budget(self, bytes_per_token: int, max_model_len: int) -> int:
-        """Bytes for the KV pool: as configured; on CUDA what the device has left after the weights;
-        on CPU room for max_num_seqs sequences of CPU_TOKENS_PER_SEQ tokens plus one of max_model_len
-        (at most 1 GiB): sized for the model and the batch, not for free memory, so it is the same
-        on every run and next to other replicas (preemption covers a mix of longer sequences)."""
-        if self.config.kv_cache_memory:  # the whole pool's: each rank holds its share of the KV heads
-            return self.config.kv_cache_memory // self.config.tensor_parallel_size
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            activations = 2 * GiB  # headroom for the forward's activations and logits
-            return max(int(total * self.config.gpu_memory_utilization) - (total - free) - activations, 0)
-        num_tokens = self.config.max_num_seqs * CPU_TOKENS_PER_SEQ + max_model_len
-        return min(GiB, bytes_per_token * num_tokens)
-
-    def _allocate(self, num_blocks: int, host: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        lay = self.layout
-        shape = (lay.num_kv_heads, num_blocks * lay.block_size, lay.head_dim)  # head-major: see attention/torch_backend.py
-        device = torch.device("cpu") if host else self.device
-        pin = host and self.device.type == "cuda"
-
-        def pool() -> torch.Tensor:
-            if device.type == "cpu" and not pin:
-                return cpu_kernel.huge_page_zeros(shape, self.dtype)
-            return torch.zeros(shape, dtype=self.dtype, device=device, pin_memory=pin)
-
-        return [(pool(), pool()) for _ in range(lay.num_layers if num_blocks else 0)]
-
-    def copy_blocks(self, copies: BlockCopies) -> None:
-        """Swap out, swap in, then copy-on-write: all before this step's forward writes anything."""
-        for pairs, src_pool, dst_pool in ((copies.swap_out, self.kv_caches, self.swap_caches),
-                                          (copies.swap_in, self.swap_caches, self.kv_caches),
-                                          (copies.copy, self.kv_caches, self.kv_caches)):
-            if not pairs:
-                continue
-            src_slots = block_slots([s for s, _ in pairs], self.layout.block_size, src_pool[0][0].device)
-            dst_slots = block_slots([d for _, d in pairs], self.layout.block_size, dst_pool[0][0].device)
-            for (src_k, src_v), (dst_k, dst_v) in zip(src_pool, dst_pool, strict=True):
-                for src, dst in ((src_k, dst_k), (src_v, dst_v)):
-                    dst.index_copy_(1, dst_slots, src.index_select(1, src_slots.to(src.device)).to(dst.device))
-
     # --- a step ------------------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, output: SchedulerOutput) -> dict[int, list[SampledToken]]:
         """One forward over every scheduled token; returns seq_id -> sampled tokens."""
         copies = output.copies
-        self.copy_blocks(copies)
-        if self.workers is not None and (copies.swap_out or copies.swap_in or copies.copy):
-            self.workers.send(copies, [])  # every rank copies its blocks, whatever happens to this step next
+        self.worker.copy_blocks(copies)
+        if self.ranks is not None and (copies.swap_out or copies.swap_in or copies.copy):
+            self.ranks.send(copies, [])  # every rank copies its blocks, whatever happens to this step next
         if output.is_empty:
             return {}
         batch = self._prepare(output.scheduled)
-        if self.workers is None:
+        if self.ranks is None:
             hidden = self.model(batch.input_ids, batch.positions, batch.metadata)
         else:
-            hidden = self.workers.run(output.scheduled,
+            hidden = self.ranks.run(output.scheduled,
                                       lambda: self.model(batch.input_ids, batch.positions, batch.metadata))
         if not batch.rows:
             return {}
@@ -253,7 +153,7 @@ class ModelRunner:
     def run_rows(self, copies: BlockCopies, scheduled: list[ScheduledSeq]) -> None:
         """A worker rank's part of a step (engine/executor/parallel.py): the same copies and forward as rank 0,
         no sampling."""
-        self.copy_blocks(copies)
+        self.worker.copy_blocks(copies)
         if scheduled:
             batch = self._prepare(scheduled)
             self.model(batch.input_ids, batch.positions, batch.metadata)

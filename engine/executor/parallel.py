@@ -84,7 +84,7 @@ def worker_threads(size: int) -> int:
     return max(1, (os.cpu_count() or 1) // size)
 
 
-class Workers:
+class Ranks:
     """Rank 0's handle on ranks 1..N-1: starts them, sends each step, notices when one is gone.
     `start` spawns them (they load their shards while rank 0 loads its own); `group` is rank 0's
     TPGroup; `wait_ready` waits until every rank has its KV pool."""
@@ -137,7 +137,7 @@ class Workers:
                 raise RankDiedError(f"tensor-parallel rank {rank} failed to start: {detail}")
 
     def run(self, scheduled: list[ScheduledSeq], forward: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """Send the step's rows to the workers, run rank 0's part of the forward; any failure is fatal."""
+        """Send the step's rows to the other ranks, run rank 0's part of the forward; any failure is fatal."""
         self.send(BlockCopies([], [], []), [(s.seq.block_table, s.start, [s.seq.token_id_at(p) for p in range(
             s.start, s.start + s.num_new_tokens)]) for s in scheduled])
         try:
@@ -178,4 +178,4 @@ class Workers:
         self.conns = []
 
 
-__all__ = ["RankDiedError", "TPGroup", "Workers", "make_store", "worker_threads"]
+__all__ = ["RankDiedError", "TPGroup", "Ranks", "make_store", "worker_threads"]

@@ -2,7 +2,7 @@
 figure on every run, next to whatever else the machine holds."""
 
 from engine import EngineConfig, LLMEngine
-from engine.executor.model_runner import CPU_TOKENS_PER_SEQ
+from engine.executor.worker import CPU_TOKENS_PER_SEQ
 
 
 def test_default_cpu_pool_holds_the_batch_at_a_fixed_size(random_model):

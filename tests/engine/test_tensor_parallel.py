@@ -48,7 +48,7 @@ def test_two_ranks_give_the_tokens_of_one(random_model, preset, scenario):
             assert llm.engine.scheduler.num_preemptions > 0  # the scenario did what it is named for
     finally:
         llm.engine.close()
-    assert all(not p.is_alive() for p in runner.workers.processes)
+    assert all(not p.is_alive() for p in runner.ranks.processes)
 
 
 def test_a_shard_must_divide_heads_and_columns():
@@ -77,7 +77,7 @@ async def test_a_killed_rank_ends_the_loop_and_the_engine_can_be_rebuilt(random_
     try:
         stream = engine.generate("x", SamplingParams(max_tokens=500, ignore_eos=True), "r")
         await anext(stream)
-        os.kill(engine.engine.model_runner.workers.pids[0], signal.SIGKILL)
+        os.kill(engine.engine.model_runner.ranks.pids[0], signal.SIGKILL)
         with pytest.raises(EngineDeadError, match="RankDiedError"):
             async with asyncio.timeout(60):
                 async for _ in stream:

@@ -149,7 +149,7 @@ async def test_a_killed_tensor_parallel_rank_heals_in_process(start):
     primary = h.engines["primary"]
     in_flight = await h.client.post(COMPLETIONS, json=LONG)
     assert (await in_flight.content.readline()).startswith(b"data: ")
-    os.kill(primary.engine.model_runner.workers.pids[0], signal.SIGKILL)
+    os.kill(primary.engine.model_runner.ranks.pids[0], signal.SIGKILL)
     events = _events(await in_flight.read())
     error = json.loads(events[-2][len("data: "):])["error"]
     assert error["code"] == "engine_dead", error
