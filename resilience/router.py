@@ -75,6 +75,7 @@ class GenerateRequest:
     arrival: float | None = None  # on the router's clock (None: when the router sees it)
     group_id: str | None = None  # the client request it is part of (its prompts share it; default: itself)
     owner: str | None = None  # who sent it (an API key's fingerprint): the bulkhead's owner share
+    add_special_tokens: bool = True  # how another model of the ladder encodes a text `prompt` (False: chat)
 
 
 @dataclass
@@ -289,7 +290,8 @@ class _Call:
                 router.num_retries[name] += 1
             token_ids = req.prompt_token_ids if req.encoded_by == name else None
             self.stream = self.engine.generate(req.prompt, req.params, request_id, req.priority, token_ids,
-                                               group_id=req.group_id or req.request_id)
+                                               group_id=req.group_id or req.request_id,
+                                               add_special_tokens=req.add_special_tokens)
             stack.push_async_callback(_aclose, self.stream)
             self.first = await self._next()
             self._stack = stack.pop_all()

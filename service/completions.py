@@ -38,7 +38,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     parsed = parse_completion(await read_json(request))
     gen = Generation(request, "cmpl", parsed.model, parsed.params, parsed.priority, parsed.unset_sampling)
     with _naming(parsed.structured_param):
-        await gen.check_prompts(parsed.prompts)
+        await gen.check_prompts(parsed.prompts, parsed.add_special_tokens)
     echo = await asyncio.to_thread(_prompt_texts, gen, parsed.prompts) if parsed.echo else None
     fmt = CompletionFormat(parsed.params.n, parsed.params.logprobs, echo)
     if parsed.stream:
@@ -50,7 +50,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     parsed = parse_chat(await read_json(request))
     gen = Generation(request, "chatcmpl", parsed.model, parsed.params, parsed.priority, parsed.unset_sampling)
     with _naming(parsed.structured_param):
-        await gen.check_chat(parsed.messages, parsed.tools)
+        await gen.check_chat(parsed.messages, parsed.tools, parsed.add_special_tokens)
     fmt = ChatFormat(parsed.params.n, parsed.params.logprobs, parsed.tool_calling)
     if parsed.stream:
         return await stream(request, gen, fmt, parsed.include_usage)

@@ -54,6 +54,7 @@ class Generation:
         self.num_prompt_tokens: list[int] = []
         self.num_generated: list[int] = []  # per prompt, all its choices
         self.encoded_by: str | None = None
+        self.add_special_tokens = True
         self._last_token: float | None = None
         self._queue_time: float | None = None
         self._seen: set[int] = set()  # prompt indices with an output already
@@ -100,10 +101,12 @@ class Generation:
             raise UnavailableError(message, code=code)
         return name
 
-    async def check_prompts(self, prompts: list[str | list[int]]) -> None:
+    async def check_prompts(self, prompts: list[str | list[int]], add_special_tokens: bool = True) -> None:
         """Tokenize and check every prompt in a worker thread (a 4 MiB prompt must not stall the loop);
-        a prompt too long for the context is a 400 that says the numbers."""
+        a prompt too long for the context is a 400 that says the numbers. `add_special_tokens`: a text
+        prompt gets the tokenizer's BOS (as HF encodes it; not a rendered chat template, which has its own)."""
         self.encoded_by, engine = self._encoder()
+        self.add_special_tokens = add_special_tokens
         self.prompt_token_ids = await asyncio.to_thread(self._check_all, engine, prompts)
         self.num_prompt_tokens = [len(ids) for ids in self.prompt_token_ids]
         self.num_generated = [0] * len(prompts)
@@ -116,14 +119,15 @@ class Generation:
         self.state.router.bulkhead(self.model).check_fits(
             sum(self.num_prompt_tokens) + len(prompts) * n * max_tokens, len(prompts) * n, self.owner)
 
-    async def check_chat(self, messages: list[dict[str, str]], tools: list[dict] | None = None) -> None:
+    async def check_chat(self, messages: list[dict[str, str]], tools: list[dict] | None = None,
+                         add_special_tokens: bool = False) -> None:
         prompt = await asyncio.to_thread(self.engine.apply_chat_template, messages, tools)
-        await self.check_prompts([prompt])
+        await self.check_prompts([prompt], add_special_tokens)
 
     def _check_all(self, engine: EngineClient, prompts: list[str | list[int]]) -> list[list[int]]:
         encoded = []
         for prompt in prompts:
-            token_ids = engine.encode(prompt)
+            token_ids = engine.encode(prompt, self.add_special_tokens)
             engine.check_request(token_ids, self.params)
             encoded.append(token_ids)
         return encoded
@@ -150,7 +154,7 @@ class Generation:
                                     deadline=self.deadline, num_prompt_tokens=len(token_ids),
                                     arrival=self.record.start + self.record.load_wait_s,
                                     prompt_token_ids=token_ids, encoded_by=self.encoded_by, group_id=self.id,
-                                    owner=self.owner)
+                                    owner=self.owner, add_special_tokens=self.add_special_tokens)
                     for i, (prompt, token_ids) in enumerate(zip(self.prompts, self.prompt_token_ids, strict=True))]
         streams = [self.state.router.generate(r) for r in requests]
         try:

@@ -149,14 +149,18 @@ async def tokenize(request: web.Request) -> web.Response:
     engine = _engine(request, body)
     if "messages" in body and "prompt" in body:
         raise InvalidRequestError("send either prompt or messages, not both", param="prompt")
-    if "messages" in body:
+    is_chat = "messages" in body
+    add_special_tokens = body.get("add_special_tokens", not is_chat)  # vLLM's defaults: a template has its BOS
+    if not isinstance(add_special_tokens, bool):
+        raise InvalidRequestError("add_special_tokens must be a boolean", param="add_special_tokens")
+    if is_chat:
         messages = parse_messages(body["messages"])
         prompt = await asyncio.to_thread(engine.apply_chat_template, messages)
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
             raise InvalidRequestError("prompt must be a string (or send messages)", param="prompt")
-    tokens = await asyncio.to_thread(engine.encode, prompt)
+    tokens = await asyncio.to_thread(engine.encode, prompt, add_special_tokens)
     return web.json_response({"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len})
 
 

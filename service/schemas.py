@@ -66,6 +66,7 @@ class CompletionRequest:
     echo: bool = False  # each choice's text starts with its prompt's text
     structured_param: str | None = None  # the field params.structured_outputs came from (it names a 400)
     unset_sampling: frozenset[str] = frozenset()  # sampling fields the model's generation_config may set
+    add_special_tokens: bool = True  # vLLM's field: a text prompt gets the tokenizer's BOS, as HF encodes it
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,7 @@ class ChatRequest:
     tool_calling: ToolCalling | None = None
     tools: list[dict[str, Any]] = field(default_factory=list)  # definitions the chat template is given
     unset_sampling: frozenset[str] = frozenset()  # sampling fields the model's generation_config may set
+    add_special_tokens: bool = False  # vLLM's default for chat: the template puts its own BOS
 
 
 def parse_json(raw: bytes) -> Any:
@@ -176,7 +178,7 @@ def parse_completion(body: Any) -> CompletionRequest:
     params = _sampling_params(reader, default_max_tokens=16, logprobs=logprobs, structured=structured)
     _check_choices(len(prompts), params.n)
     return CompletionRequest(reader.model(), prompts, params, *reader.stream(), reader.priority(), echo,
-                             structured_param, reader.unset(SAMPLING_DEFAULTS))
+                             structured_param, reader.unset(SAMPLING_DEFAULTS), reader.bool_("add_special_tokens", True))
 
 
 def parse_chat(body: Any) -> ChatRequest:
@@ -198,7 +200,7 @@ def parse_chat(body: Any) -> ChatRequest:
         structured, structured_param = tool_constraint, "tools"
     params = _sampling_params(reader, default_max_tokens=None, logprobs=logprobs, structured=structured)
     return ChatRequest(reader.model(), messages, params, *reader.stream(), reader.priority(), structured_param,
-                       tool_calling, tools, reader.unset(SAMPLING_DEFAULTS))
+                       tool_calling, tools, reader.unset(SAMPLING_DEFAULTS), reader.bool_("add_special_tokens", False))
 
 
 def parse_prompts(prompt: Any) -> list[str | list[int]]:

@@ -50,11 +50,12 @@ def render_bounded(render: Callable[[], str], timeout_s: float = RENDER_TIMEOUT_
     return text
 
 
-def encode_prompt(tokenizer, prompt: str | list[int]) -> list[int]:
-    """A prompt's token ids: a text encoded without special tokens (the chat template or the client
-    puts them), ids as they are."""
+def encode_prompt(tokenizer, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+    """A prompt's token ids: a text encoded as HF and vLLM encode it, the tokenizer's special tokens (a
+    BOS) included unless `add_special_tokens` is False (a rendered chat template has its own); ids as
+    they are."""
     if isinstance(prompt, str):
-        return tokenizer.encode(prompt, add_special_tokens=False)
+        return tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
     return list(prompt)
 
 

@@ -110,29 +110,30 @@ class EngineFrontend:
         return self.info.memory_bytes
 
     # --- requests (event-loop side) ---------------------------------------------------------------
-    def encode(self, prompt: str | list[int]) -> list[int]:
-        return encode_prompt(self.tokenizer, prompt)
+    def encode(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        return encode_prompt(self.tokenizer, prompt, add_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         return chat_prompt(self.tokenizer, self.info.chat_template, messages, tools)
 
-    def _encode_checked(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
-        prompt_token_ids = self.encode(prompt)
+    def _encode_checked(self, prompt: str | list[int], params: SamplingParams, add_special_tokens: bool) -> list[int]:
+        prompt_token_ids = self.encode(prompt, add_special_tokens)
         self.check_request(prompt_token_ids, params)
         return prompt_token_ids
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                        priority: int = 0, prompt_token_ids: list[int] | None = None,
-                       group_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       group_id: str | None = None, add_special_tokens: bool = True) -> AsyncIterator[RequestOutput]:
         """Yield output deltas until the request finishes. Leaving early aborts it. `prompt_token_ids`:
         the prompt already encoded and checked by this engine (the service checks in a worker thread;
         the loop's add_request checks once more and a failure comes out of this generator). Without
         them the prompt is encoded and checked in a worker thread: a long text, or a grammar this
         engine never compiled (up to seconds), must not stall the event loop or the engine loop.
-        `group_id`: the client request this one is part of (LLMEngine.add_request)."""
+        `group_id`: the client request this one is part of (LLMEngine.add_request); `add_special_tokens`:
+        how a text prompt is encoded here (False for a rendered chat template)."""
         self._check_alive()
         if prompt_token_ids is None:
-            prompt_token_ids = await asyncio.to_thread(self._encode_checked, prompt, params)
+            prompt_token_ids = await asyncio.to_thread(self._encode_checked, prompt, params, add_special_tokens)
         self._check_room()
         if request_id in self._waiters:
             raise EngineError(f"request id {request_id!r} is already in use")

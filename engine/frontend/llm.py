@@ -24,11 +24,13 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 add_special_tokens: bool = True) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in the order of the prompts.
 
         sampling_params: one for all prompts, or one per prompt (as vLLM takes them); None: the model's
-        generation_config defaults. A prompt the engine refuses raises, and none of the batch is left queued.
+        generation_config defaults. A text prompt is encoded as HF encodes it (its BOS included) unless
+        `add_special_tokens` is False. A prompt the engine refuses raises, and none of the batch is left queued.
         """
         prompts = [prompts] if isinstance(prompts, str | dict) else list(prompts)
         params = sampling_params or SamplingParams(**self.engine.sampling_defaults)
@@ -40,7 +42,8 @@ class LLM:
             for i, (prompt, prompt_params) in enumerate(zip(prompts, per_prompt, strict=True)):
                 order.append(str(next(self._request_ids)))
                 tokens = prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt
-                self.engine.add_request(order[-1], tokens, prompt_params, priority=priority[i] if priority else 0)
+                self.engine.add_request(order[-1], tokens, prompt_params, priority=priority[i] if priority else 0,
+                                        prompt_token_ids=self.engine.encode(tokens, add_special_tokens))
         except BaseException:
             self._abort(order)
             raise
@@ -51,7 +54,7 @@ class LLM:
              use_tqdm: bool = True) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.engine.apply_chat_template(conv) for conv in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, add_special_tokens=False)  # the template's BOS
 
     def _run(self, order: list[str], show_progress: bool) -> list[RequestOutput]:
         finals: dict[str, RequestOutput] = {}

@@ -93,8 +93,8 @@ class LLMEngine:
         self.probe_token_ids = self.encode(WARMUP_PROMPT) or [0]
 
     # --- requests --------------------------------------------------------------------------------
-    def encode(self, prompt: str | list[int]) -> list[int]:
-        return encode_prompt(self.tokenizer, prompt)
+    def encode(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        return encode_prompt(self.tokenizer, prompt, add_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         return chat_prompt(self.tokenizer, self.chat_template, messages, tools)

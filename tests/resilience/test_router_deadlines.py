@@ -56,7 +56,8 @@ class FakeEngine:
         """`is_full`: its batch has no room (seats or KV blocks) for what waits."""
         return SimpleNamespace(is_full=self.is_full)
 
-    async def generate(self, prompt, params, request_id, priority=0, prompt_token_ids=None, group_id=None):
+    async def generate(self, prompt, params, request_id, priority=0, prompt_token_ids=None, group_id=None,
+                       add_special_tokens=True):
         self.request_ids.append(request_id)
         if self.errors:
             raise self.errors.pop(0)
@@ -240,7 +241,8 @@ async def test_no_retry_and_no_failover_once_the_budget_is_spent():
 
 async def test_an_error_after_the_first_output_is_never_retried():
     class FailsMidStream(FakeEngine):
-        async def generate(self, prompt, params, request_id, priority=0, prompt_token_ids=None, group_id=None):
+        async def generate(self, prompt, params, request_id, priority=0, prompt_token_ids=None, group_id=None,
+                       add_special_tokens=True):
             self.request_ids.append(request_id)
             yield _output(f"{request_id}:0")
             raise EngineStepError("mid-stream")
@@ -297,7 +299,8 @@ async def test_a_late_token_is_queueing_when_its_own_sequence_was_preempted_sinc
     """KV pressure: a preempted sequence waits, rescheduled, and its next token comes late while the
     batch has room again (is_full is False by then): its own preemption count says it queued."""
     class PreemptedMidStream(FakeEngine):
-        async def generate(self, prompt, params, request_id, priority=0, prompt_token_ids=None, group_id=None):
+        async def generate(self, prompt, params, request_id, priority=0, prompt_token_ids=None, group_id=None,
+                       add_special_tokens=True):
             yield RequestOutput(f"{request_id}:0", None, [], [], metrics={"num_preemptions": 1})
             await asyncio.sleep(2 * TIMEOUT_S)
             yield RequestOutput(f"{request_id}:1", None, [], [], metrics={"num_preemptions": num_preemptions})

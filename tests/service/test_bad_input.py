@@ -188,6 +188,7 @@ FIELD_CASES = [
     bad("guided-choice-numbers", completion(guided_choice=[1, 2]), "guided_choice"),
     bad("guided-grammar-undefined-rule", completion(guided_grammar="start: nowhere"), "guided_grammar"),
     bad("guided-grammar-over-32k", completion(guided_grammar="x" * 40_000), "guided_grammar"),
+    bad("add-special-tokens-string", completion(add_special_tokens="yes"), "add_special_tokens"),
     bad("guided-grammar-cannot-start", completion(prompt=["x", "y"], guided_grammar="start: start"), "guided_grammar"),
     bad("guided-gbnf-cannot-start", completion(structured_outputs={"grammar": "root ::= root"}), "structured_outputs"),
     bad("guided-regex-mask-too-costly", completion(guided_regex="a{400000}"), "guided_regex"),

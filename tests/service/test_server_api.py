@@ -10,7 +10,9 @@ import time
 import aiohttp
 import openai
 import pytest
+from transformers import AutoTokenizer
 
+from tests.conftest import BOS_ID
 from tests.service.server import API_KEY, SMALL, TINY, launch, require_models
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -310,3 +312,22 @@ async def _until(predicate, timeout: float = 10.0) -> None:
             raise AssertionError(f"not reached within {timeout} s")
         await asyncio.sleep(0.05)
 
+
+
+async def test_completions_add_the_bos_as_hf_does_unless_asked_not_to(start, bos_model):
+    """prompt_tokens counts the tokenizer's BOS (Llama 2/3 and Mistral add one: HF counts 10 where the
+    server counted 9); add_special_tokens false gives the text alone; chat keeps its template's own."""
+    h = await start(fallback_dir=bos_model)
+    text = "def add(a, b):\n    return"
+    expected = AutoTokenizer.from_pretrained(bos_model)(text).input_ids
+    assert expected[0] == BOS_ID
+    body = {"model": "fallback", "prompt": text, "max_tokens": 2, "temperature": 0}
+    usage = (await (await h.client.post("/v1/completions", json=body)).json())["usage"]
+    assert usage["prompt_tokens"] == len(expected)
+    plain = (await (await h.client.post("/v1/completions", json={**body, "add_special_tokens": False})).json())["usage"]
+    assert plain["prompt_tokens"] == len(expected) - 1
+    tokens = (await (await h.client.post("/tokenize", json={"model": "fallback", "prompt": text})).json())["tokens"]
+    assert tokens == expected
+    chat = (await (await h.client.post("/tokenize", json={"model": "fallback", "messages": [
+        {"role": "user", "content": "hi"}]})).json())["tokens"]
+    assert chat[0] == BOS_ID and chat[1] != BOS_ID
