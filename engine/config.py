@@ -28,7 +28,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # fraction of device memory on CUDA
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # capped by the model's own
+    max_model_len: int | None = None  # None: what the model supports; above it, an error at load
     max_num_waiting: int = 1024
     scheduler_policy: str = "fcfs"
     preemption_mode: str = "recompute"

@@ -4,11 +4,14 @@ A known pitfall of offline deployments is a hang at start-up when tokenizer file
 (transformers then tries to reach a hub): we check the files first and fail fast instead."""
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import ModelValidationError
+
+logger = logging.getLogger(__name__)
 
 # Set before transformers/huggingface_hub are imported anywhere in the process.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -16,6 +19,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+INDEX_FILE = "model.safetensors.index.json"
 # what a model's generation_config.json may set for requests that do not (as vLLM's --generation-config auto)
 SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -68,7 +72,19 @@ def _check_confined(root: Path, within: Path) -> None:
 
 
 def _weight_files(root: Path) -> tuple[Path, ...]:
+    """The checkpoint's weight files, as HF and vLLM choose them: those model.safetensors.index.json names
+    when it exists (a consolidated.safetensors of a mistralai repo, or a stale model.safetensors, beside
+    the shards is left out, with a warning); without an index every *.safetensors but consolidated ones
+    when HF-named files are there too."""
+    index = root / INDEX_FILE
+    if index.is_file():
+        return _indexed_files(root, index)
     weights = tuple(sorted(root.glob("*.safetensors")))
+    hf_named = tuple(p for p in weights if not p.name.startswith("consolidated"))
+    if hf_named and len(hf_named) < len(weights):
+        logger.warning("%s: %s left out: the HF-named weights are loaded", root,
+                       sorted(p.name for p in weights if p not in hf_named))
+        return hf_named
     if weights:
         return weights
     pickles = sorted(p.name for p in root.iterdir() if p.suffix in PICKLE_SUFFIXES)
@@ -77,6 +93,32 @@ def _weight_files(root: Path) -> tuple[Path, ...]:
             f"{root}: only pickle weights ({', '.join(pickles)}); pickle is never loaded, convert to "
             "model.safetensors")
     raise ModelValidationError(f"{root / 'model.safetensors'} is missing: no *.safetensors weights in {root}")
+
+
+def _indexed_files(root: Path, index: Path) -> tuple[Path, ...]:
+    weight_map = _read_json(index, required=True).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ModelValidationError(f"{index}: weight_map must map tensor names to file names")
+    names = sorted(set(weight_map.values()))
+    for name in names:
+        if Path(name).name != name or not name.endswith(".safetensors"):
+            raise ModelValidationError(f"{index} names {name!r}: only .safetensors files of the model directory")
+        if not (root / name).is_file():
+            raise ModelValidationError(f"{index} names {name}, which is missing")
+    stray = sorted(p.name for p in root.glob("*.safetensors") if p.name not in names)
+    if stray:
+        logger.warning("%s: %s not in %s, left out", root, stray, INDEX_FILE)
+    return tuple(root / name for name in names)
+
+
+def supported_max_len(config) -> int:
+    """The longest context a model supports, as vLLM derives it: max_position_embeddings, or with yarn
+    RoPE scaling its original length times the factor. `config`: the transformers config."""
+    length = config.max_position_embeddings
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "yarn" and rope.get("factor"):
+        length = max(length, int((rope.get("original_max_position_embeddings") or length) * rope["factor"]))
+    return length
 
 
 def _chat_template(root: Path) -> str | None:

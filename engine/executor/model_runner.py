@@ -17,7 +17,7 @@ from engine.core.sequence import SampledToken
 from engine.executor.attention import select_backend
 from engine.executor.attention.base import StepAttention, StepBatch
 from engine.executor.layers import onednn_linear, quantization
-from engine.executor.loader import ModelFiles, validate_model_dir
+from engine.executor.loader import ModelFiles, supported_max_len, validate_model_dir
 from engine.executor.models import load_model
 from engine.executor.parallel import Ranks, TPGroup, make_store, worker_threads
 from engine.executor.sampler import Sampler, SampleRow
@@ -67,7 +67,7 @@ class ModelRunner:
         self.weight_bytes = sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
         cfg, args = self.model.config, self.model.args  # args.num_kv_heads: this rank's share of them
         self.layout = self.worker.allocate(cfg.num_hidden_layers, args.num_kv_heads, args.head_dim,
-                                           cfg.max_position_embeddings, self.tp.agree_min if self.tp else None)
+                                           supported_max_len(cfg), self.tp.agree_min if self.tp else None)
         self.model.bind_kv_caches(self.worker.kv_caches)
         self.sampler = Sampler()
         # keys a windowed layer sees (itself included); every windowed layer of a model shares it

@@ -59,22 +59,27 @@ class Worker:
         self.kv_caches: KVPool = []
         self.swap_caches: KVPool = []
 
-    def allocate(self, num_layers: int, num_kv_heads: int, head_dim: int, max_position_embeddings: int,
+    def allocate(self, num_layers: int, num_kv_heads: int, head_dim: int, supported_len: int,
                  agree_min=None) -> KVCacheLayout:
         """Plan this rank's KV pool (`num_kv_heads`: its share of the heads) and allocate it.
+        `supported_len`: the longest context the model supports (the default max_model_len, and its bound).
         `agree_min(n)`: under tensor parallelism, the smallest n of every rank (one block table for all)."""
-        self.layout = self._plan(num_layers, num_kv_heads, head_dim, max_position_embeddings, agree_min)
+        self.layout = self._plan(num_layers, num_kv_heads, head_dim, supported_len, agree_min)
         self.kv_caches = self._pool(self.layout.num_blocks)
         self.swap_caches = self._pool(self.layout.num_swap_blocks, host=True)
         return self.layout
 
-    def _plan(self, num_layers: int, num_kv_heads: int, head_dim: int, max_position_embeddings: int,
+    def _plan(self, num_layers: int, num_kv_heads: int, head_dim: int, supported_len: int,
               agree_min) -> KVCacheLayout:
         config = self.config
         block_size = config.block_size
         if block_size == "auto":
             block_size = 8 if device_memory(self.device) < 16 * GiB else 16
-        max_model_len = min(config.max_model_len or max_position_embeddings, max_position_embeddings)
+        if config.max_model_len is not None and config.max_model_len > supported_len:
+            raise ValueError(f"max_model_len {config.max_model_len} is above what the model supports "
+                             f"({supported_len}: max_position_embeddings, or with yarn RoPE scaling its original "
+                             "length times the factor); lower it")
+        max_model_len = config.max_model_len or supported_len
         dtype_bytes = torch.tensor([], dtype=self.dtype).element_size()
         per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * dtype_bytes
         num_blocks = self._kv_budget(per_block // block_size, max_model_len) // per_block

@@ -106,3 +106,66 @@ def test_links_inside_the_directory_or_its_root_are_followed(model_dir, tmp_path
     (model_dir / "copy.json").symlink_to(model_dir / "config.json")
     _fails_fast(model_dir, "generation_config.json links outside")
     assert validate_model_dir(model_dir, files_root=tmp_path).path == model_dir.resolve()
+
+
+def _shard(model_dir) -> dict:
+    """Rename the weights to an indexed shard, as HF's sharded repos hold them; the index's weight map."""
+    from safetensors import safe_open
+
+    shard = "model-00001-of-00001.safetensors"
+    (model_dir / "model.safetensors").rename(model_dir / shard)
+    with safe_open(model_dir / shard, "pt") as f:
+        weight_map = dict.fromkeys(f.keys(), shard)
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return weight_map
+
+
+def test_an_index_chooses_the_weight_files_and_strays_are_left_out_with_a_warning(model_dir, caplog):
+    """A mistralai-style repo (shards + consolidated.safetensors) or a stale model.safetensors beside
+    the shards: the index decides, as HF and vLLM load them."""
+    _shard(model_dir)
+    shutil.copy(model_dir / "model-00001-of-00001.safetensors", model_dir / "consolidated.safetensors")
+    (model_dir / "model.safetensors").write_bytes(b"stale")
+    files = validate_model_dir(model_dir)
+    assert [p.name for p in files.weight_files] == ["model-00001-of-00001.safetensors"]
+    assert "['consolidated.safetensors', 'model.safetensors'] not in model.safetensors.index.json" in caplog.text
+
+
+def test_an_index_naming_a_missing_or_foreign_file_is_refused(model_dir):
+    weight_map = _shard(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    first = next(iter(weight_map))
+    index.write_text(json.dumps({"weight_map": {**weight_map, first: "model-00002-of-00002.safetensors"}}))
+    _fails_fast(model_dir, "names model-00002-of-00002.safetensors, which is missing")
+    index.write_text(json.dumps({"weight_map": {**weight_map, first: "../x.safetensors"}}))
+    _fails_fast(model_dir, "only .safetensors files of the model directory")
+
+
+def test_without_an_index_consolidated_weights_beside_hf_ones_are_left_out(model_dir):
+    shutil.copy(model_dir / "model.safetensors", model_dir / "consolidated.safetensors")
+    assert [p.name for p in validate_model_dir(model_dir).weight_files] == ["model.safetensors"]
+
+
+def test_a_sharded_repo_serves_the_same_tokens(model_dir, random_model):
+    from engine import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    whole = LLM(random_model("tiny-llama"), dtype="float32", max_model_len=64).generate([[5, 6, 7]], params,
+                                                                                        use_tqdm=False)
+    _shard(model_dir)
+    sharded = LLM(str(model_dir), dtype="float32", max_model_len=64).generate([[5, 6, 7]], params, use_tqdm=False)
+    assert sharded[0].outputs[0].token_ids == whole[0].outputs[0].token_ids
+
+
+def test_max_model_len_follows_yarn_and_above_the_model_is_an_error(random_model):
+    from transformers import LlamaConfig
+
+    from engine import LLM
+    from engine.executor.loader import supported_max_len
+
+    yarn = LlamaConfig(max_position_embeddings=1024, rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "rope_theta": 10000.0})
+    assert supported_max_len(yarn) == 4096
+    assert supported_max_len(LlamaConfig(max_position_embeddings=1024)) == 1024
+    with pytest.raises(ValueError, match="max_model_len 4096 is above what the model supports \\(1024"):
+        LLM(random_model("tiny-llama"), dtype="float32", max_model_len=4096)
