@@ -338,14 +338,16 @@ def _env_number(env: Mapping[str, str], name: str, kind: type) -> Any:
 
 
 def check_model_dirs(config: ServerConfig) -> None:
-    """Fail before the port opens when a model directory is missing or incomplete."""
-    from engine.errors import ModelValidationError
+    """Fail before the port opens when a model directory is missing, incomplete, or not one this engine
+    serves (architecture, RoPE type, checkpoint quantization)."""
+    from engine.executor.layers.quantization import resolve
     from engine.executor.loader import validate_model_dir
 
     for spec in config.models:
         try:
-            validate_model_dir(spec.engine.model, spec.engine.files_root)
-        except ModelValidationError as exc:
+            files = validate_model_dir(spec.engine.model, spec.engine.files_root)
+            resolve(spec.engine.quantization, files.config)
+        except ValueError as exc:  # ModelValidationError too
             raise ConfigError(f"model {spec.name!r}: {exc}") from exc
 
 

@@ -20,6 +20,10 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 INDEX_FILE = "model.safetensors.index.json"
+# what engine/executor/models has a forward for (its MODEL_CLASSES; a test keeps the two equal): checked
+# here, torch-free, so `pagedserve serve` refuses before its port opens
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+UNSUPPORTED_ROPE_TYPES = ("dynamic", "longrope")  # RoPE recomputed per length: not in the own forward
 # what a model's generation_config.json may set for requests that do not (as vLLM's --generation-config auto)
 SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -51,10 +55,24 @@ def validate_model_dir(path: str | os.PathLike, files_root: str | os.PathLike | 
     config = _read_json(root / "config.json", required=True)
     if config.get("auto_map"):
         raise ModelValidationError(f"{root / 'config.json'}: auto_map asks for remote code, which is never run")
+    _check_servable(root / "config.json", config)
     weights = _weight_files(root)
     for name in TOKENIZER_FILES:
         _read_json(root / name, required=True)
     return ModelFiles(root.resolve(), config, weights, _chat_template(root), _sampling_defaults(root))
+
+
+def _check_servable(path: Path, config: dict) -> None:
+    architecture = (config.get("architectures") or [None])[0]
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ModelValidationError(f"{path}: architecture {architecture} is not supported; supported: "
+                                   f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    ropes = [config.get(key) for key in ("rope_parameters", "rope_scaling")]  # transformers 5's name, the old one
+    types = [rope.get("rope_type") or rope.get("type") for rope in ropes if isinstance(rope, dict)]
+    rope_type = next((t for t in types if t in UNSUPPORTED_ROPE_TYPES), None)
+    if rope_type is not None:
+        raise ModelValidationError(f"{path}: rope_type {rope_type!r} is not supported (its frequencies change "
+                                   "with the length); serve the checkpoint without it, or with yarn or linear scaling")
 
 
 def _check_confined(root: Path, within: Path) -> None:

@@ -169,3 +169,15 @@ def test_max_model_len_follows_yarn_and_above_the_model_is_an_error(random_model
     assert supported_max_len(LlamaConfig(max_position_embeddings=1024)) == 1024
     with pytest.raises(ValueError, match="max_model_len 4096 is above what the model supports \\(1024"):
         LLM(random_model("tiny-llama"), dtype="float32", max_model_len=4096)
+
+
+def test_the_loader_refuses_what_no_forward_serves_and_knows_every_forward(model_dir):
+    from engine.executor.loader import SUPPORTED_ARCHITECTURES
+    from engine.executor.models import MODEL_CLASSES
+
+    assert set(MODEL_CLASSES) == set(SUPPORTED_ARCHITECTURES)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "architectures": ["GPTNeoXForCausalLM"]}))
+    _fails_fast(model_dir, "architecture GPTNeoXForCausalLM is not supported")
+    (model_dir / "config.json").write_text(json.dumps({**config, "rope_parameters": {"rope_type": "longrope"}}))
+    _fails_fast(model_dir, "rope_type 'longrope' is not supported")

@@ -1,11 +1,14 @@
 """Options parsed once at the edge: flags > environment > TOML > defaults, into a frozen ServerConfig."""
 
 import dataclasses
+import json
+import re
+import shutil
 
 import pytest
 
 from engine.config import EngineConfig
-from service.cli import build_config, build_parser, main
+from service.cli import build_config, build_parser, check_model_dirs, main
 from service.config import (
     DEFAULT_FALLBACK,
     DEFAULT_MODEL,
@@ -146,6 +149,22 @@ def test_parse_size():
 def test_main_exits_2_on_a_missing_model_dir(tmp_path, capsys):
     assert main(["serve", "--model", str(tmp_path / "nope")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"architectures": ["GPT2LMHeadModel"]}, "architecture GPT2LMHeadModel is not supported; supported: Llama"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type 'dynamic' is not supported"),
+    ({"quantization_config": {"quant_method": "fp8"}}, "checkpoint quantization 'fp8' is not supported"),
+])
+def test_a_model_it_cannot_serve_is_refused_before_the_port_opens(random_model, tmp_path, change, message):
+    """check_model_dirs runs in main() before serve() binds: exit 2 and this one line (main's own
+    path is test_main_exits_2_on_a_missing_model_dir)."""
+    model = tmp_path / "m"
+    shutil.copytree(random_model("tiny-llama"), model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check_model_dirs(_config(["--model", str(model)]))
 
 
 def test_help_lists_subcommands(capsys):

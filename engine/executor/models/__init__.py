@@ -10,7 +10,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, GenerationConfig
 
 from engine.executor.layers.quantization import QuantConfig
-from engine.executor.loader import ModelFiles
+from engine.executor.loader import SUPPORTED_ARCHITECTURES, ModelFiles
 from engine.executor.models.llama import LlamaForCausalLM
 from engine.executor.parallel import TPGroup
 
@@ -19,8 +19,7 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
-}
-SUPPORTED_ARCHITECTURES = tuple(MODEL_CLASSES)
+}  # its keys are the loader's SUPPORTED_ARCHITECTURES (tests/engine/test_config_and_loader.py)
 
 
 def load_model(files: ModelFiles, dtype: torch.dtype, device: torch.device,
