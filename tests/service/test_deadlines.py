@@ -60,7 +60,9 @@ async def test_a_bad_timeout_header_is_400(start, value):
 
 
 async def test_a_slow_primary_is_left_for_the_fallback_at_the_first_token_deadline(start):
-    h = await start(first_token_timeout_s=0.5)
+    # a stall timeout of its own: at the first-token timeout's 0.5 s (its default) the 1.5 s step raced the
+    # deadline, and a stall (the model's failure, never slow) won about one run in 13
+    h = await start(first_token_timeout_s=0.5, stall_timeout_s=5.0)
     h.primary.faults.inject(Fault("slow", delay_ms=1500))  # its loop lives, its first token comes too late
     started = time.monotonic()
     response = await h.client.post(COMPLETIONS, json=SHORT)
