@@ -21,12 +21,25 @@ from safetensors.torch import save_file
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    Gemma2Config,
+    Gemma3TextConfig,
     GenerationConfig,
+    GPT2Config,
+    GPTNeoXConfig,
+    GptOssConfig,
+    GraniteConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
+    Olmo2Config,
+    Phi3Config,
     PretrainedConfig,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
+    SmolLM3Config,
+    StableLmConfig,
+    Starcoder2Config,
 )
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -39,6 +52,10 @@ NORM_JITTER = 0.1  # norm scales become 1 + N(0, 0.1): non-trivial, but keep act
 # initializer_range 0.1 (not 0.02) so that logits of a 64-wide model are far from uniform.
 _TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
              intermediate_size=128, max_position_embeddings=1024, initializer_range=0.1, rms_norm_eps=1e-6)
+
+_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+_TINY_WINDOW = 16  # windowed layers of the tiny presets: shorter than the tests' prompts
+_MOE = dict(num_experts_per_tok=2)
 
 # name -> (config class, config kwargs)
 PRESETS: dict[str, tuple[type[PretrainedConfig], dict]] = {
@@ -62,6 +79,40 @@ PRESETS: dict[str, tuple[type[PretrainedConfig], dict]] = {
     "tiny-mistral": (MistralConfig, dict(
         _TINY, tie_word_embeddings=False, sliding_window=None,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    # the generic backend's families (engine/executor/models/generic.py): each one's own twist, tiny
+    "tiny-gemma2": (Gemma2Config, dict(  # soft-capped scores and logits, local + global layers, sandwich norms
+        _TINY, sliding_window=_TINY_WINDOW, layer_types=["sliding_attention", "full_attention"],
+        attn_logit_softcapping=0.5, final_logit_softcapping=3.0, query_pre_attn_scalar=16, rope_parameters=_ROPE)),
+    "tiny-gemma3": (Gemma3TextConfig, dict(  # q/k norms, local layers with their own RoPE base
+        _TINY, sliding_window=_TINY_WINDOW, layer_types=["sliding_attention", "full_attention"],
+        query_pre_attn_scalar=16, rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    "tiny-phi3": (Phi3Config, dict(  # fused qkv and gate_up in the checkpoint, partial rotary
+        _TINY, tie_word_embeddings=False, partial_rotary_factor=0.5, rope_parameters=_ROPE, sliding_window=None)),
+    "tiny-gpt2": (GPT2Config, dict(  # learned positions, no RoPE, LayerNorm, Conv1D weights
+        n_embd=64, n_layer=2, n_head=4, n_inner=128, n_positions=1024, initializer_range=0.1)),
+    "tiny-gpt-neox": (GPTNeoXConfig, dict(  # parallel residual, partial rotary, interleaved qkv
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        max_position_embeddings=1024, initializer_range=0.1, tie_word_embeddings=False)),
+    "tiny-olmo2": (Olmo2Config, dict(_TINY, tie_word_embeddings=False, rope_parameters=_ROPE)),  # norms after
+    "tiny-granite": (GraniteConfig, dict(  # multipliers on embeddings, residuals, attention and logits
+        _TINY, tie_word_embeddings=True, rope_parameters=_ROPE, embedding_multiplier=2.0,
+        residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0)),
+    "tiny-stablelm": (StableLmConfig, dict(  # LayerNorm, partial rotary, q/k/v bias
+        _TINY, tie_word_embeddings=False, use_qkv_bias=True, partial_rotary_factor=0.25, rope_parameters=_ROPE)),
+    "tiny-starcoder2": (Starcoder2Config, dict(  # LayerNorm, biases everywhere, GELU MLP
+        _TINY, tie_word_embeddings=True, sliding_window=None, use_bias=True, rope_parameters=_ROPE)),
+    "tiny-mixtral": (MixtralConfig, dict(  # 4 experts, top 2, renormalised
+        _TINY, **_MOE, num_local_experts=4, tie_word_embeddings=False, sliding_window=None, rope_parameters=_ROPE)),
+    "tiny-qwen3-moe": (Qwen3MoeConfig, dict(  # 4 experts, top 2, q/k norms
+        _TINY, **_MOE, num_experts=4, moe_intermediate_size=32, norm_topk_prob=True, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    "tiny-smollm3": (SmolLM3Config, dict(  # NoPE on every 2nd layer
+        _TINY, tie_word_embeddings=True, no_rope_layer_interval=2, rope_parameters=_ROPE)),
+    "tiny-gpt-oss": (GptOssConfig, dict(  # attention sinks, local + global layers, 4 experts top 2
+        _TINY, **_MOE, num_local_experts=4, sliding_window=_TINY_WINDOW, tie_word_embeddings=False,
+        layer_types=["sliding_attention", "full_attention"], rope_parameters=_ROPE)),
 }
 
 

@@ -341,12 +341,14 @@ def check_model_dirs(config: ServerConfig) -> None:
     """Fail before the port opens when a model directory is missing, incomplete, or not one this engine
     serves (architecture, RoPE type, checkpoint quantization)."""
     from engine.executor.layers.quantization import resolve
-    from engine.executor.loader import validate_model_dir
+    from engine.executor.loader import check_backend_options, validate_model_dir
 
     for spec in config.models:
         try:
-            files = validate_model_dir(spec.engine.model, spec.engine.files_root)
-            resolve(spec.engine.quantization, files.config)
+            engine = spec.engine
+            files = validate_model_dir(engine.model, engine.files_root)
+            check_backend_options(files, engine.tensor_parallel_size, engine.quantization, engine.compile)
+            resolve(engine.quantization, files.config)
         except ValueError as exc:  # ModelValidationError too
             raise ConfigError(f"model {spec.name!r}: {exc}") from exc
 

@@ -122,3 +122,12 @@ def test_readme_chat_example_answers_with_a_function_that_parses(server):
         answers = list(pool.map(answer, range(CHAT_SEEDS)))
     parsed = [seed for seed, text in enumerate(answers) if defines_function(text)]
     assert len(parsed) >= CHAT_MIN_PARSED, f"{len(parsed)}/{CHAT_SEEDS} parse: {answers}"
+
+
+def test_supported_models_table_is_the_engines():
+    """The README's "Supported models" table is what engine.executor.models generates from its registry."""
+    from engine.executor.models import supported_models_markdown
+
+    table = re.search(r"<!-- supported-models: .*? -->\n(.*?)<!-- /supported-models -->", README.read_text(), re.DOTALL)
+    assert table is not None, "README.md lost its supported-models markers"
+    assert table.group(1) == supported_models_markdown(), f"paste this table into README.md:\n{supported_models_markdown()}"

@@ -20,9 +20,18 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 INDEX_FILE = "model.safetensors.index.json"
-# what engine/executor/models has a forward for (its MODEL_CLASSES; a test keeps the two equal): checked
-# here, torch-free, so `pagedserve serve` refuses before its port opens
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+# what engine/executor/models has an own forward for (its MODEL_CLASSES; a test keeps the two equal); any
+# other decoder-only architecture transformers builds runs on the generic backend (`backend_for`), checked
+# here so that `pagedserve serve` refuses before its port opens
+OWN_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")  # decoder-only; ...ForConditionalGeneration is multimodal
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")  # a layer_types entry the paged cache holds
+# transformers' causal LMs with recurrent or state-space layers (found by their modeling code's conv / SSM
+# state, transformers 5.25); the generic backend's load-time dry forward refuses any it does not list
+STATEFUL_MODEL_TYPES = frozenset((
+    "bailing_hybrid", "bamba", "falcon_h1", "falcon_mamba", "granitemoehybrid", "jamba", "kimi_linear", "lara_mini",
+    "lfm2", "lfm2_moe", "lfm3", "mamba", "mamba2", "minimax", "nemotron_h", "olmo_hybrid", "plamo2", "qwen3_5",
+    "qwen3_5_moe", "qwen3_next", "qwen4_exp", "recurrent_gemma", "rwkv", "xlstm", "zamba", "zamba2"))
 UNSUPPORTED_ROPE_TYPES = ("dynamic", "longrope")  # RoPE recomputed per length: not in the own forward
 # what a model's generation_config.json may set for requests that do not (as vLLM's --generation-config auto)
 SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -62,11 +71,46 @@ def validate_model_dir(path: str | os.PathLike, files_root: str | os.PathLike | 
     return ModelFiles(root.resolve(), config, weights, _chat_template(root), _sampling_defaults(root))
 
 
-def _check_servable(path: Path, config: dict) -> None:
+def backend_for(config: dict) -> str:
+    """"own" (an own forward), or "generic" for a decoder-only architecture transformers builds whose every
+    layer is attention; else ModelValidationError with the reason."""
     architecture = (config.get("architectures") or [None])[0]
-    if architecture not in SUPPORTED_ARCHITECTURES:
-        raise ModelValidationError(f"{path}: architecture {architecture} is not supported; supported: "
-                                   f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    if architecture in OWN_ARCHITECTURES:
+        return "own"
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if architecture not in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()) or not str(architecture).endswith(
+            CAUSAL_LM_SUFFIXES):
+        raise ModelValidationError(f"architecture {architecture} is not supported: neither an own forward "
+                                   f"({', '.join(OWN_ARCHITECTURES)}) nor a decoder-only *ForCausalLM of "
+                                   "transformers (the generic backend)")
+    others = sorted(set(config.get("layer_types") or ()) - set(ATTENTION_LAYER_TYPES))
+    if config.get("model_type") in STATEFUL_MODEL_TYPES or others:
+        others = others or ["recurrent or state-space"]
+        raise ModelValidationError(f"architecture {architecture} has {', '.join(others)} layers, whose state a "
+                                   "paged KV cache does not hold")
+    return "generic"
+
+
+def check_backend_options(files: ModelFiles, tensor_parallel_size: int, quantization: str | None,
+                          compile: bool) -> str:
+    """The model's backend (`backend_for`), refusing what the generic one cannot do: tensor parallelism,
+    quantization (asked for, or the checkpoint's own) and --compile need an own forward."""
+    backend = backend_for(files.config)
+    asked = [name for name, on in (("tensor parallelism", tensor_parallel_size > 1),
+                                   ("quantization", quantization or files.config.get("quantization_config")),
+                                   ("--compile", compile)) if on]
+    if backend == "generic" and asked:
+        raise ModelValidationError(f"{files.path}: {files.architecture} runs on the generic backend, which has no "
+                                   f"{' or '.join(asked)} (own forwards: {', '.join(OWN_ARCHITECTURES)})")
+    return backend
+
+
+def _check_servable(path: Path, config: dict) -> None:
+    try:
+        backend_for(config)
+    except ModelValidationError as exc:
+        raise ModelValidationError(f"{path}: {exc}") from None
     ropes = [config.get(key) for key in ("rope_parameters", "rope_scaling")]  # transformers 5's name, the old one
     types = [rope.get("rope_type") or rope.get("type") for rope in ropes if isinstance(rope, dict)]
     rope_type = next((t for t in types if t in UNSUPPORTED_ROPE_TYPES), None)

@@ -17,8 +17,9 @@ from engine.core.sequence import SampledToken
 from engine.executor.attention import select_backend
 from engine.executor.attention.base import StepAttention, StepBatch
 from engine.executor.layers import onednn_linear, quantization
-from engine.executor.loader import ModelFiles, supported_max_len, validate_model_dir
+from engine.executor.loader import ModelFiles, check_backend_options, supported_max_len, validate_model_dir
 from engine.executor.models import load_model
+from engine.executor.models.generic import GenericForCausalLM
 from engine.executor.parallel import Ranks, TPGroup, make_store, worker_threads
 from engine.executor.sampler import Sampler, SampleRow
 from engine.executor.worker import Worker
@@ -57,8 +58,10 @@ class ModelRunner:
             raise
 
     def _load(self, config: EngineConfig, files: ModelFiles) -> None:
+        check_backend_options(files, config.tensor_parallel_size, config.quantization, config.compile)
         self.quant = quantization.resolve(config.quantization, files.config)
         self.model = load_model(files, self.dtype, self.device, self.quant, self.tp)
+        self.generic = isinstance(self.model, GenericForCausalLM)
         self.int8_kernel_rows = quantization.calibrate_kernel_rows(self.model, self.dtype) if self.quant else None
         self.linear_probe, self.linear_kernel = self._choose_linear_kernel(config.linear_kernel)
         self.compile_s = self._compile() if config.compile else None
@@ -66,15 +69,16 @@ class ModelRunner:
         # reordered oneDNN weights are buffers
         self.weight_bytes = sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
         cfg, args = self.model.config, self.model.args  # args.num_kv_heads: this rank's share of them
-        self.layout = self.worker.allocate(cfg.num_hidden_layers, args.num_kv_heads, args.head_dim,
+        self.layout = self.worker.allocate(args.num_layers, args.num_kv_heads, args.head_dim,
                                            supported_max_len(cfg), self.tp.agree_min if self.tp else None)
         self.model.bind_kv_caches(self.worker.kv_caches)
         self.sampler = Sampler()
         # keys a windowed layer sees (itself included); every windowed layer of a model shares it
         sliding_window = next((w for w in self.model.args.sliding_windows if w is not None), None)
-        self.attention = select_backend(config.attention_backend, self.device, self.dtype, sliding_window)
-        logger.info("loaded %s (%s, %s%s, %s attention): %.1f MiB weights, %d KV blocks of %d tokens (%.1f MiB), "
-                    "max_model_len %d", files.path.name, self.device, self.dtype,
+        self.attention = select_backend(config.attention_backend, self.device, self.dtype, sliding_window,
+                                        needs_eager=self.generic and args.needs_eager)
+        logger.info("loaded %s (%s backend, %s, %s%s, %s attention): %.1f MiB weights, %d KV blocks of %d tokens (%.1f MiB), "
+                    "max_model_len %d", files.path.name, "generic" if self.generic else "own", self.device, self.dtype,
                     f", {self.quant.method} linear weights, int8 read directly up to {self.int8_kernel_rows} rows"
                     if self.quant else "", self.attention.name, self.weight_bytes / 2**20,
                     self.layout.num_blocks,
@@ -93,7 +97,7 @@ class ModelRunner:
         (auto: whichever this machine runs the model's MLP shape faster, probed now; aten under tensor
         parallelism and with compile)."""
         if (self.device.type != "cpu" or requested == "aten" or self.quant is not None or self.tp is not None
-                or self.config.compile):
+                or self.config.compile or self.generic):
             return None, "int8" if self.quant is not None else "aten"
         args = self.model.args
         probe = onednn_linear.probe(args.hidden_size, args.intermediate_size, self.dtype)

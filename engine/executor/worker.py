@@ -34,7 +34,10 @@ def resolve_dtype(name: str, model_config: dict, device: torch.device) -> tuple[
     if name != "auto":
         return TORCH_DTYPES[name], None
     if device.type == "cpu":
-        probe = probe_cpu_dtype(int(model_config["hidden_size"]), int(model_config["intermediate_size"]))
+        # GPT-2's config names them n_embd and n_inner (None: 4 x n_embd)
+        hidden = int(model_config.get("hidden_size") or model_config["n_embd"])
+        probe = probe_cpu_dtype(hidden, int(model_config.get("intermediate_size") or model_config.get("n_inner")
+                                            or 4 * hidden))
         return TORCH_DTYPES[probe.chosen], probe
     dtype = TORCH_DTYPES.get(str(model_config.get("dtype") or model_config.get("torch_dtype")), torch.float32)
     if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():

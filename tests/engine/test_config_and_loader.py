@@ -172,12 +172,17 @@ def test_max_model_len_follows_yarn_and_above_the_model_is_an_error(random_model
 
 
 def test_the_loader_refuses_what_no_forward_serves_and_knows_every_forward(model_dir):
-    from engine.executor.loader import SUPPORTED_ARCHITECTURES
+    from engine.executor.loader import OWN_ARCHITECTURES
     from engine.executor.models import MODEL_CLASSES
 
-    assert set(MODEL_CLASSES) == set(SUPPORTED_ARCHITECTURES)
+    assert set(MODEL_CLASSES) == set(OWN_ARCHITECTURES)
     config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "architectures": ["Gemma3ForConditionalGeneration"]}))
+    _fails_fast(model_dir, "architecture Gemma3ForConditionalGeneration is not supported: neither an own forward")
+    (model_dir / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3NextForCausalLM"],
+                                                       "layer_types": ["linear_attention", "full_attention"]}))
+    _fails_fast(model_dir, "has linear_attention layers, whose state a paged KV cache does not hold")
     (model_dir / "config.json").write_text(json.dumps({**config, "architectures": ["GPTNeoXForCausalLM"]}))
-    _fails_fast(model_dir, "architecture GPTNeoXForCausalLM is not supported")
+    assert validate_model_dir(model_dir).architecture == "GPTNeoXForCausalLM"  # the generic backend's
     (model_dir / "config.json").write_text(json.dumps({**config, "rope_parameters": {"rope_type": "longrope"}}))
     _fails_fast(model_dir, "rope_type 'longrope' is not supported")

@@ -1,6 +1,6 @@
 """Greedy outputs token-identical to HF transformers `generate` (fp32, CPU) for every supported
-family, under chunked prefill, preemption (recompute and swap), prefix-cache hits and block sizes
-8, 16 and 32. Every scenario ends with every block free."""
+family, own forward or generic backend, under chunked prefill, preemption (recompute and swap),
+prefix-cache hits, n > 1 and block sizes 8, 16 and 32. Every scenario ends with every block free."""
 
 import random
 
@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
-from tests.conftest import FAMILIES
+from tests.conftest import FAMILIES, GENERIC_FAMILIES
 
 NUM_NEW = 10
 MAX_MODEL_LEN = 128
@@ -62,11 +62,11 @@ SCENARIOS = {
 }
 
 
-def _check(llm: LLM, prompts: list[list[int]], expected: list[list[int]]) -> None:
-    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, min_tokens=NUM_NEW)  # as HF min_new_tokens
+def _check(llm: LLM, prompts: list[list[int]], expected: list[list[int]], n: int = 1) -> None:
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, min_tokens=NUM_NEW, n=n)  # as HF min_new_tokens
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    got = [o.outputs[0].token_ids for o in outs]
-    assert got == expected
+    for choice in range(n):
+        assert [o.outputs[choice].token_ids for o in outs] == expected
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
     assert len(bm.free_swap_blocks) == bm.num_swap_blocks
@@ -132,3 +132,25 @@ def test_linear_kernels_match_transformers(references, preset, kernel):
     assert llm.engine.model_runner.linear_kernel == kernel
     assert (llm.engine.model_runner.row_counts is not None) == (kernel == "onednn")  # steps padded to them
     _check(llm, prompts, expected)
+
+
+@pytest.mark.parametrize("preset", GENERIC_FAMILIES)
+def test_generic_backend_matches_transformers(references, preset):
+    """HF's modules with our paged attention (sliding windows, soft-capping, sinks, MoE, learned positions,
+    NoPE layers, as each family has them): chunked prefill with n = 2, then prefix-cache hits, then
+    preemption by recompute and by swap."""
+    path, prompts, expected = references(preset)
+    llm = LLM(path, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=32, **SCENARIOS["chunked_prefill"])
+    runner = llm.engine.model_runner
+    assert runner.generic
+    _check(llm, prompts, expected, n=2)
+    hits_before = llm.engine.block_manager.num_prefix_hits
+    _check(llm, prompts, expected)
+    assert llm.engine.block_manager.num_prefix_hits > hits_before
+    args = runner.model.args
+    bytes_per_block = 2 * args.num_layers * args.num_kv_heads * args.head_dim * 4 * 8
+    for mode in ("recompute", "swap"):
+        small = LLM(path, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=32, block_size=8,
+                    kv_cache_memory=24 * bytes_per_block, preemption_mode=mode, swap_space=0.01)
+        _check(small, prompts, expected)
+        assert small.engine.stats().num_preemptions > 0

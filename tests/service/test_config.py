@@ -152,7 +152,8 @@ def test_main_exits_2_on_a_missing_model_dir(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    ({"architectures": ["GPT2LMHeadModel"]}, "architecture GPT2LMHeadModel is not supported; supported: Llama"),
+    ({"architectures": ["T5ForConditionalGeneration"]}, "architecture T5ForConditionalGeneration is not supported"),
+    ({"architectures": ["MambaForCausalLM"], "model_type": "mamba"}, "recurrent or state-space layers"),
     ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type 'dynamic' is not supported"),
     ({"quantization_config": {"quant_method": "fp8"}}, "checkpoint quantization 'fp8' is not supported"),
 ])

@@ -52,8 +52,11 @@ class FlexMetadata:
     calls: list[FlexCall]  # the decodes', then the prefill chunks'; either may be absent
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, scale: float, is_windowed: bool) -> torch.Tensor:
+               v_cache: torch.Tensor, scale: float, is_windowed: bool, softcap: float | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Write k/v [T, KVH, D] into the caches, attend q [T, H, D]; returns [T, H, D]."""
+        if softcap is not None or sinks is not None:  # select_backend never picks flex for such a model
+            raise ValueError("the flex backend does not soft-cap scores or take attention sinks")
         k_cache.index_copy_(1, self.slot_mapping, k.transpose(0, 1))
         v_cache.index_copy_(1, self.slot_mapping, v.transpose(0, 1))
         out = torch.empty_like(q)

@@ -112,7 +112,10 @@ class AttentionMetadata:
     decode_window_mask: torch.Tensor | None = None  # like decode_mask, for windowed layers past their window
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, scale: float, is_windowed: bool) -> torch.Tensor:
+               v_cache: torch.Tensor, scale: float, is_windowed: bool, softcap: float | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+        if softcap is not None or sinks is not None:
+            return eager_paged_attention(q, k, v, k_cache, v_cache, self, scale, is_windowed, softcap, sinks)
         return paged_attention(q, k, v, k_cache, v_cache, self, scale, is_windowed)
 
 
@@ -133,6 +136,54 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         mask = seg.window_mask if is_windowed and seg.window_mask is not None else seg.mask
         out[seg.start:seg.end] = _prefill(q, k, v, k_cache, v_cache, seg, mask, scale)
     return out
+
+
+def eager_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, is_windowed: bool,
+                          softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """paged_attention's result for models whose scores SDPA cannot compute (soft-capping, sinks): the
+    scores written out, one sequence at a time, in HF's eager order."""
+    k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+    v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+    out = torch.empty_like(q)
+    window_mask = meta.decode_window_mask if is_windowed else None
+    for i in range(meta.num_decodes):
+        length = int(meta.decode_lens[i])
+        slots = block_slots(meta.decode_tables[i].tolist(), meta.block_size, q.device)[:length]
+        visible = None if window_mask is None else (window_mask[0, i, 0, :length] == 0)[None]
+        out[i] = _eager(q[i:i + 1], _gather(k_cache, slots, 1), _gather(v_cache, slots, 1), visible, scale,
+                        softcap, sinks)[0]
+    for seg in meta.prefills:
+        mask = seg.window_mask if is_windowed and seg.window_mask is not None else seg.mask
+        if seg.context_slots is None:
+            ks, vs = k[seg.start:seg.end].transpose(0, 1), v[seg.start:seg.end].transpose(0, 1)
+        else:
+            ks, vs = _gather(k_cache, seg.context_slots, 1), _gather(v_cache, seg.context_slots, 1)
+        out[seg.start:seg.end] = _eager(q[seg.start:seg.end], ks, vs, mask, scale, softcap, sinks)
+    return out
+
+
+def _eager(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor | None, scale: float,
+           softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """q [L, H, D] over keys/values [KVH, S, D]; `visible` [L, S] bool (None: causal, the queries being the
+    last L positions) -> [L, H, D]."""
+    num_queries, num_heads, _ = q.shape
+    groups = num_heads // keys.shape[0]
+    keys, values = keys.repeat_interleave(groups, 0), values.repeat_interleave(groups, 0)
+    scores = q.transpose(0, 1) @ keys.transpose(1, 2) * scale  # [H, L, S]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if visible is None:
+        num_keys = keys.shape[1]
+        visible = torch.ones(num_queries, num_keys, dtype=torch.bool, device=q.device).tril(num_keys - num_queries)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+    else:  # the sink joins the denominator and is dropped
+        logits = torch.cat([scores, sinks.reshape(-1, 1, 1).expand(-1, num_queries, 1).to(scores.dtype)], dim=-1)
+        logits = logits - logits.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(values.dtype)
+    return (probs @ values).transpose(0, 1)
 
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
