@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import (
@@ -193,13 +194,23 @@ def quantize_4bit(weight: torch.Tensor, group_size: int, symmetric: bool):
     return q.view(n, k).to(torch.uint8), zeros.to(torch.uint8), scales
 
 
+def quantize_fp8(weight: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [n, k] -> (float8_e4m3fn [n, k], float32 scales [ceil(n / block), ceil(k / block)]), one scale
+    per block x block tile (max |w| / 448), as Qwen3-*-FP8 store weight and weight_scale_inv."""
+    n, k = weight.shape
+    tiles = F.pad(weight.float(), (0, -k % block, 0, -n % block)).unflatten(0, (-1, block)).unflatten(2, (-1, block))
+    scales = (tiles.abs().amax(dim=(1, 3)) / torch.finfo(torch.float8_e4m3fn).max).clamp_min(1e-12)
+    full = scales.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
+    return (weight.float() / full).to(torch.float8_e4m3fn), scales
+
+
 def make_quantized_model(src: str | Path, out: str | Path, method: str, group_size: int = 128) -> tuple[Path, Path]:
     """Write the float checkpoint src with its decoder layers' linear weights as AWQ (GEMM, zero points) or
-    GPTQ (sym, original format: zeros stored minus one) 4-bit tensors to out, and the same model with those
-    weights dequantized, (q - zero) * scale in float32, to out-dequantized: the reference the engine's
-    logits are checked against. Returns both directories."""
-    if method not in ("awq", "gptq"):
-        raise ValueError(f"method must be 'awq' or 'gptq', got {method!r}")
+    GPTQ (sym, original format: zeros stored minus one) 4-bit tensors, or as FP8 (e4m3, one scale per
+    group_size x group_size block), to out, and the same model with those weights dequantized, in float32,
+    to out-dequantized: the reference the engine's logits are checked against. Returns both directories."""
+    if method not in ("awq", "gptq", "fp8"):
+        raise ValueError(f"method must be 'awq', 'gptq' or 'fp8', got {method!r}")
     src, out = Path(src), Path(out)
     reference = out.with_name(out.name + "-dequantized")
     for d in (out, reference):
@@ -214,6 +225,12 @@ def make_quantized_model(src: str | Path, out: str | Path, method: str, group_si
                 module = name.rsplit(".", 2)[-2] if name.endswith(".weight") else None
                 if module not in QUANTIZED_MODULES:
                     packed[name] = dequantized[name] = tensor
+                    continue
+                if method == "fp8":
+                    packed[name], scales = quantize_fp8(tensor, group_size)
+                    packed[f"{name.removesuffix('.weight')}.weight_scale_inv"] = scales
+                    dequantized[name] = packed[name].float() * scales.repeat_interleave(group_size, 0)[
+                        :tensor.shape[0]].repeat_interleave(group_size, 1)[:, :tensor.shape[1]]
                     continue
                 q, zeros, scales = quantize_4bit(tensor, group_size, symmetric=method == "gptq")
                 dequantized[name] = ((q.float() - zeros.float().repeat_interleave(group_size, 1))
@@ -232,11 +249,12 @@ def make_quantized_model(src: str | Path, out: str | Path, method: str, group_si
     save_file({k: v.contiguous() for k, v in dequantized.items()}, reference / "model.safetensors",
               metadata={"format": "pt"})
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = (
-        {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm"}
-        if method == "awq" else
-        {"quant_method": "gptq", "bits": 4, "group_size": group_size, "sym": True, "desc_act": False,
-         "checkpoint_format": "gptq"})
+    config["quantization_config"] = {
+        "awq": {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm"},
+        "gptq": {"quant_method": "gptq", "bits": 4, "group_size": group_size, "sym": True, "desc_act": False,
+                 "checkpoint_format": "gptq"},
+        "fp8": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": [group_size, group_size]}}[method]
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out, reference
 
@@ -247,9 +265,10 @@ def main() -> None:
     p.add_argument("out", nargs="?", type=Path, help="output directory (default: benchmarks/models/PRESET)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    p.add_argument("--quantize", choices=("awq", "gptq"),
-                   help="also write OUT-awq / OUT-gptq (4-bit) and its dequantized float32 reference")
-    p.add_argument("--group-size", type=int, default=128, help="inputs per 4-bit scale (with --quantize)")
+    p.add_argument("--quantize", choices=("awq", "gptq", "fp8"),
+                   help="also write OUT-awq / OUT-gptq (4-bit) / OUT-fp8 and its dequantized float32 reference")
+    p.add_argument("--group-size", type=int, default=128,
+                   help="inputs per 4-bit scale; FP8: rows and columns per scale (with --quantize)")
     args = p.parse_args()
     out = make_random_model(args.preset, args.out or DEFAULT_OUT_DIR / args.preset, seed=args.seed,
                             dtype=args.dtype)

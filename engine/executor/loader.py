@@ -18,7 +18,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+# tokenizer_config.json, and the vocabulary as tokenizer.json or, SentencePiece-only (Llama 2, Mistral v0.1
+# repos), tokenizer.model, which transformers converts (sentencepiece + protobuf)
+TOKENIZER_CONFIG, TOKENIZER_JSON, SENTENCEPIECE_MODEL = "tokenizer_config.json", "tokenizer.json", "tokenizer.model"
 INDEX_FILE = "model.safetensors.index.json"
 # what engine/executor/models has an own forward for (its MODEL_CLASSES; a test keeps the two equal); any
 # other decoder-only architecture transformers builds runs on the generic backend (`backend_for`), checked
@@ -66,8 +68,9 @@ def validate_model_dir(path: str | os.PathLike, files_root: str | os.PathLike | 
         raise ModelValidationError(f"{root / 'config.json'}: auto_map asks for remote code, which is never run")
     _check_servable(root / "config.json", config)
     weights = _weight_files(root)
-    for name in TOKENIZER_FILES:
-        _read_json(root / name, required=True)
+    _read_json(root / TOKENIZER_CONFIG, required=True)
+    if not (root / SENTENCEPIECE_MODEL).is_file() or (root / TOKENIZER_JSON).is_file():
+        _read_json(root / TOKENIZER_JSON, required=True)
     return ModelFiles(root.resolve(), config, weights, _chat_template(root), _sampling_defaults(root))
 
 

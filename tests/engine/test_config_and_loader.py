@@ -186,3 +186,26 @@ def test_the_loader_refuses_what_no_forward_serves_and_knows_every_forward(model
     assert validate_model_dir(model_dir).architecture == "GPTNeoXForCausalLM"  # the generic backend's
     (model_dir / "config.json").write_text(json.dumps({**config, "rope_parameters": {"rope_type": "longrope"}}))
     _fails_fast(model_dir, "rope_type 'longrope' is not supported")
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"), "lacks model.layers.1.self_attn.k_proj.weight$"),
+    (lambda t: t.update({"model.layers.0.mlp.up_proj.weight": t["model.layers.0.mlp.up_proj.weight"][:64]}),
+     r"misshapen model.layers.0.mlp.up_proj.weight \(64, 64\) \(expected \(128, 64\)\)"),
+    (lambda t: t.update({"model.layers.0.mlp.extra.weight": t["model.norm.weight"].clone()}),
+     "has tensors no layer takes: model.layers.0.mlp.extra.weight"),
+])
+def test_a_checkpoint_that_does_not_fit_fails_before_any_weight_is_read(model_dir, monkeypatch, edit, message):
+    """Found from the safetensors headers, named as the checkpoint names it (k_proj, not our fused qkv)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from engine import LLM
+
+    with safe_open(model_dir / "model.safetensors", "pt") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is no dict)
+    edit(tensors)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, model_dir / "model.safetensors", metadata={"format": "pt"})
+    monkeypatch.setattr("engine.executor.models._read_safetensors", lambda *a: pytest.fail("a weight was read"))
+    with pytest.raises(ValueError, match=message):
+        LLM(str(model_dir), dtype="float32", max_model_len=64)

@@ -143,7 +143,8 @@ def test_act_order_g_idx_is_refused():
     ("int4", None, "quantization must be one of"),
     ("awq", None, "needs a AWQ checkpoint; this one has no quantization_config"),
     ("int8", {"quant_method": "awq", "bits": 4, "group_size": 128}, "'int8' asked for, but the checkpoint is AWQ"),
-    (None, {"quant_method": "fp8"}, "checkpoint quantization 'fp8' is not supported"),
+    (None, {"quant_method": "bitsandbytes"}, "checkpoint quantization 'bitsandbytes' is not supported"),
+    (None, {"quant_method": "fp8", "fmt": "e5m2"}, "FP8 format 'e5m2' is not supported"),
     (None, {"quant_method": "gptq", "bits": 8, "group_size": 128}, "with 8 bits are not supported"),
     (None, {"quant_method": "awq", "bits": 4, "group_size": 0}, "group_size must be a positive integer"),
     (None, {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "AWQ version 'gemv'"),
@@ -207,6 +208,16 @@ def test_4bit_checkpoint_matches_its_dequantized_reference(random_model, tmp_pat
     assert json.loads((quantized / "config.json").read_text())["quantization_config"]["quant_method"] == method
     llm_dir = str(quantized)
     _assert_matches(_engine_greedy(llm_dir), _hf_greedy(str(reference)), atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["tiny-qwen3", "tiny-mistral"])
+def test_fp8_checkpoint_is_dequantized_at_load(random_model, tmp_path, family):
+    """An FP8 checkpoint as Qwen3-*-FP8 ship (e4m3 weights, a weight_scale_inv per 32 x 32 block here):
+    served in float32, it is HF on the float32 weights those values stand for, to 1e-4."""
+    quantized, reference = make_quantized_model(random_model(family), tmp_path / "fp8", "fp8", group_size=32)
+    runner = LLM(str(quantized), dtype="float32", max_model_len=64).engine.model_runner
+    assert runner.quant is None and runner.model.layers[0].mlp.down_proj.weight.dtype == torch.float32
+    _assert_matches(_engine_greedy(str(quantized)), _hf_greedy(str(reference)), atol=1e-4)
 
 
 def test_int8_matches_the_dequantized_fp32_model(random_model, tmp_path):

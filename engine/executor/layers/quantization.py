@@ -48,12 +48,47 @@ class QuantConfig:
         return self.method != "int8"
 
 
+FP8_DTYPES = (torch.float8_e4m3fn,)
+FP8_SCALE = "weight_scale_inv"  # the leaf of an FP8 weight's scale: w = fp8 * scale, per block of weight_block_size
+
+
+def fp8_block_size(model_config: dict) -> tuple[int, int] | None | bool:
+    """An FP8 checkpoint's (rows, columns) per scale, None for one scale per tensor; False: not FP8.
+    FP8 checkpoints (quant_method fp8, as Qwen3-*-FP8 ship) are dequantized at load to the serving dtype."""
+    spec = model_config.get("quantization_config") or {}
+    if str(spec.get("quant_method", "")).lower() != "fp8":
+        return False
+    if str(spec.get("fmt", "e4m3")).lower() != "e4m3":
+        raise ValueError(f"FP8 format {spec.get('fmt')!r} is not supported (e4m3 only)")
+    block = spec.get("weight_block_size")
+    if block is None:
+        return None
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ValueError(f"FP8 weight_block_size must be two positive integers, got {block!r}")
+    return block[0], block[1]
+
+
+def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """weight [out, in] float8 times its scale ([ceil(out / rows), ceil(in / columns)], or one), in dtype."""
+    w = weight.to(torch.float32)
+    s = scale.to(torch.float32)
+    if block is not None:
+        rows, cols = block
+        s = s.repeat_interleave(rows, 0)[:w.shape[0]].repeat_interleave(cols, 1)[:, :w.shape[1]]
+    return (w * s).to(dtype)
+
+
 def resolve(requested: str | None, model_config: dict) -> QuantConfig | None:
     """The quantization a model runs with: its checkpoint's own (config.json's quantization_config) or,
-    for a float checkpoint, the one asked for. A mismatch or a format we cannot read raises ValueError."""
+    for a float checkpoint, the one asked for. A mismatch or a format we cannot read raises ValueError.
+    FP8 checkpoints run in the serving dtype (dequantized at load: `fp8_block_size`); int8 may be asked
+    on top of that."""
     if requested is not None and requested not in METHODS:
         raise ValueError(f"quantization must be one of {METHODS}, got {requested!r}")
     spec = model_config.get("quantization_config")
+    if fp8_block_size(model_config) is not False:
+        spec = None
     if not spec:
         if requested in ("awq", "gptq"):
             raise ValueError(f"quantization {requested!r} needs a {requested.upper()} checkpoint; this one has no "
@@ -61,7 +96,7 @@ def resolve(requested: str | None, model_config: dict) -> QuantConfig | None:
         return QuantConfig("int8", None) if requested == "int8" else None
     method = str(spec.get("quant_method", "")).lower()
     if method not in ("awq", "gptq"):
-        raise ValueError(f"checkpoint quantization {method!r} is not supported; supported: awq, gptq")
+        raise ValueError(f"checkpoint quantization {method!r} is not supported; supported: awq, gptq, fp8")
     if requested not in (None, method):
         raise ValueError(f"quantization {requested!r} asked for, but the checkpoint is {method.upper()}")
     bits = spec.get("bits", spec.get("w_bit"))

@@ -334,6 +334,36 @@ class LlamaForCausalLM(nn.Module):
                 self.compute_logits(hidden)
         return counts
 
+    def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Each float tensor the checkpoint must hold, by its HF name, with its whole (unsharded) shape."""
+        a = LlamaArgs.from_hf(self.config)
+        h, d, inter = a.hidden_size, a.head_dim, a.intermediate_size
+        shapes = {"model.embed_tokens.weight": (a.vocab_size, h), "model.norm.weight": (h,)}
+        if not a.tie_word_embeddings:
+            shapes["lm_head.weight"] = (a.vocab_size, h)
+        for i in range(a.num_layers):
+            layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+                     "self_attn.q_proj.weight": (a.num_heads * d, h), "self_attn.k_proj.weight": (a.num_kv_heads * d, h),
+                     "self_attn.v_proj.weight": (a.num_kv_heads * d, h), "self_attn.o_proj.weight": (h, a.num_heads * d),
+                     "mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h),
+                     "mlp.down_proj.weight": (h, inter)}
+            if a.qkv_bias:
+                layer |= {f"self_attn.{p}_proj.bias": (rows[0],) for p, rows in
+                          (("q", layer["self_attn.q_proj.weight"]), ("k", layer["self_attn.k_proj.weight"]),
+                           ("v", layer["self_attn.v_proj.weight"]))}
+            if a.o_bias:
+                layer["self_attn.o_proj.bias"] = (h,)
+            if a.mlp_bias:
+                layer |= {"mlp.gate_proj.bias": (inter,), "mlp.up_proj.bias": (inter,), "mlp.down_proj.bias": (h,)}
+            if a.qk_norm:
+                layer |= {"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)}
+            shapes |= {f"model.layers.{i}.{name}": shape for name, shape in layer.items()}
+        return shapes
+
+    def skips(self, hf_name: str) -> bool:
+        """A checkpoint tensor that is not loaded: recomputed (RoPE's inv_freq) or tied to the embedding."""
+        return hf_name.endswith("rotary_emb.inv_freq") or (hf_name == "lm_head.weight" and self.lm_head is None)
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in (cast to our dtype), q/k/v and gate/up into their fused rows; into an
@@ -343,8 +373,8 @@ class LlamaForCausalLM(nn.Module):
         missing = {(name, part) for name, p in params.items() for part in range(self._num_parts(name))}
         packed: dict[tuple[str, int], dict[str, torch.Tensor]] = {}  # an AWQ / GPTQ layer's tensors as they come
         for hf_name, tensor in weights:
-            if hf_name.endswith("rotary_emb.inv_freq") or (hf_name == "lm_head.weight" and self.lm_head is None):
-                continue  # recomputed / tied to the embedding
+            if self.skips(hf_name):
+                continue
             name, part = self._our_name(hf_name)
             module, leaf = name.rsplit(".", 1)
             if self.quant is not None and self.quant.from_checkpoint and leaf in (*QUANT_LEAVES, "g_idx"):
