@@ -69,6 +69,18 @@ PRESETS: dict[str, tuple[type[PretrainedConfig], dict]] = {
         hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, head_dim=128,
         intermediate_size=8960, tie_word_embeddings=True, max_position_embeddings=32768, rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    # benchmark shapes for the generic backend (benchmarks/offline.py --model): a Qwen3-MoE of ~200 M
+    # parameters (8 experts, top 2) and a Gemma 2 of ~100 M (Gemma 3 270M's widths, Gemma 2's soft-capping)
+    "qwen3-moe-200m": (Qwen3MoeConfig, dict(
+        hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4, head_dim=64,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=768, intermediate_size=2048,
+        norm_topk_prob=True, tie_word_embeddings=True, max_position_embeddings=4096, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    "gemma2-100m": (Gemma2Config, dict(
+        hidden_size=640, num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+        intermediate_size=2048, sliding_window=512, query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0, max_position_embeddings=4096, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
     "tiny-llama": (LlamaConfig, dict(
         _TINY, tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
     "tiny-qwen2": (Qwen2Config, dict(

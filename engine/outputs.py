@@ -36,3 +36,6 @@ class RequestOutput:
     # arrival/first_scheduled/first_token (monotonic s); num_preemptions: of its sequences so far, all told
     metrics: dict[str, float] = field(default_factory=dict)
     error: EngineError | None = None  # on the final output of a request the engine failed (poison isolation)
+    # SamplingParams.prompt_logprobs: one entry per prompt token (None for the first), on the request's
+    # first output only
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

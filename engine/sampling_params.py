@@ -99,6 +99,9 @@ class SamplingParams:
     min_tokens: int = 0
     max_tokens: int | None = 16  # None = up to the model's context
     logprobs: int | None = None  # top-N logprobs per sampled token, plus the sampled one
+    # top-N logprobs of each prompt token after the first, plus the token itself (vLLM's prompt_logprobs); such a
+    # request's prompt is computed, never read from the prefix cache
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, in [-100, 100]
     structured_outputs: StructuredOutputs | None = None  # the output must match it (engine/structured/grammar.py)
@@ -129,6 +132,8 @@ class SamplingParams:
              f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
              f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+             f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
             (len(self.stop) <= MAX_NUM_STOP, f"stop must hold at most {MAX_NUM_STOP} strings, got {len(self.stop)}"),
             (len(self.stop_token_ids) <= MAX_NUM_STOP_TOKEN_IDS,
@@ -146,7 +151,7 @@ class SamplingParams:
 
     def _check_types(self) -> None:
         """Integers are ints (not bools) inside int64; floats are finite numbers."""
-        for name in ("n", "top_k", "seed", "min_tokens", "max_tokens", "logprobs"):
+        for name in ("n", "top_k", "seed", "min_tokens", "max_tokens", "logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
                 raise ValueError(f"{name} must be an integer, got {type(value).__name__}")

@@ -40,7 +40,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     with _naming(parsed.structured_param):
         await gen.check_prompts(parsed.prompts, parsed.add_special_tokens)
     echo = await asyncio.to_thread(_prompt_texts, gen, parsed.prompts) if parsed.echo else None
-    fmt = CompletionFormat(parsed.params.n, parsed.params.logprobs, echo)
+    fmt = CompletionFormat(parsed.params.n, parsed.params.logprobs, echo, parsed.prompt_logprobs)
     if parsed.stream:
         return await stream(request, gen, fmt, parsed.include_usage)
     return await collect(gen, fmt)
@@ -214,19 +214,48 @@ class _Format:
 class CompletionFormat(_Format):
     chunk_kind = "text_completion"
 
-    def __init__(self, n: int, logprobs: int | None, echo: list[str] | None = None) -> None:
+    def __init__(self, n: int, logprobs: int | None, echo: list[str] | None = None,
+                 prompt_logprobs: bool = False) -> None:
         super().__init__(n, logprobs)
         self.echo = echo  # per prompt: the text each of its choices starts with (None: no echo)
+        self.prompt_logprobs = prompt_logprobs  # vLLM's field: each choice carries its prompt's
+        self.prompts: dict[int, tuple[list[int], list]] = {}  # prompt index -> its token ids and logprobs
+        self.formatted: dict[int, list] = {}  # prompt index -> its prompt_logprobs, as the response has them
 
     def _echo(self, index: int) -> str:
         return self.echo[index // self.n] if self.echo else ""
+
+    def accumulate(self, prompt_index: int, output: Any, token_text: Any) -> None:
+        for out in output.outputs:
+            self._start(prompt_index, output, out, token_text)
+        super().accumulate(prompt_index, output, token_text)
+
+    def _start(self, prompt_index: int, output: Any, out: CompletionOutput, token_text: Any) -> dict | None:
+        """At a choice's first output: with echo and logprobs, the prompt's logprobs its own start with
+        (returned; text_offset then counts from the end of the echoed text)."""
+        index = prompt_index * self.n + out.index
+        choice = self.choices[index]
+        if choice.is_started:
+            return None
+        choice.is_started = True
+        if output.prompt_logprobs is not None and prompt_index not in self.prompts:
+            self.prompts[prompt_index] = (output.prompt_token_ids, output.prompt_logprobs)
+            if self.prompt_logprobs:
+                self.formatted[prompt_index] = protocol.prompt_logprobs(*self.prompts[prompt_index], token_text)
+        if self.top_n is None or not self.echo or prompt_index not in self.prompts:
+            return None
+        logprobs = protocol.completion_logprobs(*self.prompts[prompt_index], token_text, self.top_n, 0)
+        choice.logprobs = self._merge(choice.logprobs, logprobs)
+        choice.offset = len(self._echo(index))
+        return logprobs
+
 
     def error_choice(self, index: int) -> dict[str, Any]:
         return protocol.completion_choice(index, "", None, "error")
 
     def body(self, completion_id: str, created: int, model: str, usage: dict) -> dict[str, Any]:
         choices = [protocol.completion_choice(i, self._echo(i) + "".join(c.text), c.logprobs, c.finish_reason,
-                                              c.stop_reason)
+                                              c.stop_reason, self.formatted.get(i // self.n))
                    for i, c in self._sorted()]
         return protocol.completion_body(completion_id, created, model, choices, usage)
 
@@ -235,15 +264,18 @@ class CompletionFormat(_Format):
         for out in output.outputs:
             index = prompt_index * self.n + out.index
             choice = self.choices[index]
+            is_first = not choice.is_started
+            prompt_part = self._start(prompt_index, output, out, token_text)
             logprobs = self._logprobs(out, choice, token_text)
+            if prompt_part is not None:
+                logprobs = protocol.merge_completion_logprobs(prompt_part, logprobs) if logprobs else prompt_part
             self._finish(index, out)
             text = out.text
-            if not choice.is_started:  # the first chunk of a choice carries the echoed prompt
-                choice.is_started = True
+            if is_first:  # the first chunk of a choice carries the echoed prompt (and vLLM's prompt_logprobs)
                 text = self._echo(index) + text
-            if text or out.finish_reason or logprobs:
-                chunks.append([protocol.completion_choice(index, text, logprobs, out.finish_reason,
-                                                          out.stop_reason)])
+            if text or out.finish_reason or logprobs or (is_first and prompt_index in self.formatted):
+                chunks.append([protocol.completion_choice(index, text, logprobs, out.finish_reason, out.stop_reason,
+                                                          self.formatted.get(prompt_index) if is_first else None)])
         return chunks
 
     def _logprobs(self, out: CompletionOutput, choice: _Choice, token_text: Any) -> dict | None:

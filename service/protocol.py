@@ -34,9 +34,12 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 # --- completions ---------------------------------------------------------------------------------
 def completion_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None,
-                      stop_reason: str | int | None = None) -> dict[str, Any]:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
-            "stop_reason": stop_reason}
+                      stop_reason: str | int | None = None, prompt_logprobs: list | None = None) -> dict[str, Any]:
+    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+              "stop_reason": stop_reason}
+    if prompt_logprobs is not None:  # vLLM's field, only when asked for
+        choice["prompt_logprobs"] = prompt_logprobs
+    return choice
 
 
 def completion_body(completion_id: str, created: int, model: str, choices: list[dict],
@@ -45,13 +48,20 @@ def completion_body(completion_id: str, created: int, model: str, choices: list[
             "choices": choices, "usage": usage_}
 
 
-def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, float]], token_text: TokenText,
+def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, float] | None], token_text: TokenText,
                         top_n: int, offset: int) -> dict[str, list]:
-    """`offset`: chars of this choice's text before these tokens (text_offset counts from there)."""
+    """`offset`: chars of this choice's text before these tokens (text_offset counts from there). A None
+    entry (an echoed prompt's first token, which nothing scores) gives null logprobs, as OpenAI's do."""
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token_id, candidates in zip(token_ids, logprobs, strict=False):
         text = token_text(token_id)
         out["tokens"].append(text)
+        if candidates is None:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            out["text_offset"].append(offset)
+            offset += len(text)
+            continue
         out["token_logprobs"].append(_clamp(candidates.get(token_id, MIN_LOGPROB)))
         top = _top(candidates, top_n)
         if token_id not in dict(top):  # the sampled token is always shown, as in vLLM
@@ -60,6 +70,16 @@ def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, float]], 
         out["text_offset"].append(offset)
         offset += len(text)
     return out
+
+
+def prompt_logprobs(token_ids: list[int], logprobs: list[dict[int, float] | None],
+                    token_text: TokenText) -> list[dict[str, dict] | None]:
+    """vLLM's `prompt_logprobs` of a choice: per prompt token (None for the first), token id -> logprob and
+    decoded text, the prompt's own token among them."""
+    return [None if candidates is None else
+            {str(t): {"logprob": _clamp(lp), "decoded_token": token_text(t)} for t, lp in
+             sorted(candidates.items(), key=lambda kv: (kv[0] != token_id, -kv[1]))}
+            for token_id, candidates in zip(token_ids, logprobs, strict=True)]
 
 
 def merge_completion_logprobs(into: dict[str, list] | None, more: dict[str, list]) -> dict[str, list]:

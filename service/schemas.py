@@ -49,7 +49,7 @@ _NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
 _BRACKETS = bytes.maketrans(b"{}", b"[]")
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # field -> value that means "not asked for"; anything else is refused with a clear 400
-UNSUPPORTED = {"suffix": None, "functions": None, "use_beam_search": False, "prompt_logprobs": None,
+UNSUPPORTED = {"suffix": None, "functions": None, "use_beam_search": False,
                "guided_decoding_backend": None, "guided_whitespace_pattern": None, "truncate_prompt_tokens": None}
 
 _MISSING = object()
@@ -63,7 +63,8 @@ class CompletionRequest:
     stream: bool = False
     include_usage: bool = False
     priority: int = 0
-    echo: bool = False  # each choice's text starts with its prompt's text
+    echo: bool = False  # each choice's text starts with its prompt's text (and with logprobs, its logprobs)
+    prompt_logprobs: bool = False  # vLLM's prompt_logprobs asked for: each choice carries them
     structured_param: str | None = None  # the field params.structured_outputs came from (it names a 400)
     unset_sampling: frozenset[str] = frozenset()  # sampling fields the model's generation_config may set
     add_special_tokens: bool = True  # vLLM's field: a text prompt gets the tokenizer's BOS, as HF encodes it
@@ -168,23 +169,25 @@ def parse_completion(body: Any) -> CompletionRequest:
     prompts = parse_prompts(reader.raw("prompt"))
     logprobs = reader.int_("logprobs", None, 0, MAX_LOGPROBS)
     echo = reader.bool_("echo", False)
-    if echo and logprobs is not None:  # the engine computes no prompt logprobs
-        raise InvalidRequestError("echo with logprobs is not supported (prompt logprobs are not computed); "
-                                  "drop one of them", param="echo")
+    prompt_logprobs = reader.int_("prompt_logprobs", None, 0, MAX_LOGPROBS)
+    # echo with logprobs scores the prompt too (what lm-evaluation-harness asks to score a continuation)
+    scored = max(prompt_logprobs or 0, logprobs) if echo and logprobs is not None else prompt_logprobs
     for name in TOOL_FIELDS:
         if reader.body.get(name) not in (None, [], "none"):
             raise InvalidRequestError(f"{name} is only supported by chat completions", param=name)
     structured, structured_param = parse_constraint(reader.body)
-    params = _sampling_params(reader, default_max_tokens=16, logprobs=logprobs, structured=structured)
+    params = _sampling_params(reader, default_max_tokens=16, logprobs=logprobs, structured=structured,
+                              prompt_logprobs=scored)
     _check_choices(len(prompts), params.n)
     return CompletionRequest(reader.model(), prompts, params, *reader.stream(), reader.priority(), echo,
-                             structured_param, reader.unset(SAMPLING_DEFAULTS), reader.bool_("add_special_tokens", True))
+                             prompt_logprobs is not None, structured_param, reader.unset(SAMPLING_DEFAULTS), reader.bool_("add_special_tokens", True))
 
 
 def parse_chat(body: Any) -> ChatRequest:
     reader = _Reader(body)
-    if reader.body.get("echo") not in (None, False):
-        raise InvalidRequestError("echo is not supported for chat completions", param="echo")
+    for name, off in (("echo", False), ("prompt_logprobs", None)):
+        if reader.body.get(name) not in (None, off):
+            raise InvalidRequestError(f"{name} is not supported for chat completions", param=name)
     messages = parse_messages(reader.raw("messages"))
     wants_logprobs = reader.bool_("logprobs", False)
     top_logprobs = reader.int_("top_logprobs", None, 0, MAX_LOGPROBS)
@@ -281,7 +284,7 @@ def _text_part(part: Any, param: str) -> str:
 
 
 def _sampling_params(reader: _Reader, default_max_tokens: int | None, logprobs: int | None,
-                     structured: StructuredOutputs | None = None) -> SamplingParams:
+                     structured: StructuredOutputs | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
     reader.refuse_unsupported()
     max_tokens = reader.int_("max_completion_tokens", _MISSING, 1)
     if max_tokens is _MISSING:
@@ -291,7 +294,7 @@ def _sampling_params(reader: _Reader, default_max_tokens: int | None, logprobs: 
     if best_of is not None and best_of != n:
         raise InvalidRequestError("best_of other than n is not supported", param="best_of")
     fields = dict(
-        n=n, max_tokens=max_tokens, logprobs=logprobs,
+        n=n, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         temperature=reader.float_("temperature", 1.0), top_p=reader.float_("top_p", 1.0),
         top_k=reader.int_("top_k", None, -1, INT32_MAX), min_p=reader.float_("min_p", 0.0),
         repetition_penalty=reader.float_("repetition_penalty", 1.0),

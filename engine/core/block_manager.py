@@ -132,7 +132,7 @@ class BlockManager:
     def find_cached_prefix(self, seq: Sequence) -> list[Block]:
         """Blocks of seq's leading full blocks already cached. Never covers the last token:
         its logits are needed, so it is always computed."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.wants_prompt_logprobs:  # its prompt's logits are needed
             return []
         hits = []
         for i, block_hash in enumerate(self._block_hashes(seq, (seq.num_tokens - 1) // self.block_size)):

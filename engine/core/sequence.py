@@ -82,6 +82,8 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # params.prompt_logprobs: entry i is prompt token i's (None for the first token), as far as computed
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=lambda: [None])
     num_computed_tokens: int = 0  # tokens whose KV is in the block table
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
     block_table: list[int] = field(default_factory=list)
@@ -125,6 +127,11 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all computed yet (nor readable from the prefix cache)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def is_prefill(self) -> bool:
@@ -182,6 +189,7 @@ class Sequence:
             eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
             grammar=self.grammar.fork() if self.grammar is not None else None, sampling_seed=self.sampling_seed, status=self.status, num_computed_tokens=self.num_computed_tokens,
             num_cached_tokens=self.num_cached_tokens, block_hashes=list(self.block_hashes), is_forked=True,
+            prompt_logprobs=self.prompt_logprobs,
             first_scheduled_time=self.first_scheduled_time,
         )
         child.detokenizer = make_detokenizer(child)

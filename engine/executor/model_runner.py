@@ -21,7 +21,7 @@ from engine.executor.loader import ModelFiles, check_backend_options, supported_
 from engine.executor.models import load_model
 from engine.executor.models.generic import GenericForCausalLM
 from engine.executor.parallel import Ranks, TPGroup, make_store, worker_threads
-from engine.executor.sampler import Sampler, SampleRow
+from engine.executor.sampler import PromptRow, Sampler, SampleRow
 from engine.executor.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -33,6 +33,8 @@ class _Batch:
     metadata: StepAttention
     sample_indices: torch.Tensor  # [num_rows] rows of the packed batch whose logits are sampled
     rows: list[SampleRow]
+    prompt_indices: torch.Tensor  # rows whose logits score the next prompt token (SamplingParams.prompt_logprobs)
+    prompt_rows: list[PromptRow]
 
 
 class ModelRunner:
@@ -148,6 +150,9 @@ class ModelRunner:
         else:
             hidden = self.ranks.run(output.scheduled,
                                       lambda: self.model(batch.input_ids, batch.positions, batch.metadata))
+        if batch.prompt_rows:
+            self.sampler.prompt_logprobs(self.model.compute_logits(hidden[batch.prompt_indices]).float(),
+                                         batch.prompt_rows)
         if not batch.rows:
             return {}
         logits = self.model.compute_logits(hidden[batch.sample_indices]).float()
@@ -166,7 +171,7 @@ class ModelRunner:
         # one new token after some context is decode-shaped, whether or not it ends a prefill
         decodes = [s for s in scheduled if s.num_new_tokens == 1 and s.start > 0]
         prefills = [s for s in scheduled if not (s.num_new_tokens == 1 and s.start > 0)]
-        ids, positions, slots, sample_at, rows, segments = [], [], [], [], [], []
+        ids, positions, slots, sample_at, rows, segments, prompt_at, prompt_rows = [], [], [], [], [], [], [], []
         bs = self.layout.block_size
         for i, item in enumerate(decodes + prefills):
             seq, start, end = item.seq, item.start, item.start + item.num_new_tokens
@@ -176,6 +181,10 @@ class ModelRunner:
             slots.extend(seq.block_table[p // bs] * bs + p % bs for p in range(start, end))
             if i >= len(decodes):
                 segments.append((row, len(ids), item))
+            if seq.wants_prompt_logprobs:  # positions whose next token is a prompt token
+                scored = range(start, min(end, seq.num_prompt_tokens - 1))
+                prompt_at.extend(row + p - start for p in scored)
+                prompt_rows.extend(PromptRow(seq, p) for p in scored)
             if item.num_samples:
                 sample_at.append(len(ids) - 1)
                 rows.append(SampleRow(seq, item.num_samples))
@@ -184,7 +193,8 @@ class ModelRunner:
         meta = self.attention.build(StepBatch(bs, self.layout.num_blocks, slot_mapping, decodes, segments))
         return _Batch(torch.tensor(ids, dtype=torch.long, device=dev),
                       torch.tensor(positions, dtype=torch.long, device=dev), meta,
-                      torch.tensor(sample_at, dtype=torch.long, device=dev), rows)
+                      torch.tensor(sample_at, dtype=torch.long, device=dev), rows,
+                      torch.tensor(prompt_at, dtype=torch.long, device=dev), prompt_rows)
 
 
 # --- a tensor-parallel worker rank (engine/executor/parallel.py spawns it) ---------------------------
@@ -195,6 +205,7 @@ class _RowSeq:
     block_table: list[int]
     start: int
     token_ids: list[int]
+    wants_prompt_logprobs = False  # rank 0 scores the prompt
 
     def token_id_at(self, position: int) -> int:
         return self.token_ids[position - self.start]

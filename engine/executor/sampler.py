@@ -106,12 +106,35 @@ class Sampler:
     def _logprobs(raw: torch.Tensor | None, row: int, token_id: int, seq: Sequence) -> dict[int, float] | None:
         if raw is None or seq.params.logprobs is None:
             return None
-        top = {}
-        if seq.params.logprobs:
-            values, ids = torch.topk(raw[row], seq.params.logprobs)
-            top = dict(zip(ids.tolist(), values.tolist(), strict=True))
-        top[token_id] = float(raw[row, token_id])
-        return top
+        return token_logprobs(raw[row], token_id, seq.params.logprobs)
+
+    @staticmethod
+    def prompt_logprobs(logits: torch.Tensor, rows: list["PromptRow"]) -> None:
+        """logits [len(rows), vocab] (float32) of prompt positions: each row's next prompt token's logprobs,
+        appended to its sequence's prompt_logprobs where that is the next entry (a recomputed position, after a
+        preemption or an isolation retry, is not appended twice)."""
+        raw = torch.log_softmax(logits, dim=-1)
+        for i, row in enumerate(rows):
+            seq = row.seq
+            if len(seq.prompt_logprobs) == row.position + 1:
+                target = seq.prompt_token_ids[row.position + 1]
+                seq.prompt_logprobs.append(token_logprobs(raw[i], target, seq.params.prompt_logprobs))
+
+
+@dataclass
+class PromptRow:
+    seq: Sequence
+    position: int  # the row's prompt position: its logits score the token after it
+
+
+def token_logprobs(logprobs: torch.Tensor, token_id: int, top_n: int) -> dict[int, float]:
+    """The top_n of one row of log-probabilities [vocab], and token_id's."""
+    top = {}
+    if top_n:
+        values, ids = torch.topk(logprobs, top_n)
+        top = dict(zip(ids.tolist(), values.tolist(), strict=True))
+    top[token_id] = float(logprobs[token_id])
+    return top
 
 
 def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

@@ -79,7 +79,8 @@ class LLM:
 def _merge(finals: dict[str, RequestOutput], delta: RequestOutput) -> None:
     """Fold a delta into the whole output of its request."""
     whole = finals.setdefault(delta.request_id, RequestOutput(
-        delta.request_id, delta.prompt, delta.prompt_token_ids, [], num_cached_tokens=delta.num_cached_tokens))
+        delta.request_id, delta.prompt, delta.prompt_token_ids, [], num_cached_tokens=delta.num_cached_tokens,
+        prompt_logprobs=delta.prompt_logprobs))
     by_index = {o.index: o for o in whole.outputs}
     for part in delta.outputs:
         out = by_index.setdefault(part.index, CompletionOutput(part.index, "", [], logprobs=None))

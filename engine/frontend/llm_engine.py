@@ -47,6 +47,7 @@ class _Request:
     is_aborted: bool = False
     error: EngineError | None = None  # why the engine failed it (poison isolation)
     group_id: str = ""  # the client request it is part of: isolation blames a group as one request
+    sent_prompt_logprobs: bool = False
 
     @property
     def is_finished(self) -> bool:
@@ -321,6 +322,9 @@ class LLMEngine:
         """A delta: what each of seqs produced since its last output."""
         finished = request.is_finished
         first = request.seqs[0]
+        prompt_logprobs = None
+        if request.params.prompt_logprobs is not None and not request.sent_prompt_logprobs:
+            prompt_logprobs, request.sent_prompt_logprobs = first.prompt_logprobs, True
         if finished:
             del self.requests[request.request_id]
             if not request.is_aborted:
@@ -331,7 +335,8 @@ class LLMEngine:
                              {"arrival_time": request.arrival_time,
                               "first_scheduled_time": first.first_scheduled_time or 0.0,
                               "first_token_time": first.first_token_time or 0.0,
-                              "num_preemptions": sum(s.num_preemptions for s in request.seqs)}, request.error)
+                              "num_preemptions": sum(s.num_preemptions for s in request.seqs)}, request.error,
+                             prompt_logprobs)
 
     def _observe_phases(self, first: Sequence) -> None:
         """A request that finished on its own this step: its last token came now."""

@@ -154,3 +154,29 @@ def test_generic_backend_matches_transformers(references, preset):
                     kv_cache_memory=24 * bytes_per_block, preemption_mode=mode, swap_space=0.01)
         _check(small, prompts, expected)
         assert small.engine.stats().num_preemptions > 0
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3", "tiny-gemma2", "tiny-gpt-oss"])
+@pytest.mark.parametrize("scenario", ["chunked_prefill", "preempt_recompute"])
+def test_prompt_logprobs_match_transformers(references, preset, scenario):
+    """vLLM's prompt_logprobs: each prompt token's log-probability under HF's forward of the same ids (1e-4),
+    across chunk boundaries and preemption (a recomputed position is not scored twice), with n = 2; such a
+    request computes its prompt even where the prefix cache holds it."""
+    path, prompts, _ = references(preset)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    llm = LLM(path, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=32, **SCENARIOS[scenario])
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, n=2, prompt_logprobs=1)
+    for _ in range(2):  # the second pass finds every prompt cached, and computes it all the same
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for prompt, out in zip(prompts, outs, strict=True):
+            with torch.no_grad():
+                want = torch.log_softmax(model(torch.tensor([prompt])).logits[0], -1)
+            got = out.prompt_logprobs
+            assert len(got) == len(prompt) and got[0] is None and out.num_cached_tokens == 0
+            for i in range(1, len(prompt)):
+                assert abs(got[i][prompt[i]] - want[i - 1, prompt[i]].item()) < 1e-4
+                assert len(got[i]) in (1, 2)  # the top one, and the prompt's own token
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    if scenario == "preempt_recompute":
+        assert llm.engine.stats().num_preemptions > 0

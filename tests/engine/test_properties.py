@@ -48,6 +48,7 @@ def sampling_params(vocab: int = VOCAB, max_n: int = 3, constrained: bool = Fals
         frequency_penalty=st.sampled_from([0.0, 2.0, -0.7]),
         seed=st.none() | st.integers(-(2**63), 2**64 - 1),
         logprobs=st.none() | st.integers(0, 5),
+        prompt_logprobs=st.none() | st.integers(0, 3),
         min_tokens=st.integers(0, 3),
         max_tokens=st.integers(3, 8),
         stop_token_ids=st.lists(st.integers(0, vocab - 1), max_size=3),

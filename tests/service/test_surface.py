@@ -189,11 +189,50 @@ async def test_echo(sdk):
     assert done.choices[0].text == prompt + expected
 
 
+async def test_echo_with_logprobs_scores_the_prompt_as_hf_does(sdk, tiny_models):
+    """What lm-evaluation-harness sends to score a continuation: echo, logprobs, max_tokens 1. The prompt's
+    tokens come first in logprobs, the first with null scores, each other one its log-probability under HF
+    transformers' forward of the same ids (float32, 1e-4); vLLM's prompt_logprobs carries the same numbers."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    client, h = sdk
+    ids = h.primary.encode("def add(a, b):\n    return a + b\n")
+    with torch.no_grad():
+        model = AutoModelForCausalLM.from_pretrained(tiny_models.primary, dtype=torch.float32)
+        expected = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    want = [None] + [expected[i - 1, ids[i]].item() for i in range(1, len(ids))]
+    greedy = dict(model="primary", prompt=ids, max_tokens=1, temperature=0, echo=True, logprobs=2,
+                  extra_body={"prompt_logprobs": 1, "ignore_eos": True})
+    for done in [await client.completions.create(**greedy),
+                 _fold([c async for c in await client.completions.create(stream=True, **greedy)])]:
+        logprobs = done.choices[0].logprobs
+        assert len(logprobs.tokens) == len(ids) + 1 and logprobs.top_logprobs[0] is None
+        got = logprobs.token_logprobs[:len(ids)]
+        assert got[0] is None and all(abs(g - w) < 1e-4 for g, w in zip(got[1:], want[1:], strict=True))
+        assert all(len(top) >= 2 for top in logprobs.top_logprobs[1:])
+        echoed = h.primary.tokenizer.decode(ids)
+        assert done.choices[0].text.startswith(echoed) and logprobs.text_offset[len(ids)] == len(echoed)
+        prompt_logprobs = done.choices[0].model_extra["prompt_logprobs"]
+        assert prompt_logprobs[0] is None
+        assert [e[str(t)]["logprob"] for e, t in zip(prompt_logprobs[1:], ids[1:], strict=True)] == got[1:]
+    assert h.idle()
+
+
+def _fold(chunks: list) -> object:
+    """A stream's chunks as one completion of one choice: texts joined, logprobs concatenated."""
+    first = chunks[0].choices[0]
+    for chunk in chunks[1:]:
+        for choice in chunk.choices:
+            first.text += choice.text
+            if choice.logprobs:
+                for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                    getattr(first.logprobs, key).extend(getattr(choice.logprobs, key))
+    return chunks[0]
+
+
 async def test_echo_refusals(sdk):
     client, _ = sdk
-    with pytest.raises(openai.BadRequestError, match="echo with logprobs is not supported") as info:
-        await client.completions.create(model="primary", prompt="hi", max_tokens=1, echo=True, logprobs=1)
-    assert info.value.body["param"] == "echo"
     with pytest.raises(openai.BadRequestError, match="echo is not supported for chat") as info:
         await client.chat.completions.create(model="primary", messages=[{"role": "user", "content": "hi"}],
                                              max_tokens=1, extra_body={"echo": True})
