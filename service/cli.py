@@ -217,6 +217,8 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", help="auto | torch | flex (auto: flex on CUDA, torch on CPU)")
     g.add_argument("--linear-kernel", help="auto (default) | aten | onednn: CPU float linear layers; auto measures "
                                            "at load which is faster (engine/executor/layers/onednn_linear.py)")
+    g.add_argument("--model-impl", help="auto (default: the own forward where there is one) | own | generic "
+                                        "(HF's modules on pagedserve's paged attention: any decoder-only model)")
     g.add_argument("--tensor-parallel-size", type=int,
                    help="split each model over N processes (its heads and MLP columns; gloo on CPU, NCCL on CUDA: "
                         "engine/executor/parallel.py); float weights, aten linear layers, no --compile")
@@ -239,7 +241,7 @@ def engine_options(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str
     names = ("dtype", "device", "block_size", "kv_cache_memory", "gpu_memory_utilization", "max_num_seqs",
              "max_num_batched_tokens", "max_model_len", "max_num_waiting", "scheduler_policy", "preemption_mode",
              "swap_space", "enable_prefix_caching", "num_threads", "quantization", "attention_backend", "linear_kernel",
-             "compile", "tensor_parallel_size", "engine_process", "stream_interval")
+             "compile", "model_impl", "tensor_parallel_size", "engine_process", "stream_interval")
     options = {n: getattr(args, n, None) for n in names}
     options["seed"] = getattr(args, "seed_engine", None)
     if getattr(args, "chat_template", None):
@@ -347,7 +349,8 @@ def check_model_dirs(config: ServerConfig) -> None:
         try:
             engine = spec.engine
             files = validate_model_dir(engine.model, engine.files_root)
-            check_backend_options(files, engine.tensor_parallel_size, engine.quantization, engine.compile)
+            check_backend_options(files, engine.tensor_parallel_size, engine.quantization, engine.compile,
+                                  engine.model_impl)
             resolve(engine.quantization, files.config)
         except ValueError as exc:  # ModelValidationError too
             raise ConfigError(f"model {spec.name!r}: {exc}") from exc

@@ -96,10 +96,15 @@ def backend_for(config: dict) -> str:
 
 
 def check_backend_options(files: ModelFiles, tensor_parallel_size: int, quantization: str | None,
-                          compile: bool) -> str:
-    """The model's backend (`backend_for`), refusing what the generic one cannot do: tensor parallelism,
-    quantization (asked for, or the checkpoint's own) and --compile need an own forward."""
+                          compile: bool, model_impl: str = "auto") -> str:
+    """The model's backend: `backend_for`'s, or the generic one where `model_impl` asks for it; refusing what
+    the generic one cannot do: tensor parallelism, quantization (asked for, or the checkpoint's own) and
+    --compile need an own forward."""
     backend = backend_for(files.config)
+    if model_impl == "own" and backend != "own":
+        raise ModelValidationError(f"{files.path}: model_impl 'own' asked for, but {files.architecture} has no own "
+                                   f"forward (own forwards: {', '.join(OWN_ARCHITECTURES)})")
+    backend = "generic" if model_impl == "generic" else backend
     asked = [name for name, on in (("tensor parallelism", tensor_parallel_size > 1),
                                    ("quantization", quantization or files.config.get("quantization_config")),
                                    ("--compile", compile)) if on]

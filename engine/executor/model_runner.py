@@ -60,9 +60,10 @@ class ModelRunner:
             raise
 
     def _load(self, config: EngineConfig, files: ModelFiles) -> None:
-        check_backend_options(files, config.tensor_parallel_size, config.quantization, config.compile)
+        backend = check_backend_options(files, config.tensor_parallel_size, config.quantization, config.compile,
+                                        config.model_impl)
         self.quant = quantization.resolve(config.quantization, files.config)
-        self.model = load_model(files, self.dtype, self.device, self.quant, self.tp)
+        self.model = load_model(files, self.dtype, self.device, self.quant, self.tp, backend)
         self.generic = isinstance(self.model, GenericForCausalLM)
         self.int8_kernel_rows = quantization.calibrate_kernel_rows(self.model, self.dtype) if self.quant else None
         self.linear_probe, self.linear_kernel = self._choose_linear_kernel(config.linear_kernel)

@@ -134,13 +134,14 @@ def test_linear_kernels_match_transformers(references, preset, kernel):
     _check(llm, prompts, expected)
 
 
-@pytest.mark.parametrize("preset", GENERIC_FAMILIES)
+@pytest.mark.parametrize("preset", GENERIC_FAMILIES + FAMILIES)
 def test_generic_backend_matches_transformers(references, preset):
     """HF's modules with our paged attention (sliding windows, soft-capping, sinks, MoE, learned positions,
-    NoPE layers, as each family has them): chunked prefill with n = 2, then prefix-cache hits, then
-    preemption by recompute and by swap."""
+    NoPE layers, as each family has them; the own forwards' families too, with model_impl "generic"):
+    chunked prefill with n = 2, then prefix-cache hits, then preemption by recompute and by swap."""
     path, prompts, expected = references(preset)
-    llm = LLM(path, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=32, **SCENARIOS["chunked_prefill"])
+    llm = LLM(path, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=32, model_impl="generic",
+              **SCENARIOS["chunked_prefill"])
     runner = llm.engine.model_runner
     assert runner.generic
     _check(llm, prompts, expected, n=2)
@@ -150,7 +151,7 @@ def test_generic_backend_matches_transformers(references, preset):
     args = runner.model.args
     bytes_per_block = 2 * args.num_layers * args.num_kv_heads * args.head_dim * 4 * 8
     for mode in ("recompute", "swap"):
-        small = LLM(path, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=32, block_size=8,
+        small = LLM(path, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=32, block_size=8, model_impl="generic",
                     kv_cache_memory=24 * bytes_per_block, preemption_mode=mode, swap_space=0.01)
         _check(small, prompts, expected)
         assert small.engine.stats().num_preemptions > 0

@@ -38,7 +38,8 @@ def test_what_the_generic_backend_cannot_do_is_refused(random_model):
     path = random_model("tiny-gpt-neox")
     for options, reason in [(dict(quantization="int8"), "generic backend, which has no quantization \\(own"),
                             (dict(compile=True), "generic backend, which has no --compile"),
-                            (dict(tensor_parallel_size=2), "generic backend, which has no tensor parallelism")]:
+                            (dict(tensor_parallel_size=2), "generic backend, which has no tensor parallelism"),
+                            (dict(model_impl="own"), "model_impl 'own' asked for, but GPTNeoXForCausalLM has no own")]:
         with pytest.raises(ValueError, match=reason):
             LLM(path, dtype="float32", max_model_len=64, **options)
 

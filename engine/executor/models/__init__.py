@@ -52,9 +52,10 @@ def supported_models_markdown() -> str:
 
 
 def load_model(files: ModelFiles, dtype: torch.dtype, device: torch.device, quant: QuantConfig | None = None,
-               tp: TPGroup | None = None) -> LlamaForCausalLM | GenericForCausalLM:
-    """The checkpoint's model; with `tp`, this rank's share of it (engine/executor/parallel.py)."""
-    if files.architecture not in MODEL_CLASSES:  # loader.check_backend_options has refused what it cannot do
+               tp: TPGroup | None = None, backend: str = "own") -> LlamaForCausalLM | GenericForCausalLM:
+    """The checkpoint's model on `backend` (loader.check_backend_options's: it has refused what that backend
+    cannot do); with `tp`, this rank's share of it (engine/executor/parallel.py)."""
+    if backend == "generic":
         model = GenericForCausalLM.from_pretrained(files.path, dtype, device)
         model.generation_config = _generation_config(files.path, model.config)
         return model
