@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.config import EngineConfig
 from engine.faults import FaultInjector
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, ResumedChoice
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
 
@@ -56,7 +56,8 @@ class EngineClient(Protocol):
 
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, priority: int = 0,
                  prompt_token_ids: list[int] | None = None,
-                 group_id: str | None = None, add_special_tokens: bool = True) -> AsyncIterator[RequestOutput]: ...
+                 group_id: str | None = None, add_special_tokens: bool = True,
+                 resume: tuple[ResumedChoice, ...] = ()) -> AsyncIterator[RequestOutput]: ...
 
     def abort(self, request_id: str) -> None: ...
 

@@ -22,6 +22,15 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
+@dataclass(frozen=True)
+class ResumedChoice:
+    """A choice of a request whose engine died after delivering `token_ids` of it: `LLMEngine.add_request`
+    continues it from there (resilience/router.py's continuation)."""
+
+    index: int
+    token_ids: tuple[int, ...]
+
+
 @dataclass
 class RequestOutput:
     """In the offline API the texts are whole; from `AsyncEngine.generate` each one is a delta

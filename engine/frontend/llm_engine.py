@@ -26,7 +26,7 @@ from engine.errors import (
 )
 from engine.executor.loader import validate_model_dir
 from engine.executor.model_runner import ModelRunner
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CompletionOutput, RequestOutput, ResumedChoice
 from engine.sampling_params import MAX_PRIORITY, SamplingParams
 from engine.stats import ITERATION_TOKEN_BUCKETS, CacheInfo, Distribution, EngineStats, PhaseTimes
 from engine.structured.grammar import GrammarCompiler
@@ -47,11 +47,12 @@ class _Request:
     is_aborted: bool = False
     error: EngineError | None = None  # why the engine failed it (poison isolation)
     group_id: str = ""  # the client request it is part of: isolation blames a group as one request
+    num_choices: int = 1  # params.n, or the choices a resumed request continues
     sent_prompt_logprobs: bool = False
 
     @property
     def is_finished(self) -> bool:
-        fanned_out = len(self.seqs) == self.params.n or self.is_aborted
+        fanned_out = len(self.seqs) == self.num_choices or self.is_aborted
         return fanned_out and all(s.is_finished for s in self.seqs)
 
 
@@ -129,11 +130,16 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     priority: int = 0, arrival_time: float | None = None,
-                    prompt_token_ids: list[int] | None = None, group_id: str | None = None) -> None:
+                    prompt_token_ids: list[int] | None = None, group_id: str | None = None,
+                    resume: tuple[ResumedChoice, ...] = ()) -> None:
         """`prompt_token_ids`: `prompt` already encoded by this engine's tokenizer (it is checked
         like any prompt; the text is kept for the output). `group_id`: the client request this one is
         part of (the prompts of one HTTP request; default: itself): when a step fails in every row
-        and the rows are all of one group, that request is the poison, not the model."""
+        and the rows are all of one group, that request is the poison, not the model. `resume`: the
+        choices of a request another engine delivered part of: each continues as a preempted sequence
+        does, its delivered tokens recomputed, replayed through its detokenizer (stop strings see them)
+        and grammar, and never sent again; a seeded draw depends on the seed, the choice index and the
+        position only, so it goes on as the undisturbed run would have."""
         if request_id in self.requests:
             raise RequestRejectedError(f"request id {request_id!r} is already in use")
         if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) > MAX_PRIORITY:
@@ -142,16 +148,39 @@ class LLMEngine:
             prompt_token_ids = self.encode(prompt)
         self.check_request(prompt_token_ids, params)
         now = time.monotonic() if arrival_time is None else arrival_time
-        seq = Sequence(request_id, prompt_token_ids, params, priority=priority, arrival_time=now,
-                       eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
-                       sampling_seed=params.seed if params.seed is not None else self._rng.getrandbits(62))
-        seq.detokenizer = self._detokenizer(seq)
-        if params.structured_outputs is not None:
-            seq.grammar = self.grammars.start(params.structured_outputs)
-        self.scheduler.add_seq(seq)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
+        request = _Request(request_id, prompt if isinstance(prompt, str) else None, prompt_token_ids, params, now,
+                           [], group_id=group_id or request_id, num_choices=len(resume) or params.n)
+        for choice in resume or (ResumedChoice(0, ()),):
+            seq = Sequence(request_id, prompt_token_ids, params, index=choice.index, priority=priority,
+                           arrival_time=now, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
+                           sampling_seed=seed, is_forked=bool(resume))
+            seq.detokenizer = self._detokenizer(seq)
+            if params.structured_outputs is not None:
+                seq.grammar = self.grammars.start(params.structured_outputs)
+            if resume:  # what was delivered is never sent again
+                self._replay(seq, choice.token_ids)
+                request.sent_tokens[seq.index] = seq.num_output_tokens
+                request.sent_chars[seq.index] = seq.detokenizer.readable_length(False)
+            request.seqs.append(seq)
+        for seq in request.seqs:
+            self.scheduler.add_seq(seq)
         self.num_prompt_tokens += len(prompt_token_ids)
-        self.requests[request_id] = _Request(request_id, prompt if isinstance(prompt, str) else None,
-                                             prompt_token_ids, params, now, [seq], group_id=group_id or request_id)
+        self.requests[request_id] = request
+
+    @staticmethod
+    def _replay(seq: Sequence, token_ids: tuple[int, ...]) -> None:
+        """Delivered tokens of a resumed choice, as if sampled here (none may end it: they did not)."""
+        if len(token_ids) >= seq.max_tokens:
+            raise RequestRejectedError(f"a resumed choice has {len(token_ids)} tokens, its max_tokens is "
+                                       f"{seq.max_tokens}: nothing is left to generate")
+        for token_id in token_ids:
+            seq.output_token_ids.append(token_id)
+            if seq.params.logprobs is not None:  # sent already: a place holder keeps the lists aligned
+                seq.output_logprobs.append({})
+            seq.detokenizer.add_token(token_id)
+            if seq.grammar is not None:
+                seq.grammar.accept(token_id)
 
     def _detokenizer(self, seq: Sequence) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params.stop,
