@@ -26,6 +26,10 @@ class EngineNotRunningError(EngineDeadError):
     """Refused at arrival, before any work: the engine is dead, stopped or being replaced."""
 
 
+class EngineStoppedError(EngineDeadError):
+    """The engine was stopped on purpose (an unload, an eviction, a shutdown): it is not coming back."""
+
+
 class RankDiedError(EngineDeadError):
     """A tensor-parallel rank died, or a forward raised while the ranks ran it together (they are then
     out of step): the engine cannot go on and is rebuilt."""

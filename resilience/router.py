@@ -20,7 +20,8 @@ down the degrade ladder (a model's fallback, then its fallback's) when a model c
           before the first token                       within the retry budget and the deadlines
         a failure before the first token (stalled   -> counted on the breaker; resubmit to the next
           loop, engine error, dead engine)             model
-        after the first token                       -> the error goes to the client (never retried)
+        after the first token, the engine died      -> continued (below), else the error goes to the client
+          (or stalled, or failed as a model)
         the engine isolated it as a poison request  -> the error goes to the client (RequestFailedError
                                                        is never resubmitted: it would break the next model)
         the request's own deadline (client header,  -> DeadlineExceeded("total") to the client (504, or
@@ -28,12 +29,23 @@ down the degrade ladder (a model's fallback, then its fallback's) when a model c
     nobody left                                     -> NoModelAvailable: 503 + Retry-After when no model
                                                        was tried; after a failure the status is that failure's
 
+Continuation: a stream whose engine dies after its first output (EngineDeadError: a crash, a killed
+tensor-parallel rank or engine process, an unload), whose loop stalls, or whose model the engine's
+isolation found broken (EngineStepError) is re-admitted as its prompt plus the tokens each of its
+choices delivered (LLMEngine.add_request's `resume`): to the same model once its engine is rebuilt
+(a dead engine, within first_token_timeout_s), else to the next model of its ladder whose tokenizer is
+the same. Choices that finished stay finished; max_tokens, min_tokens, stop strings, the grammar and a
+seeded draw go on from where they were. Through the same admission, breaker and deadlines as any call;
+at most max_continuations per request; a poison request (RequestFailedError) is never continued.
+
 A resubmit after a fast failure spends the retry budget (fast failures could otherwise be
 multiplied at line rate); one after a deadline does not: the deadline itself paces it, and the
 breaker those same deadlines open stops it.
 """
 
+import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections import Counter
@@ -42,8 +54,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.client import EngineClient
-from engine.errors import EngineDeadError, EngineOverloadedError, EngineStepError, RequestFailedError
-from engine.outputs import RequestOutput
+from engine.errors import (
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineStepError,
+    EngineStoppedError,
+    RequestFailedError,
+)
+from engine.outputs import RequestOutput, ResumedChoice
 from engine.sampling_params import SamplingParams
 from resilience.admission import Bulkhead, BulkheadConfig
 from resilience.breaker import IGNORED_EXCEPTIONS, BreakerCall, BreakerConfig, ModelBreaker
@@ -55,6 +73,7 @@ from resilience.retry import RetryBudget, RetryBudgetConfig, RetryConfig, retry_
 logger = logging.getLogger(__name__)
 
 FAILOVER_ERRORS = (DeadlineExceeded, EngineStepError, EngineDeadError)
+CONTINUE_POLL_S = 0.05  # how often a continuation looks for the rebuilt engine
 NO_MODEL_RETRY_AFTER_S = 5.0
 DEADLINE_KINDS = ("first_token", "stall", "total")  # the second key of ModelRouter.num_deadline_hits
 
@@ -84,6 +103,7 @@ class RoutedOutput:
     served_model: str
     degraded: bool
     tokenizer: Any  # the serving engine's: its model may be unloaded or recycled before the stream ends
+    continued: str | None = None  # on the first output after a continuation: why ("engine_dead", ...)
 
 
 @dataclass(frozen=True)
@@ -98,6 +118,7 @@ class RouterConfig:
     # one resubmit to the same model after a transient engine error, before any byte went out
     retry: RetryConfig = field(default_factory=lambda: RetryConfig(
         max_attempts=2, initial_wait_s=0.05, max_wait_s=0.05, retry_on=(EngineStepError,)))
+    max_continuations: int = 2  # streams continued after an engine fault, per request (0: none)
 
     def __post_init__(self) -> None:
         for name in ("first_token_timeout_s", "stall_timeout_s"):
@@ -122,6 +143,8 @@ class ModelRouter:
         self.num_late_in_queue: Counter[str] = Counter()  # as late, but behind a full batch: not counted on the breaker
         self.num_deadline_hits: Counter[tuple[str, str]] = Counter()  # (model, one of DEADLINE_KINDS)
         self.num_failovers = 0
+        self.num_continuations: Counter[tuple[str, str, str]] = Counter()  # (from model, reason, to model)
+        self._same_vocab: dict[tuple[int, int], bool] = {}
 
     def breaker(self, model: str) -> ModelBreaker:
         if model not in self.breakers:
@@ -180,15 +203,83 @@ class ModelRouter:
                 last_error = exc
                 window_from = self.clock()
                 continue
-            async with call:  # from here on an error goes to the client: bytes may have gone out
-                output, tokenizer = call.first, call.engine.tokenizer
-                while output is not None:
-                    yield RoutedOutput(output, name, name != req.model, tokenizer)
-                    output = await call.next()
-            return
+            delivered, continued = _Delivered(req.params.n), None
+            while True:  # from here on bytes may have gone out: an error goes to the client, or continues
+                try:
+                    async with call:
+                        output, tokenizer = call.first, call.engine.tokenizer
+                        delivered.tokenizer = tokenizer
+                        while output is not None:
+                            delivered.add(output)
+                            yield RoutedOutput(output, name, name != req.model, tokenizer, continued)
+                            continued = None
+                            try:
+                                output = await call.next()
+                            except EngineDeadError:
+                                if self._may_continue(delivered):  # one death, rebuilt by supervision: not
+                                    call.breaker_call.excuse()  # one breaker failure per stream it held
+                                raise
+                    return
+                except (EngineDeadError, EngineStepError, StallDetected) as exc:
+                    if not self._may_continue(delivered):
+                        raise
+                    reason = _reason(exc)
+                    moved = await self._continue(req, ladder, name, reason, delivered)
+                    if moved is None:
+                        raise
+                    self.num_continuations[(name, reason, moved[0])] += 1
+                    logger.warning("request %s: %r on model %s after %d tokens; continued on %s", req.request_id,
+                                   exc, name, delivered.num_tokens, moved[0])
+                    (name, call), continued = moved, reason
         cause = f" (last failure: {last_error})" if last_error else ""
         raise NoModelAvailable(f"no model of {ladder} can serve now{cause}",
                                self._retry_after_s(req.model)) from last_error
+
+    def _may_continue(self, delivered: "_Delivered") -> bool:
+        return delivered.continuations < self.config.max_continuations and not delivered.is_done
+
+    async def _continue(self, req: GenerateRequest, ladder: list[str], failed: str, reason: str,
+                        delivered: "_Delivered") -> tuple[str, "_Call"] | None:
+        """A call on the model that takes the rest of the stream (None: none can): the failed model once
+        its engine is rebuilt, if it died, waited for up to first_token_timeout_s; else, or after that, the
+        next model of the ladder with the same tokenizer (the ladder as the request found it: an unloaded
+        model's fallback link is gone by now). Its first output is read, within its own first-token
+        deadline."""
+        delivered.continuations += 1
+        others = [m for m in ladder if m != failed]
+        wait_until = self.clock() + self.config.first_token_timeout_s
+        if req.deadline is not None:
+            wait_until = min(wait_until, req.deadline)
+        old_tokenizer = delivered.tokenizer
+        while True:
+            waits = reason == "engine_dead" and self.clock() < wait_until  # for the failed model's rebuild
+            order = [failed] if waits else others
+            for name in order:
+                if not self._is_available(name) or not self._same_tokenizer(old_tokenizer, self.engines[name]):
+                    continue
+                has_next = any(self._is_available(m) for m in others if m != name)
+                call = _Call(self, name, req, self.clock() + self.config.first_token_timeout_s, has_next,
+                             resume=delivered.resume())
+                try:
+                    await call.open(f"{req.request_id}-cont{delivered.continuations}", is_retry=False,
+                                    prompt_token_ids=delivered.prompt_token_ids)
+                except (*FAILOVER_ERRORS, RetryLater) as exc:
+                    logger.warning("request %s: continuation on %s failed (%r)", req.request_id, name, exc)
+                    continue
+                return name, call
+            if not waits:
+                return None
+            await asyncio.sleep(CONTINUE_POLL_S)
+
+    def _same_tokenizer(self, tokenizer: Any, engine: EngineClient) -> bool:
+        """Token ids of one mean the same text in the other (the same vocabulary)."""
+        other = engine.tokenizer
+        if tokenizer is other:
+            return True
+        key = (id(tokenizer), id(other))
+        if key not in self._same_vocab:
+            self._same_vocab[key] = tokenizer.get_vocab() == other.get_vocab()
+        return self._same_vocab[key]
 
     def _may_fail_over(self, req: GenerateRequest, error: BaseException) -> bool:
         if req.deadline is not None and self.clock() >= req.deadline:
@@ -263,8 +354,8 @@ class _Call:
     held from `open` (which reads the first output) until the router leaves `async with`."""
 
     def __init__(self, router: ModelRouter, name: str, req: GenerateRequest, first_token_deadline: float,
-                 has_next: bool) -> None:
-        self.router, self.name, self.req = router, name, req
+                 has_next: bool, resume: tuple[ResumedChoice, ...] = ()) -> None:
+        self.router, self.name, self.req, self.resume = router, name, req, resume
         self.engine = router.engines[name]
         self.first_token_deadline = first_token_deadline
         self.deadlines = Deadlines(router.config.stall_timeout_s, req.deadline,
@@ -275,11 +366,12 @@ class _Call:
         self.num_preemptions = 0  # of the request's sequences, as of the last output read
         self._stack = contextlib.AsyncExitStack()
 
-    async def open(self, request_id: str, is_retry: bool) -> None:
+    async def open(self, request_id: str, is_retry: bool, prompt_token_ids: list[int] | None = None) -> None:
         """Admit the call and read its first output (None: the stream ended without one). On any error
         the call is closed with it: the breaker counts it, the slot is freed, the engine request aborted."""
         router, name, req = self.router, self.name, self.req
         num_tokens = req.num_prompt_tokens + req.params.n * (req.params.max_tokens or 0)
+        params = dataclasses.replace(req.params, prompt_logprobs=None) if self.resume else req.params
         async with contextlib.AsyncExitStack() as stack:
             stack.callback(self.deadlines.close)
             stack.enter_context(router.bulkhead(name).try_acquire(num_tokens, req.params.n,
@@ -288,10 +380,11 @@ class _Call:
             router.num_engine_requests[name] += 1
             if is_retry:
                 router.num_retries[name] += 1
-            token_ids = req.prompt_token_ids if req.encoded_by == name else None
-            self.stream = self.engine.generate(req.prompt, req.params, request_id, req.priority, token_ids,
+            token_ids = prompt_token_ids or (req.prompt_token_ids if req.encoded_by == name else None)
+            self.stream = self.engine.generate(req.prompt, params, request_id, req.priority, token_ids,
                                                group_id=req.group_id or req.request_id,
-                                               add_special_tokens=req.add_special_tokens)
+                                               add_special_tokens=req.add_special_tokens,
+                                               **({"resume": self.resume} if self.resume else {}))
             stack.push_async_callback(_aclose, self.stream)
             self.first = await self._next()
             self._stack = stack.pop_all()
@@ -332,6 +425,48 @@ class _Call:
 
     async def __aexit__(self, *exc_info: object) -> bool | None:
         return await self._stack.__aexit__(*exc_info)
+
+
+class _Delivered:
+    """What a stream delivered so far, per choice: the continuation's `resume`."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.tokens: dict[int, list[int]] = {}
+        self.finished: set[int] = set()
+        self.prompt_token_ids: list[int] | None = None
+        self.tokenizer: Any = None
+        self.continuations = 0
+
+    def add(self, output: RequestOutput) -> None:
+        if self.prompt_token_ids is None:
+            self.prompt_token_ids = output.prompt_token_ids
+        for out in output.outputs:
+            self.tokens.setdefault(out.index, []).extend(out.token_ids)
+            if out.finish_reason is not None:
+                self.finished.add(out.index)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens.values())
+
+    @property
+    def is_done(self) -> bool:
+        """Every choice ended (nothing to continue), or none has any output yet (a plain failover's case)."""
+        return len(self.finished) == self.n or self.prompt_token_ids is None
+
+    def resume(self) -> tuple[ResumedChoice, ...]:
+        return tuple(ResumedChoice(i, tuple(self.tokens.get(i, ()))) for i in range(self.n) if i not in self.finished)
+
+
+def _reason(exc: BaseException) -> str:
+    """The continuations_total reason of an error that ended a stream: engine_dead (the failed model's
+    rebuild is waited for), stopped (unloaded or evicted: not coming back), stall, model_failed."""
+    if isinstance(exc, StallDetected):
+        return "stall"
+    if isinstance(exc, EngineStoppedError):
+        return "stopped"
+    return "engine_dead" if isinstance(exc, EngineDeadError) else "model_failed"
 
 
 async def _aclose(stream: AsyncIterator[object]) -> None:

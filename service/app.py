@@ -62,7 +62,7 @@ def create_app(config: ServerConfig, *, engine_factory: EngineFactory | None = N
                router_factory: RouterFactory | None = None) -> web.Application:
     """`engine_factory` builds an engine from its config (blocking; run in a thread); tests pass
     fakes. `router_factory(engines, fallbacks)` builds the resilience router."""
-    state = ServerState(config.hang_timeout_s, config.model_names)
+    state = ServerState(config.hang_timeout_s, config.model_names, config.quarantine_s)
     limit = ConnectionLimit(config.max_connections, config.header_timeout_s, state.health.set_saturation,
                             config.max_connections_per_client)
     middlewares = [access_middleware, limit.middleware, error_middleware,
@@ -88,7 +88,7 @@ def create_app(config: ServerConfig, *, engine_factory: EngineFactory | None = N
                                    drain_timeout_s=config.shutdown_timeout, metrics=app[METRICS_KEY])
     app[ROUTER_FACTORY_KEY] = router_factory or functools.partial(
         make_router, first_token_timeout_s=config.first_token_timeout_s, stall_timeout_s=config.stall_timeout_s,
-        breaker_open_s=config.breaker_open_s,
+        breaker_open_s=config.breaker_open_s, max_continuations=config.max_continuations,
         bulkhead=BulkheadConfig(max_num_seqs=config.bulkhead_max_seqs, max_num_tokens=config.bulkhead_max_tokens,
                                 max_queue_delay_s=config.queue_delay_target_s, max_owner_share=config.max_key_share))
     app.cleanup_ctx.append(engines_ctx)

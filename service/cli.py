@@ -169,6 +169,13 @@ def _add_server_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-engine-rebuilds", type=int,
                    help="dead engine loops rebuilt in process within 10 minutes before the process exits 75 "
                         "for its supervisor (default 3; 0 = exit at the first death)")
+    p.add_argument("--max-continuations", type=int,
+                   help="times one stream is continued after an engine fault (a crash, a lost rank, an unload): "
+                        "re-admitted as prompt + the tokens it delivered, on the rebuilt engine or the fallback "
+                        "(default 2; 0 = the fault is the client's error)")
+    p.add_argument("--quarantine-seconds", dest="quarantine_s", type=float,
+                   help="a request the engine isolated as the poison of a failed step is refused with 422 "
+                        "request_quarantined when sent again within this many seconds (default 300; 0 = off)")
     p.add_argument("--hang-timeout", dest="hang_timeout_s", type=float,
                    help="seconds an engine loop may spend in one iteration before liveness fails (default 60)")
     p.add_argument("--breaker-open-seconds", dest="breaker_open_s", type=float,
@@ -276,7 +283,8 @@ def build_config(args: argparse.Namespace, env: Mapping[str, str]) -> ServerConf
         "request_timeout_s": args.request_timeout_s, "stall_timeout_s": args.stall_timeout_s,
         "heartbeat_interval_s": args.heartbeat_interval_s, "leak_min_growth_bytes": args.leak_min_growth_bytes,
         "leak_action": args.leak_action, "hang_timeout_s": args.hang_timeout_s,
-        "max_engine_rebuilds": args.max_engine_rebuilds, "default_max_tokens": args.default_max_tokens,
+        "max_engine_rebuilds": args.max_engine_rebuilds, "max_continuations": args.max_continuations,
+        "quarantine_s": args.quarantine_s, "default_max_tokens": args.default_max_tokens,
         "bulkhead_max_seqs": args.bulkhead_max_seqs, "bulkhead_max_tokens": args.bulkhead_max_tokens,
         "max_key_share": args.max_key_share, "max_n": args.max_n,
         "max_queue_delay_s": args.max_queue_delay_s,

@@ -98,6 +98,8 @@ async def stream(request: web.Request, gen: Generation, fmt: _Format, include_us
                 if events is None:
                     model = routed.served_model
                     events = await _open(request, gen, routed)
+                if routed.continued is not None:  # the rest of the stream comes from another engine
+                    await events.comment(f"continued on {routed.served_model} ({routed.continued})")
                 chunks = fmt.stream(index, routed.output, gen.token_text(routed))
                 await events.send_many([protocol.chunk(fmt.chunk_kind, gen.id, gen.created, model, c)
                                         for c in chunks])

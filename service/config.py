@@ -24,7 +24,7 @@ MAX_SIZE_BYTES = 2**60  # an exabyte: any larger size is a typo or an attack
 ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name not in ("model", "files_root"))
 SERVER_OPTIONS = ("host", "port", "api_keys", "admin_key", "max_body_bytes", "auth_metrics", "warmup",
                   "shutdown_timeout", "first_token_timeout_s", "idle_timeout_s", "stall_timeout_s", "request_timeout_s", "heartbeat_interval_s", "leak_min_growth_bytes",
-                  "leak_action", "hang_timeout_s", "max_engine_rebuilds", "default_max_tokens", "bulkhead_max_seqs", "bulkhead_max_tokens", "max_queue_delay_s", "max_key_share", "max_n", "breaker_open_s", "enable_fault_injection", "models",
+                  "leak_action", "hang_timeout_s", "max_engine_rebuilds", "max_continuations", "quarantine_s", "default_max_tokens", "bulkhead_max_seqs", "bulkhead_max_tokens", "max_queue_delay_s", "max_key_share", "max_n", "breaker_open_s", "enable_fault_injection", "models",
                   "models_root", "memory_budget_bytes", "models_dir", "on_demand_fallback", "max_loaded_models", "health_details_auth",
                   "max_connections", "max_connections_per_client", "stream_write_timeout_s", "body_read_timeout_s", "header_timeout_s",
                   "keepalive_timeout_s", "allowed_origins", "otel_endpoint")
@@ -73,6 +73,8 @@ class ServerConfig:
     leak_action: str = "recycle"  # on a confirmed leak: reload engines in process, or exit for the supervisor
     hang_timeout_s: float = 60.0  # an engine loop stuck this long in one iteration fails liveness
     max_engine_rebuilds: int = 3  # dead engine loops rebuilt in process within 10 minutes; then exit 75
+    max_continuations: int = 2  # times one stream is continued after an engine fault (resilience/router.py)
+    quarantine_s: float = 300.0  # a request isolated as a poison is refused this long when sent again (0: off)
     breaker_open_s: float = 30.0  # a tripped breaker's first open period (later ones back off from it)
     enable_fault_injection: bool = False  # POST/DELETE /admin/faults (chaos tests only)
     models_root: str | None = None  # POST /admin/models/load only reads directories under it (None: MODELS_ROOT)
@@ -143,6 +145,9 @@ class ServerConfig:
                f"max_queue_delay must be a non-negative number of seconds (0: off), got {self.max_queue_delay_s!r}")
         _check(self.max_engine_rebuilds >= 0,
                f"max_engine_rebuilds must be non-negative, got {self.max_engine_rebuilds}")
+        _check(self.max_continuations >= 0, f"max_continuations must be non-negative, got {self.max_continuations}")
+        _check(math.isfinite(self.quarantine_s) and self.quarantine_s >= 0,
+               f"quarantine_seconds must be a non-negative number, got {self.quarantine_s}")
         _check(self.breaker_open_s > 0, f"breaker_open_seconds must be positive, got {self.breaker_open_s}")
         _check(self.memory_budget_bytes is None or self.memory_budget_bytes > 0,
                f"memory_budget must be positive bytes, got {self.memory_budget_bytes}")

@@ -80,6 +80,10 @@ class UnsupportedMediaTypeError(ServiceError):
     status = 415
 
 
+class UnprocessableError(ServiceError):
+    status = 422
+
+
 class OverloadedError(ServiceError):
     status = 429
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import math
 import time
 from collections.abc import AsyncIterator
@@ -15,9 +16,10 @@ from typing import Any
 from aiohttp import web
 
 from engine.client import EngineClient
+from engine.errors import RequestFailedError
 from engine.sampling_params import SamplingParams
 from service.auth import key_owner
-from service.errors import InvalidRequestError, ModelNotFoundError, UnavailableError
+from service.errors import InvalidRequestError, ModelNotFoundError, UnavailableError, UnprocessableError
 from service.keys import CONFIG_KEY, METRICS_KEY, RECORD_KEY, REQUEST_ID_KEY, STATE_KEY
 from service.protocol import new_id
 from service.router import GenerateRequest, RoutedOutput
@@ -54,6 +56,7 @@ class Generation:
         self.num_prompt_tokens: list[int] = []
         self.num_generated: list[int] = []  # per prompt, all its choices
         self.encoded_by: str | None = None
+        self.fingerprint = ""  # of its prompts and parameters: the poison quarantine's key
         self.add_special_tokens = True
         self._last_token: float | None = None
         self._queue_time: float | None = None
@@ -111,6 +114,7 @@ class Generation:
         self.num_prompt_tokens = [len(ids) for ids in self.prompt_token_ids]
         self.num_generated = [0] * len(prompts)
         self.prompts = prompts
+        self._check_quarantine()
         if self.params.max_tokens is None:  # not asked for (chat): the default, within the context left
             room = self.engine.max_model_len - max(self.num_prompt_tokens)
             self.params = dataclasses.replace(self.params, max_tokens=min(self.config.default_max_tokens, room))
@@ -118,6 +122,16 @@ class Generation:
         n, max_tokens = self.params.n, self.params.max_tokens or 0
         self.state.router.bulkhead(self.model).check_fits(
             sum(self.num_prompt_tokens) + len(prompts) * n * max_tokens, len(prompts) * n, self.owner)
+
+    def _check_quarantine(self) -> None:
+        """422 for a request the engine isolated as a poison within --quarantine-seconds: its retry loop
+        never reaches an engine again (nginx does not replay a 4xx)."""
+        payload = repr((self.model, self.prompt_token_ids, self.params)).encode()
+        self.fingerprint = hashlib.sha256(payload).hexdigest()
+        left_s = self.state.quarantine.seconds_left(self.fingerprint)
+        if left_s:
+            raise UnprocessableError(f"this request made the engine fail and is quarantined for another "
+                                     f"{math.ceil(left_s)} s; change it, or send it later", code="request_quarantined")
 
     async def check_chat(self, messages: list[dict[str, str]], tools: list[dict] | None = None,
                          add_special_tokens: bool = False) -> None:
@@ -165,6 +179,9 @@ class Generation:
                     self._observe(index, routed)
                     yield index, routed
             self._finished()
+        except RequestFailedError:  # the engine isolated it as the poison of a step
+            self.state.quarantine.add(self.fingerprint)
+            raise
         finally:
             self.state.generations.discard(task)
 

@@ -283,6 +283,15 @@ class ResilienceCollector(Collector):
                                     "its window", value=budget.num_retries)
         yield CounterMetricFamily(f"{PREFIX}failovers", "Requests resubmitted to a fallback before their first "
                                   "token", value=getattr(router, "num_failovers", 0))
+        continuations = CounterMetricFamily(f"{PREFIX}continuations", "Streams continued after an engine fault, by "
+                                            "the model that failed, why (engine_dead, stall, model_failed) and the "
+                                            "model that went on", labels=["model_name", "reason", "to"])
+        for (name, reason, to), count in getattr(router, "num_continuations", {}).items():
+            continuations.add_metric([name, reason, to], count)
+        yield continuations
+        yield CounterMetricFamily(f"{PREFIX}requests_quarantined", "Requests refused with 422 request_quarantined: "
+                                  "sent again within --quarantine-seconds of being isolated as a poison",
+                                  value=state.quarantine.num_refused)
         yield GaugeMetricFamily(f"{PREFIX}leak_suspected", "1 while a memory leak is flagged",
                                 value=int(state.health.leak is not None))
         yield CounterMetricFamily(f"{PREFIX}leaks_detected", "Leaks confirmed by the heartbeat",

@@ -254,7 +254,8 @@ class ModelRegistry:
 
     # --- unloading ---------------------------------------------------------------------------------
     async def unload(self, name: str) -> dict[str, Any]:
-        """Drain (no new requests, in-flight ones finish for up to drain_timeout_s), then stop."""
+        """No new requests, then stop: at once where the streams in flight continue on the model's fallback
+        (resilience/router.py's continuation), else once they finish (up to drain_timeout_s)."""
         entry = self.entries.get(name)
         if entry is None:
             raise InvalidRequestError(f"model {name!r} is not loaded", param="name", code="model_not_found")
@@ -266,7 +267,9 @@ class ModelRegistry:
             raise ConflictError(f"model {name!r} is {entry.state}", code="model_busy")
         entry.state = ModelState.DRAINING
         self.state.engines.pop(name, None)  # the router stops sending it new requests
-        await self._wait_idle(entry)
+        router_config = getattr(self.state.router, "config", None)
+        if self.fallbacks.get(name) is None or not getattr(router_config, "max_continuations", 0):
+            await self._wait_idle(entry)
         async with self._lock:
             freed = entry.memory_bytes
             await self._unload_now(entry)

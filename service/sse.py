@@ -68,6 +68,10 @@ class EventStream:
         if events:
             await self._write(b"".join(encode_event(e) for e in events))
 
+    async def comment(self, text: str) -> None:
+        """An SSE comment line: clients skip it (the openai SDK does), a person reading the stream sees it."""
+        await self._write(f": {text}\n\n".encode())
+
     async def close(self) -> None:
         await self._write(DONE)
         await self._bounded(self.response.write_eof())

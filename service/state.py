@@ -10,6 +10,7 @@ from typing import Any
 
 from engine.client import EngineClient
 from resilience.health import HealthState
+from resilience.quarantine import Quarantine
 
 
 class ServerState:
@@ -17,7 +18,8 @@ class ServerState:
     comes from `health` (resilience's one health model), which reads the engines, the registry's
     model states and the router from here."""
 
-    def __init__(self, hang_timeout_s: float = 60.0, required_models: tuple[str, ...] = ()) -> None:
+    def __init__(self, hang_timeout_s: float = 60.0, required_models: tuple[str, ...] = (),
+                 quarantine_s: float = 0.0) -> None:
         self.engines: dict[str, EngineClient] = {}  # served name -> engine, configuration order, loaded ones only
         self.router: Any | None = None  # built once every engine is loaded
         self.registry: Any | None = None  # service.registry.ModelRegistry: loads and unloads models
@@ -26,6 +28,7 @@ class ServerState:
         self.fatal = asyncio.Event()  # set when the server cannot serve at all (a model failed to load)
         self.loaded = asyncio.Event()  # set once every model is loaded and warmed
         self.generations: set[asyncio.Task] = set()  # handler tasks with an engine request in flight
+        self.quarantine = Quarantine(quarantine_s, clock=time.monotonic)  # fingerprints of poison requests
         self.started = time.time()
         self.recycling: asyncio.Task | None = None  # engines being reloaded after a leak
         self.num_engine_deaths = 0

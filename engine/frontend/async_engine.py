@@ -19,10 +19,16 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.core.chat_template import chat_prompt, encode_prompt
-from engine.errors import EngineDeadError, EngineError, EngineNotRunningError, EngineOverloadedError
+from engine.errors import (
+    EngineDeadError,
+    EngineError,
+    EngineNotRunningError,
+    EngineOverloadedError,
+    EngineStoppedError,
+)
 from engine.faults import FaultInjector
 from engine.frontend.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, ResumedChoice
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
 
@@ -123,14 +129,16 @@ class EngineFrontend:
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                        priority: int = 0, prompt_token_ids: list[int] | None = None,
-                       group_id: str | None = None, add_special_tokens: bool = True) -> AsyncIterator[RequestOutput]:
+                       group_id: str | None = None, add_special_tokens: bool = True,
+                       resume: tuple[ResumedChoice, ...] = ()) -> AsyncIterator[RequestOutput]:
         """Yield output deltas until the request finishes. Leaving early aborts it. `prompt_token_ids`:
         the prompt already encoded and checked by this engine (the service checks in a worker thread;
         the loop's add_request checks once more and a failure comes out of this generator). Without
         them the prompt is encoded and checked in a worker thread: a long text, or a grammar this
         engine never compiled (up to seconds), must not stall the event loop or the engine loop.
         `group_id`: the client request this one is part of (LLMEngine.add_request); `add_special_tokens`:
-        how a text prompt is encoded here (False for a rendered chat template)."""
+        how a text prompt is encoded here (False for a rendered chat template); `resume`: choices another
+        engine delivered part of (LLMEngine.add_request)."""
         self._check_alive()
         if prompt_token_ids is None:
             prompt_token_ids = await asyncio.to_thread(self._encode_checked, prompt, params, add_special_tokens)
@@ -145,7 +153,7 @@ class EngineFrontend:
         finished = False
         try:
             self._submit(("add", (request_id, prompt, params, priority, time.monotonic(), prompt_token_ids,
-                                   group_id)))
+                                   group_id, resume)))
             self._check_alive()  # the loop may have died after the first check, before it saw us
             while not finished:
                 item = await waiter.queue.get()
@@ -236,7 +244,7 @@ class AsyncEngine(EngineFrontend):
         if self.dead_error is None:
             for request_id in list(self.engine.requests):
                 self.engine.abort_request(request_id)
-        self._fail_all(EngineDeadError("the engine was stopped"))
+        self._fail_all(EngineStoppedError("the engine was stopped"))
         self.engine.close()
 
     @property

@@ -30,7 +30,7 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from engine.config import EngineConfig
-from engine.errors import EngineDeadError, EngineError, EngineNotRunningError
+from engine.errors import EngineDeadError, EngineError, EngineNotRunningError, EngineStoppedError
 from engine.executor.loader import validate_model_dir
 from engine.faults import Fault
 from engine.frontend.async_engine import AsyncEngine, EngineFrontend
@@ -102,7 +102,7 @@ class ProcessEngine(EngineFrontend):
         if self._reader is not None:
             self._reader.join(timeout)
         self._conn.close()
-        self._fail_all(EngineDeadError("the engine was stopped"))
+        self._fail_all(EngineStoppedError("the engine was stopped"))
 
     @property
     def is_running(self) -> bool:

@@ -170,11 +170,24 @@ async def test_full_bulkhead_is_429_not_a_degrade(engines):
     assert router.bulkhead("big").num_seqs == 0
 
 
-async def test_a_stream_that_stalls_after_its_first_token_is_not_retried(engines):
+async def test_a_stream_that_stalls_after_its_first_token_continues_on_the_next_model(engines):
+    """The stalled model's engine still lives: the stream goes on on the fallback (same tokenizer), its
+    first output marked; with continuations off the stall is the client's error, as before."""
     router = _router(engines, stall_timeout_s=1.0)
     stream = router.generate(GenerateRequest("s", "big", "x", SamplingParams(max_tokens=200, ignore_eos=True)))
     first = await anext(stream)
     assert first.served_model == "big"
+    engines["big"].faults.inject(Fault("stall"))
+    rest = [routed async for routed in stream]  # a step of big may still land before the stall
+    moved = next(i for i, r in enumerate(rest) if r.served_model == "small")
+    assert {r.served_model for r in rest[:moved]} <= {"big"} and {r.served_model for r in rest[moved:]} == {"small"}
+    assert rest[moved].continued == "stall" and not any(r.continued for r in rest[moved + 1:])
+    assert sum(len(o.token_ids) for r in [first, *rest] for o in r.output.outputs) == 200
+    assert router.num_continuations == {("big", "stall", "small"): 1}
+    engines["big"].faults.clear()
+    router = _router(engines, stall_timeout_s=1.0, max_continuations=0)
+    stream = router.generate(GenerateRequest("s2", "big", "x", SamplingParams(max_tokens=200, ignore_eos=True)))
+    await anext(stream)
     engines["big"].faults.inject(Fault("stall"))
     with pytest.raises(DeadlineExceeded, match="deadline exceeded at between_tokens") as info:
         async for _ in stream:

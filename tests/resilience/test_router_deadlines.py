@@ -5,6 +5,7 @@ never the model's fault); a stalled loop is a failure; tenacity resubmits once t
 a transient engine error before the first output, never a poison request, never past the budget."""
 
 import asyncio
+import contextlib
 import time
 from types import SimpleNamespace
 
@@ -57,7 +58,7 @@ class FakeEngine:
         return SimpleNamespace(is_full=self.is_full)
 
     async def generate(self, prompt, params, request_id, priority=0, prompt_token_ids=None, group_id=None,
-                       add_special_tokens=True):
+                       add_special_tokens=True, resume=()):
         self.request_ids.append(request_id)
         if self.errors:
             raise self.errors.pop(0)
@@ -239,21 +240,30 @@ async def test_no_retry_and_no_failover_once_the_budget_is_spent():
     assert engines["big"].request_ids == ["r"] and engines["small"].request_ids == []
 
 
-async def test_an_error_after_the_first_output_is_never_retried():
+@pytest.mark.parametrize("max_continuations", [0, 2])
+async def test_an_error_after_the_first_output_is_never_retried_but_continued(max_continuations):
+    """Never resubmitted whole: with continuations on, the rest comes from the next model (the failed
+    model's engine lives, so it is not waited for); off, the error goes to the client."""
     class FailsMidStream(FakeEngine):
         async def generate(self, prompt, params, request_id, priority=0, prompt_token_ids=None, group_id=None,
-                       add_special_tokens=True):
+                           add_special_tokens=True, resume=()):
             self.request_ids.append(request_id)
             yield _output(f"{request_id}:0")
             raise EngineStepError("mid-stream")
 
     engines = {"big": FailsMidStream(), "small": FakeEngine()}
-    router = make_router(engines)
+    router = make_router(engines, max_continuations=max_continuations)
     received = []
-    with pytest.raises(EngineStepError, match="mid-stream"):
+    with pytest.raises(EngineStepError, match="mid-stream") if not max_continuations else contextlib.nullcontext():
         async for routed in router.generate(GenerateRequest("r", "big", "x", PARAMS)):
             received.append(routed.output.request_id)
-    assert received == ["r:0"] and engines["big"].request_ids == ["r"] and engines["small"].request_ids == []
+    assert engines["big"].request_ids == ["r"]
+    if max_continuations:
+        assert received == ["r:0", "r-cont1:0", "r-cont1:1", "r-cont1:2"]
+        assert engines["small"].request_ids == ["r-cont1"]
+        assert router.num_continuations == {("big", "model_failed", "small"): 1}
+    else:
+        assert received == ["r:0"] and engines["small"].request_ids == []
 
 
 async def test_a_queue_standing_past_the_target_sheds_to_the_fallback_at_once():

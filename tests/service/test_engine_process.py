@@ -98,21 +98,24 @@ def test_the_openai_client_streams_from_the_engine_process(server):
 
 
 def test_a_crashed_loop_is_rebuilt_in_a_new_engine_process(server):
-    """A stream in flight when the loop dies ends with an error event, then a new process serves."""
+    """A stream in flight when the loop dies goes on in the new engine process (resilience/router.py's
+    continuation): no error, every token once; the same server process serves on."""
     pid, engine = server.process.pid, _engine_pid(server)
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
-    stream = client.completions.create(model=MODEL, prompt="def f():", max_tokens=2000, stream=True,
-                                       extra_body={"ignore_eos": True})
-    next(iter(stream))
+    stream = client.completions.create(model=MODEL, prompt="def f():", max_tokens=400, stream=True,
+                                       extra_body={"ignore_eos": True}, stream_options={"include_usage": True})
+    chunks = [next(iter(stream))]
     status, _, body = server.request("POST", "/admin/faults", {"model": MODEL, "kind": "crash"},
                                      {"Authorization": f"Bearer {ADMIN_KEY}"})
     assert status == 200, body
-    with pytest.raises(openai.APIError, match="engine"):
-        for _ in stream:
-            pass
+    chunks += list(stream)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert chunks[-1].usage.completion_tokens == 400
     _ready_again(server, engine)
     _wait_gone(engine)
     assert server.process.poll() is None and server.process.pid == pid
+    metrics = server.get("/metrics")[2].decode()
+    assert f'pagedserve:continuations_total{{model_name="{MODEL}",reason="engine_dead",to="{MODEL}"}} 1.0' in metrics
     _completes(server)
 
 

@@ -112,7 +112,8 @@ async def test_a_crashed_engine_heals_in_process(start):
     (before any work: nginx may replay it), and the replica comes back ready with a new engine."""
     gate = threading.Event()
     gate.set()
-    h = await start(load_gate=gate)  # the gate holds the rebuild open below, so the 503 is certain
+    # the gate holds the rebuild open below, so the 503 is certain; no continuation (test_continuation.py)
+    h = await start(load_gate=gate, max_continuations=0)
     primary, fallback = h.engines["primary"], h.engines["fallback"]
     in_flight = await h.client.post(COMPLETIONS, json=LONG)
     assert (await in_flight.content.readline()).startswith(b"data: ")
@@ -143,16 +144,17 @@ async def test_a_crashed_engine_heals_in_process(start):
 
 
 async def test_a_killed_tensor_parallel_rank_heals_in_process(start):
-    """Both models split over 2 processes: killing the primary's second rank mid-stream ends that
-    stream with engine_dead, and the replica is ready again, with a new primary, without a restart."""
+    """Both models split over 2 processes: killing the primary's second rank mid-stream does not end that
+    stream (it continues on the rebuilt primary, or on the fallback if the rebuild outlasts the
+    first-token timeout), and the replica is ready again, with a new primary, without a restart."""
     h = await start(engine_kwargs={"tensor_parallel_size": 2})
     primary = h.engines["primary"]
-    in_flight = await h.client.post(COMPLETIONS, json=LONG)
+    in_flight = await h.client.post(COMPLETIONS, json={**LONG, "max_tokens": 60})
     assert (await in_flight.content.readline()).startswith(b"data: ")
     os.kill(primary.engine.model_runner.ranks.pids[0], signal.SIGKILL)
     events = _events(await in_flight.read())
-    error = json.loads(events[-2][len("data: "):])["error"]
-    assert error["code"] == "engine_dead", error
+    assert events[-1] == "data: [DONE]" and not any('"error"' in e for e in events)
+    assert [(m, r) for m, r, _ in h.state.router.num_continuations] == [("primary", "engine_dead")]
     await until(lambda: h.engines.get("primary") not in (None, primary), timeout=120)
     await until(h.state.health.is_ready, timeout=60)
     assert (await h.client.get("/health/ready")).status == 200
@@ -207,7 +209,7 @@ async def test_unexpected_error_is_500_with_request_id_in_body_and_log(start, ca
 
 
 async def test_error_after_the_stream_began_is_an_error_event_then_done(start):
-    h = await start()
+    h = await start(max_continuations=0)  # with them, the stream continues on the fallback (test_continuation.py)
     h.primary.faults.inject(Fault("slow", delay_ms=20))
     response = await h.client.post(COMPLETIONS, json=LONG)
     assert response.status == 200

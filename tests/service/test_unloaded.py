@@ -18,7 +18,7 @@ async def test_an_unloaded_start_up_model_is_404(start):
 
 
 async def test_new_requests_to_a_draining_model_go_to_its_fallback(start):
-    h = await start(shutdown_timeout=30.0)
+    h = await start(shutdown_timeout=30.0, max_continuations=0)  # the drain (continuations: test_continuation.py)
     h.primary.faults.inject(Fault("slow", delay_ms=20))
     running = await h.client.post(COMPLETIONS, json={"model": "primary", "prompt": "def f():", "max_tokens": 40,
                                                      "ignore_eos": True, "stream": True})
