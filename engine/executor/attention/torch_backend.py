@@ -146,13 +146,9 @@ def eager_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
     k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
     v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
     out = torch.empty_like(q)
-    window_mask = meta.decode_window_mask if is_windowed else None
-    for i in range(meta.num_decodes):
-        length = int(meta.decode_lens[i])
-        slots = block_slots(meta.decode_tables[i].tolist(), meta.block_size, q.device)[:length]
-        visible = None if window_mask is None else (window_mask[0, i, 0, :length] == 0)[None]
-        out[i] = _eager(q[i:i + 1], _gather(k_cache, slots, 1), _gather(v_cache, slots, 1), visible, scale,
-                        softcap, sinks)[0]
+    if meta.num_decodes:
+        out[:meta.num_decodes] = _eager_decode(q[:meta.num_decodes], k_cache, v_cache, meta, scale, is_windowed,
+                                               softcap, sinks)
     for seg in meta.prefills:
         mask = seg.window_mask if is_windowed and seg.window_mask is not None else seg.mask
         if seg.context_slots is None:
@@ -161,6 +157,34 @@ def eager_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
             ks, vs = _gather(k_cache, seg.context_slots, 1), _gather(v_cache, seg.context_slots, 1)
         out[seg.start:seg.end] = _eager(q[seg.start:seg.end], ks, vs, mask, scale, softcap, sinks)
     return out
+
+
+def _eager_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                  scale: float, is_windowed: bool, softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Every decode at once: q [B, H, D] over its blocks gathered padded ([KVH, B, S, D], as the torch
+    decode path reads them), each row masked to its own context (and window) -> [B, H, D]."""
+    num_decodes, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[0]
+    block_ids = meta.decode_tables.flatten()
+    keys, values = (_gather(c, block_ids, meta.block_size).view(num_kv_heads, num_decodes, -1, head_dim)
+                    for c in (k_cache, v_cache))
+    qs = q.view(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.einsum("bkgd,kbsd->bkgs", qs, keys) * scale  # [B, KVH, groups, S]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if is_windowed and meta.decode_window_mask is not None:
+        visible = meta.decode_window_mask[0, :, 0] == 0  # [B, S]
+    else:
+        visible = torch.arange(keys.shape[2], device=q.device)[None, :] < meta.decode_lens[:, None]
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+    else:  # the sink joins the denominator and is dropped
+        sink = sinks.view(1, num_kv_heads, -1, 1).expand(num_decodes, -1, -1, 1).to(scores.dtype)
+        logits = torch.cat([scores, sink], dim=-1)
+        logits = logits - logits.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(values.dtype)
+    return torch.einsum("bkgs,kbsd->bkgd", probs, values).reshape(num_decodes, num_heads, head_dim)
 
 
 def _eager(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor | None, scale: float,
