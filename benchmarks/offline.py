@@ -122,9 +122,14 @@ def run_pagedserve(args, requests: list[Request], dtype: str, model_impl: str = 
 
 # --- HF static batching ----------------------------------------------------------------------------
 def load_hf(model_dir: Path, dtype: str):
+    """SDPA attention, or eager where the architecture has no SDPA path (Gemma 2's soft-capped scores)."""
     from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype], attn_implementation="sdpa",
-                                                local_files_only=True).eval()
+    try:
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype], attn_implementation="sdpa",
+                                                    local_files_only=True).eval()
+    except ValueError:
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype], attn_implementation="eager",
+                                                    local_files_only=True).eval()
 
 
 def _kv_bytes(cache) -> tuple[int, int]:

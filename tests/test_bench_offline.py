@@ -49,7 +49,7 @@ def test_unknown_systems_and_dtypes_are_refused(capsys, option, value, unknown):
         parse_args([option, value])
     assert exc.value.code == 2
     assert f"unknown {unknown}; choose from" in capsys.readouterr().err
-    assert SYSTEMS == ("pagedserve", "vllm", "static", "cb")
+    assert SYSTEMS == ("pagedserve", "generic", "vllm", "static", "cb")
 
 
 def _run(system: str, dtype: str, tok_s: float, cpu_tok_s: float, waste: float | None = None) -> dict:

@@ -96,14 +96,14 @@ async def test_without_continuations_the_fault_is_the_clients_error(start):
 
 
 async def test_unloading_a_model_continues_its_streams_on_the_fallback_at_once(start):
-    """No wait for the streams to finish: the engine stops at once and each stream goes on on the fallback
-    (the same tokenizer) from the tokens it delivered; the unload itself is done within 2 s."""
+    """32 streams in flight: no wait for them to finish, the engine stops at once and each stream goes on on
+    the fallback (the same tokenizer) from the tokens it delivered; the unload itself is done within 2 s."""
     h = await start()
     h.primary.faults.inject(Fault("slow", delay_ms=30))
     body = {"prompt": PROMPT, "max_tokens": 60, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
-    responses = [await h.client.post("/v1/completions", json=body) for _ in range(4)]
-    await until(lambda: h.primary.engine.num_generation_tokens >= 4 * 5)
+    responses = await asyncio.gather(*(h.client.post("/v1/completions", json=body) for _ in range(32)))
+    await until(lambda: h.primary.engine.num_generation_tokens >= 32 * 5)
     started = asyncio.get_running_loop().time()
     await h.state.registry.unload("primary")
     assert asyncio.get_running_loop().time() - started < 2.0
@@ -114,7 +114,7 @@ async def test_unloading_a_model_continues_its_streams_on_the_fallback_at_once(s
         assert not any("error" in e for e in events)
         assert events[-1]["usage"]["completion_tokens"] == 60
         assert [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]] == ["length"]
-    assert h.state.router.num_continuations == {("primary", "stopped", "fallback"): 4}
+    assert h.state.router.num_continuations == {("primary", "stopped", "fallback"): 32}
     await until(lambda: h.idle("fallback"))
 
 
