@@ -147,9 +147,11 @@ async def test_a_mixed_load_survives_two_crashes(sdk):
              dict(temperature=1.0, seed=9, max_tokens=48, stop=["):", "\n\n"])] * 2
     expected = await asyncio.gather(*(_stream(client, fields) for fields in kinds))
     in_flight = []
-    for _ in range(2):
-        h.primary.faults.inject(Fault("slow", delay_ms=40))
-        tasks = [asyncio.create_task(_stream(client, fields)) for fields in kinds] if not in_flight else tasks
+    h.primary.faults.inject(Fault("slow", delay_ms=40))
+    tasks = [asyncio.create_task(_stream(client, fields)) for fields in kinds]
+    for crash in range(2):
+        if crash:  # the rebuilt engine: slowed as well, so the second crash lands mid-stream too
+            h.primary.faults.inject(Fault("slow", delay_ms=40))
         dying, before = h.primary, h.primary.engine.num_generation_tokens
         await until(lambda d=dying, b=before: d.engine.num_generation_tokens - b >= 24)
         in_flight.append(dying.num_in_flight)
