@@ -61,7 +61,8 @@ bench: $(STAMP)
 # (a plain test run writes them to a temp dir and never touches tracked files)
 bench-resilience: $(STAMP) nginx
 	PAGEDSERVE_RESULTS_DIR=benchmarks/results $(PY) -m pytest -q -m 'slow or not slow' -s \
-		tests/resilience/test_chaos.py tests/deploy/test_failover.py tests/deploy/test_hostile.py
+		tests/resilience/test_chaos.py tests/deploy/test_failover.py tests/deploy/test_hostile.py \
+		tests/resilience/test_continuation_chaos.py
 
 # 10 minutes of varying load on a real server with no leak: the leak detector must raise no alarm
 .PHONY: test-leak-soak

@@ -127,6 +127,8 @@ class Scheduler:
 
     def _num_new_tokens(self, seq: Sequence, budget: _Budget) -> int:
         num_new = min(seq.num_uncomputed_tokens, budget.tokens)
+        if seq.num_computed_tokens < seq.num_prompt_tokens < seq.replay_until:  # the prompt's chunks, then the
+            num_new = min(num_new, seq.num_prompt_tokens - seq.num_computed_tokens)  # replayed ones apart
         return min(num_new, budget.prefill_tokens) if seq.is_prefill else num_new
 
     def _schedule(self, seq: Sequence, num_new: int, budget: _Budget, scheduled: list[ScheduledSeq]) -> None:
@@ -245,6 +247,7 @@ class Scheduler:
             return
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.replay_until = seq.num_tokens
         seq.status = SequenceStatus.PREEMPTED
         self.waiting.append(seq)  # its arrival time keeps it ahead of newer requests
 

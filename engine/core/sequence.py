@@ -86,6 +86,10 @@ class Sequence:
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=lambda: [None])
     num_computed_tokens: int = 0  # tokens whose KV is in the block table
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
+    # output positions below this, recomputed (a resumed choice, a recompute after preemption), run as the
+    # decodes they were when sampled (engine/executor/model_runner.py): the same attention kernel, so the
+    # same K/V and, where the batch does not change the arithmetic, the same next tokens
+    replay_until: int = 0
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks, computed lazily
     stop_reason: str | int | None = None

@@ -145,12 +145,12 @@ class ModelRunner:
             self.ranks.send(copies, [])  # every rank copies its blocks, whatever happens to this step next
         if output.is_empty:
             return {}
-        batch = self._prepare(output.scheduled)
+        scheduled = [row for item in output.scheduled for row in _replayed(item)]  # the same rows on every rank
+        batch = self._prepare(scheduled)
         if self.ranks is None:
             hidden = self.model(batch.input_ids, batch.positions, batch.metadata)
         else:
-            hidden = self.ranks.run(output.scheduled,
-                                      lambda: self.model(batch.input_ids, batch.positions, batch.metadata))
+            hidden = self.ranks.run(scheduled, lambda: self.model(batch.input_ids, batch.positions, batch.metadata))
         if batch.prompt_rows:
             self.sampler.prompt_logprobs(self.model.compute_logits(hidden[batch.prompt_indices]).float(),
                                          batch.prompt_rows)
@@ -169,7 +169,8 @@ class ModelRunner:
             self.model(batch.input_ids, batch.positions, batch.metadata)
 
     def _prepare(self, scheduled: list[ScheduledSeq]) -> _Batch:
-        # one new token after some context is decode-shaped, whether or not it ends a prefill
+        # one new token after some context is decode-shaped, whether or not it ends a prefill (and so is each
+        # output token a recompute replays: `run` has split them)
         decodes = [s for s in scheduled if s.num_new_tokens == 1 and s.start > 0]
         prefills = [s for s in scheduled if not (s.num_new_tokens == 1 and s.start > 0)]
         ids, positions, slots, sample_at, rows, segments, prompt_at, prompt_rows = [], [], [], [], [], [], [], []
@@ -196,6 +197,15 @@ class ModelRunner:
                       torch.tensor(positions, dtype=torch.long, device=dev), meta,
                       torch.tensor(sample_at, dtype=torch.long, device=dev), rows,
                       torch.tensor(prompt_at, dtype=torch.long, device=dev), prompt_rows)
+
+
+def _replayed(item: ScheduledSeq) -> list[ScheduledSeq]:
+    """A chunk of replayed output tokens as one decode row each (the last one samples, if the chunk does);
+    any other chunk as it is."""
+    seq, end = item.seq, item.start + item.num_new_tokens
+    if item.num_new_tokens == 1 or not seq.num_prompt_tokens <= item.start < end <= seq.replay_until:
+        return [item]
+    return [ScheduledSeq(seq, p, 1, item.num_samples if p == end - 1 else 0) for p in range(item.start, end)]
 
 
 # --- a tensor-parallel worker rank (engine/executor/parallel.py spawns it) ---------------------------

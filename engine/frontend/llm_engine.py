@@ -160,6 +160,7 @@ class LLMEngine:
                 seq.grammar = self.grammars.start(params.structured_outputs)
             if resume:  # what was delivered is never sent again
                 self._replay(seq, choice.token_ids)
+                seq.replay_until = seq.num_tokens
                 request.sent_tokens[seq.index] = seq.num_output_tokens
                 request.sent_chars[seq.index] = seq.detokenizer.readable_length(False)
             request.seqs.append(seq)

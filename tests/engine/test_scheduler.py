@@ -192,9 +192,11 @@ def test_recompute_preemption_of_the_latest_arrival():
     assert a.is_finished and b.is_finished
     assert free_ids(sched) == [6, 7, 5, 4, 1, 0, 3, 2]
 
-    out = step(sched, 104)  # c recomputes its prompt and its first token; its first 2 blocks hit
-    assert chunks(out) == [(c, 8, 9, 1)]
-    assert c.output_token_ids == [101, 104]
+    out = step(sched, 104)  # c recomputes the rest of its prompt (its first 2 blocks hit), nothing sampled
+    assert chunks(out) == [(c, 8, 8, 0)]
+    out = step(sched, 105)  # then its first token, replayed as the decode it was (Sequence.replay_until)
+    assert chunks(out) == [(c, 16, 1, 1)]
+    assert c.output_token_ids == [101, 105]
     assert c.status == SequenceStatus.FINISHED_LENGTH
     assert c.num_cached_tokens == 0  # counted at first admission only
     assert sched.block_manager.num_prefix_hits == 8
@@ -331,7 +333,9 @@ def test_priority_preempts_the_least_important_running_sequence():
     assert sched.waiting == [low]  # low's 2 cached blocks + 3 more do not fit yet
 
     out = step(sched)
-    assert chunks(out) == [(high, 3, 1, 1), (low, 8, 9, 1)]
+    assert chunks(out) == [(high, 3, 1, 1), (low, 8, 8, 0)]  # the rest of low's prompt, then its token replayed
+    out = step(sched)
+    assert chunks(out) == [(low, 16, 1, 1)]
     assert low.output_token_ids == [7, 7]
     assert_all_free(sched)
 
@@ -493,9 +497,11 @@ def test_n_2_child_preempted_by_recompute_samples_one_token():
     assert chunks(out) == [(other, 17, 1, 1), (parent, 11, 1, 1)]
     assert parent.is_finished and sched.waiting == [child]
 
-    out = step(sched)  # the child recomputes from the parent's cached prompt blocks, samples once
-    assert chunks(out) == [(other, 18, 1, 1), (child, 8, 3, 1)]
+    out = step(sched)  # the child recomputes the rest of its prompt from the parent's cached prompt blocks
+    assert chunks(out) == [(other, 18, 1, 1), (child, 8, 2, 0)]
     assert child.block_table == [4, 5, 6]
+    out = step(sched)  # then replays its token as the decode it was, and samples once
+    assert chunks(out) == [(child, 10, 1, 1)]
     out = step(sched)
     assert chunks(out) == [(child, 11, 1, 1)]
     assert (parent.num_output_tokens, child.num_output_tokens, other.num_output_tokens) == (3, 3, 4)
