@@ -60,6 +60,7 @@ from engine.errors import (
     EngineStepError,
     EngineStoppedError,
     RequestFailedError,
+    RequestRejectedError,
 )
 from engine.outputs import RequestOutput, ResumedChoice
 from engine.sampling_params import SamplingParams
@@ -263,7 +264,7 @@ class ModelRouter:
                 try:
                     await call.open(f"{req.request_id}-cont{delivered.continuations}", is_retry=False,
                                     prompt_token_ids=delivered.prompt_token_ids)
-                except (*FAILOVER_ERRORS, RetryLater) as exc:
+                except (*FAILOVER_ERRORS, RetryLater, RequestRejectedError) as exc:  # rejected: a shorter context
                     logger.warning("request %s: continuation on %s failed (%r)", req.request_id, name, exc)
                     continue
                 return name, call

@@ -36,7 +36,6 @@ DRY_RUN_TOKENS = 3
 class LayerAttention:
     """What one attention layer passed on the dry forward."""
 
-    num_heads: int
     num_kv_heads: int
     head_dim: int
     sliding_window: int | None
@@ -74,8 +73,7 @@ def paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
     step: _Step = module.pagedserve_step
     rows, num_tokens, layer = query.shape[2], step.num_tokens, module.layer_idx
     if step.seen is not None:
-        step.seen[layer] = LayerAttention(query.shape[1], key.shape[1], key.shape[3], sliding_window, softcap,
-                                          s_aux is not None)
+        step.seen[layer] = LayerAttention(key.shape[1], key.shape[3], sliding_window, softcap, s_aux is not None)
         if value.shape[3] != key.shape[3]:
             raise ValueError(f"layer {layer}: V head dim {value.shape[3]} differs from K's {key.shape[3]}; the KV "
                              "pool holds one head dim")
