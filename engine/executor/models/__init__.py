@@ -41,7 +41,8 @@ def supported_models_markdown() -> str:
     holds the README to it)."""
     own_tests = "greedy = HF fp32 (chunked prefill, preemption, prefix cache, block sizes, flex), tensor parallel 2"
     generic_tests = "greedy = HF fp32 (chunked prefill, n = 2, prefix cache, preemption), bf16 logprobs"
-    rows = [(a, f"own (`{MODEL_CLASSES[a].__module__.rsplit('.', 1)[-1]}.py`)", "AWQ, GPTQ (4-bit), int8", "yes",
+    rows = [(a, f"own (`{MODEL_CLASSES[a].__module__.rsplit('.', 1)[-1]}.py`)",
+             "AWQ, GPTQ (4-bit), int8; FP8 dequantized at load", "yes",
              own_tests) for a in MODEL_CLASSES]
     rows += [(a, "generic", "none", "no", generic_tests) for a in TESTED_GENERIC]
     rows.append(("any other decoder-only `*ForCausalLM` of transformers", "generic", "none", "no",
