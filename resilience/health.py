@@ -194,4 +194,5 @@ class HealthState:
         return {"is_dead": engine.is_dead, "seconds_since_progress": round(self._clock() - engine.last_progress_time, 3),
                 "queue_delay_s": round(engine.queue_delay_s(), 3),
                 "dtype": engine.dtype, "dtype_probe": probe.to_dict() if probe is not None else None,
-                "quantization": engine.quantization, "attention_backend": engine.attention_backend}
+                "quantization": engine.quantization, "attention_backend": engine.attention_backend,
+                "tensor_parallel_pids": list(engine.rank_pids)}

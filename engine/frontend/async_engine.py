@@ -55,6 +55,7 @@ class EngineInfo:
     attention_backend: str
     chat_template: str | None
     memory_bytes: tuple[int, int]  # (weights, KV block pool), every rank's under tensor parallelism
+    rank_pids: tuple[int, ...] = ()  # the processes of tensor-parallel ranks 1..N-1 (rank 0 runs the loop)
 
     @classmethod
     def of(cls, engine: LLMEngine) -> "EngineInfo":
@@ -63,7 +64,8 @@ class EngineInfo:
         return cls(engine.max_model_len, engine.vocab_size, engine.sampling_defaults,
                    str(runner.dtype).removeprefix("torch."), runner.dtype_probe,
                    runner.quant.method if runner.quant else None, runner.attention.name, engine.chat_template,
-                   (int(runner.weight_bytes) * ranks, int(runner.layout.total_bytes) * ranks))
+                   (int(runner.weight_bytes) * ranks, int(runner.layout.total_bytes) * ranks),
+                   tuple(pid for pid in runner.ranks.pids if pid is not None) if runner.ranks is not None else ())
 
 
 class EngineFrontend:
@@ -84,6 +86,7 @@ class EngineFrontend:
         self.dtype_probe = info.dtype_probe  # how --dtype auto chose, on CPU
         self.quantization = info.quantization
         self.attention_backend = info.attention_backend
+        self.rank_pids = info.rank_pids
         self._num_adds_sent = 0  # "add" commands handed to the loop
         self._num_adds_taken = 0  # ... and taken by it (the loop's count)
         self._adds_lock = threading.Lock()

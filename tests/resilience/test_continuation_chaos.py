@@ -2,7 +2,8 @@
 (`make test-slow`; the lighter in-process version is tests/service/test_continuation.py):
 
 64 concurrent streams (greedy, seeded top-p, json_schema, n=2 with logprobs, stop strings) while the
-primary's engine loop is crashed three times, each time after its rebuild: no stream ends with an
+primary's engine loop is crashed three times, each time after its rebuild (and 16 while a rank of a
+tensor-parallel primary is killed): no stream ends with an
 error, every text equals the undisturbed run's (the same 64 streams run before), every JSON reply parses
 and holds its schema's keys, `continuations_total` counts the streams in flight at the crashes (see
 below), and every KV block comes back. Figures go to continuation.json in `results_dir`."""
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import time
 
 import openai
@@ -48,11 +50,11 @@ def server(tmp_path_factory):
     server.stop()
 
 
-async def _stream(sdk: openai.AsyncOpenAI, i: int) -> dict:
+async def _stream(sdk: openai.AsyncOpenAI, i: int, model: str = PRIMARY) -> dict:
     fields = dict(KINDS[i % len(KINDS)])
     # a json_schema reply ends with its closing brace; the others run to max_tokens
     extra = {"response_format": fields.pop("response_format")} if "response_format" in fields else {"ignore_eos": True}
-    stream = await sdk.completions.create(model=PRIMARY, prompt=f"def task_{i}(items):", stream=True,
+    stream = await sdk.completions.create(model=model, prompt=f"def task_{i}(items):", stream=True,
                                           extra_body=extra, stream_options={"include_usage": True}, **fields)
     texts: dict[int, str] = {}
     usage = None
@@ -104,3 +106,34 @@ async def test_64_streams_survive_three_crashes(server, results_dir):
     server.request("DELETE", "/admin/faults", None, ADMIN)
     assert _total(server, "num_requests_running") == 0
     assert _total(server, "kv_cache_usage_perc") == 0  # every KV block back
+
+
+def test_16_streams_survive_a_killed_tensor_parallel_rank(tmp_path):
+    """The primary split over 2 processes: SIGKILL of its second rank mid-stream; every stream goes on
+    on the rebuilt primary (the first-token timeout leaves room for the ranks to reload), text for text."""
+    require_models(SMALL, TINY)
+    server = launch(["--model", str(TINY), "--fallback", str(SMALL), "--api-key", API_KEY, "--admin-key", ADMIN_KEY,
+                     "--enable-fault-injection", "--tensor-parallel-size", "2", "--first-token-timeout", "60"],
+                    tmp_path / "server.log")
+    model = TINY.name
+    try:
+        async def run() -> tuple[list, list, int, int]:
+            async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0,
+                                          timeout=600) as sdk:
+                expected = await asyncio.gather(*(_stream(sdk, i, model) for i in range(16)))
+                server.request("POST", "/admin/faults", {"model": model, "kind": "slow", "delay_ms": 60}, ADMIN)
+                tasks = [asyncio.create_task(_stream(sdk, i, model)) for i in range(16)]
+                await asyncio.sleep(1.0)
+                in_flight = sum(not task.done() for task in tasks)
+                report = json.loads(server.request("GET", "/health/ready", None, ADMIN)[2])
+                os.kill(report["engines"][model]["tensor_parallel_pids"][0], signal.SIGKILL)
+                return expected, await asyncio.gather(*tasks, return_exceptions=True), in_flight, \
+                    int(_total(server, "continuations_total"))
+
+        expected, results, in_flight, continued = asyncio.run(run())
+    finally:
+        server.stop()
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert not errors, errors[:3]
+    assert [i for i, (got, want) in enumerate(zip(results, expected, strict=True)) if got != want] == []
+    assert continued == in_flight > 0

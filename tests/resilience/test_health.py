@@ -21,6 +21,7 @@ class Loop:
     dtype_probe: None = None
     quantization: None = None
     attention_backend: str = "torch"
+    rank_pids: tuple[int, ...] = ()
 
     @property
     def is_dead(self) -> bool:
@@ -74,7 +75,8 @@ def test_starts_loading_then_ready(clock):
                       "engines": {"primary": {"is_dead": False, "seconds_since_progress": 0.0, "queue_delay_s": 0.0,
                                               "dtype": "float32",
                                               "dtype_probe": None, "quantization": None,
-                                              "attention_backend": "torch"}}, "memory": None}
+                                              "attention_backend": "torch", "tensor_parallel_pids": []}},
+                      "memory": None}
     assert json.loads(json.dumps(report)) == report
     assert replica.health.refusal("primary") is None
 
