@@ -21,6 +21,7 @@ from models.chat_pairs import defines_function
 from tests.service.server import REPO, SMALL, TINY, Server, launch, require_models
 
 README = REPO / "README.md"
+MODELS_DOC = REPO / "docs" / "models.md"  # its supported-models table is generated
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 LANGUAGES = ("bash", "python", "text")
 ADMIN_KEY = "readme-admin-key"
@@ -125,9 +126,10 @@ def test_readme_chat_example_answers_with_a_function_that_parses(server):
 
 
 def test_supported_models_table_is_the_engines():
-    """The README's "Supported models" table is what engine.executor.models generates from its registry."""
+    """docs/models.md's "Supported models" table is what engine.executor.models generates from its registry."""
     from engine.executor.models import supported_models_markdown
 
-    table = re.search(r"<!-- supported-models: .*? -->\n(.*?)<!-- /supported-models -->", README.read_text(), re.DOTALL)
-    assert table is not None, "README.md lost its supported-models markers"
-    assert table.group(1) == supported_models_markdown(), f"paste this table into README.md:\n{supported_models_markdown()}"
+    table = re.search(r"<!-- supported-models: .*? -->\n(.*?)<!-- /supported-models -->", MODELS_DOC.read_text(),
+                      re.DOTALL)
+    assert table is not None, "docs/models.md lost its supported-models markers"
+    assert table.group(1) == supported_models_markdown(), f"paste this table into docs/models.md:\n{supported_models_markdown()}"

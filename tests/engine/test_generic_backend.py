@@ -72,7 +72,7 @@ def test_a_logits_tail_the_backend_does_not_know_is_refused(random_model, monkey
 
 
 def test_the_tested_architectures_are_the_presets_the_tests_run():
-    """TESTED_GENERIC (the README's table) names exactly the architectures of GENERIC_FAMILIES."""
+    """TESTED_GENERIC (docs/models.md's table) names exactly the architectures of GENERIC_FAMILIES."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     from benchmarks.make_model import PRESETS

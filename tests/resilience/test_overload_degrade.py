@@ -43,7 +43,7 @@ RESULTS_NAME = "overload.json"
 
 FIRST_TOKEN_TIMEOUT_S = 5.0
 # the slowed primary's iteration (D + a 64-sequence step) is slow, not stalled: --stall-timeout above it, as
-# README says for a model whose single step can take that long (tied to the 5 s deadline, a loaded box cut
+# docs/resilience.md says for a model whose single step can take that long (tied to the 5 s deadline, a loaded box cut
 # 2 of 1,290 streams already running on the primary as "stalled")
 STALL_TIMEOUT_S = 15.0
 BREAKER_OPEN_S = 8.0

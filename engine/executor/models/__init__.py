@@ -37,8 +37,8 @@ TESTED_GENERIC = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "
 
 
 def supported_models_markdown() -> str:
-    """The README's "Supported models" table, from MODEL_CLASSES and TESTED_GENERIC (tests/test_readme.py
-    holds the README to it)."""
+    """docs/models.md's "Supported models" table, from MODEL_CLASSES and TESTED_GENERIC (tests/test_readme.py
+    holds the page to it)."""
     own_tests = "greedy = HF fp32 (chunked prefill, preemption, prefix cache, block sizes, flex), tensor parallel 2"
     generic_tests = "greedy = HF fp32 (chunked prefill, n = 2, prefix cache, preemption), bf16 logprobs"
     rows = [(a, f"own (`{MODEL_CLASSES[a].__module__.rsplit('.', 1)[-1]}.py`)",
