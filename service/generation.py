@@ -110,7 +110,7 @@ class Generation:
         prompt gets the tokenizer's BOS (as HF encodes it; not a rendered chat template, which has its own)."""
         self.encoded_by, engine = self._encoder()
         self.add_special_tokens = add_special_tokens
-        self.prompt_token_ids = await asyncio.to_thread(self._check_all, engine, prompts)
+        self.prompt_token_ids, self.fingerprint = await asyncio.to_thread(self._check_all, engine, prompts)
         self.num_prompt_tokens = [len(ids) for ids in self.prompt_token_ids]
         self.num_generated = [0] * len(prompts)
         self.prompts = prompts
@@ -123,11 +123,13 @@ class Generation:
         self.state.router.bulkhead(self.model).check_fits(
             sum(self.num_prompt_tokens) + len(prompts) * n * max_tokens, len(prompts) * n, self.owner)
 
+    def _fingerprint(self, prompt_token_ids: list[list[int]]) -> str:
+        """The poison quarantine's key: the model, the prompts' ids, every sampling and grammar parameter."""
+        return hashlib.sha256(repr((self.model, prompt_token_ids, self.params)).encode()).hexdigest()
+
     def _check_quarantine(self) -> None:
         """422 for a request the engine isolated as a poison within --quarantine-seconds: its retry loop
         never reaches an engine again (nginx does not replay a 4xx)."""
-        payload = repr((self.model, self.prompt_token_ids, self.params)).encode()
-        self.fingerprint = hashlib.sha256(payload).hexdigest()
         left_s = self.state.quarantine.seconds_left(self.fingerprint)
         if left_s:
             raise UnprocessableError(f"this request made the engine fail and is quarantined for another "
@@ -138,13 +140,15 @@ class Generation:
         prompt = await asyncio.to_thread(self.engine.apply_chat_template, messages, tools)
         await self.check_prompts([prompt], add_special_tokens)
 
-    def _check_all(self, engine: EngineClient, prompts: list[str | list[int]]) -> list[list[int]]:
+    def _check_all(self, engine: EngineClient, prompts: list[str | list[int]]) -> tuple[list[list[int]], str]:
+        """Each prompt's ids, checked, and the request's fingerprint (hashed here too: a prompt of a million
+        ids is megabytes of repr)."""
         encoded = []
         for prompt in prompts:
             token_ids = engine.encode(prompt, self.add_special_tokens)
             engine.check_request(token_ids, self.params)
             encoded.append(token_ids)
-        return encoded
+        return encoded, self._fingerprint(encoded)
 
     @staticmethod
     def token_text(routed: RoutedOutput) -> Any:

@@ -170,20 +170,12 @@ def _eager_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     for c in (k_cache, v_cache))
     qs = q.view(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)
     scores = torch.einsum("bkgd,kbsd->bkgs", qs, keys) * scale  # [B, KVH, groups, S]
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
     if is_windowed and meta.decode_window_mask is not None:
         visible = meta.decode_window_mask[0, :, 0] == 0  # [B, S]
     else:
         visible = torch.arange(keys.shape[2], device=q.device)[None, :] < meta.decode_lens[:, None]
-    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-    if sinks is None:
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
-    else:  # the sink joins the denominator and is dropped
-        sink = sinks.view(1, num_kv_heads, -1, 1).expand(num_decodes, -1, -1, 1).to(scores.dtype)
-        logits = torch.cat([scores, sink], dim=-1)
-        logits = logits - logits.max(dim=-1, keepdim=True).values
-        probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(values.dtype)
+    sinks = None if sinks is None else sinks.view(1, num_kv_heads, -1, 1).expand(num_decodes, -1, -1, 1)
+    probs = _eager_probs(scores, visible[:, None, None, :], softcap, sinks, values.dtype)
     return torch.einsum("bkgs,kbsd->bkgd", probs, values).reshape(num_decodes, num_heads, head_dim)
 
 
@@ -195,19 +187,25 @@ def _eager(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: t
     groups = num_heads // keys.shape[0]
     keys, values = keys.repeat_interleave(groups, 0), values.repeat_interleave(groups, 0)
     scores = q.transpose(0, 1) @ keys.transpose(1, 2) * scale  # [H, L, S]
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
     if visible is None:
         num_keys = keys.shape[1]
         visible = torch.ones(num_queries, num_keys, dtype=torch.bool, device=q.device).tril(num_keys - num_queries)
+    sinks = None if sinks is None else sinks.reshape(-1, 1, 1).expand(-1, num_queries, 1)
+    return (_eager_probs(scores, visible, softcap, sinks, values.dtype) @ values).transpose(0, 1)
+
+
+def _eager_probs(scores: torch.Tensor, visible: torch.Tensor, softcap: float | None, sinks: torch.Tensor | None,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """Attention weights, in HF's eager order: soft-cap, mask (`visible` broadcasts to scores), softmax in
+    float32; `sinks` (scores' shape with a last axis of 1) join the denominator and are dropped."""
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~visible, float("-inf"))
     if sinks is None:
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
-    else:  # the sink joins the denominator and is dropped
-        logits = torch.cat([scores, sinks.reshape(-1, 1, 1).expand(-1, num_queries, 1).to(scores.dtype)], dim=-1)
-        logits = logits - logits.max(dim=-1, keepdim=True).values
-        probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(values.dtype)
-    return (probs @ values).transpose(0, 1)
+        return torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
+    logits = torch.cat([scores, sinks.to(scores.dtype)], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    return torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(dtype)
 
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
