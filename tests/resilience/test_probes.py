@@ -4,6 +4,7 @@ from types import SimpleNamespace
 
 import pynvml
 import pytest
+import torch
 
 from resilience.errors import ProbeError
 from resilience.probes import CpuMemoryProbe, CudaMemoryProbe, MemorySample, make_probe, read_kib_field
@@ -178,8 +179,12 @@ def test_make_probe_with_nvml_reads_the_device():
         pytest.skip(f"no NVML here: {exc}")
     probe = make_probe("cuda:0")
     assert isinstance(probe, CudaMemoryProbe)
-    sample = probe()
-    assert 0 < sample.device_used_bytes <= sample.device_total_bytes
+    idle = probe()  # an idle GPU may report 0 bytes used (seen on an H200)
+    assert 0 <= idle.device_used_bytes <= idle.device_total_bytes and idle.device_total_bytes > 0
+    if torch.cuda.is_available():  # 1 GiB of our own must show in what NVML reports used
+        held = torch.empty(1 << 30, dtype=torch.uint8, device="cuda:0")
+        assert probe().device_used_bytes >= idle.device_used_bytes + (1 << 30)
+        del held
     probe.close()
 
 

@@ -25,6 +25,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from engine.executor.attention.base import StepBatch
 
 Q_BLOCK = 128  # query rows per block of the block mask (flex's default tile)
+MIN_KV_BLOCK = 16  # the narrowest key tile a Triton dot takes: smaller KV blocks share a block of the mask
 
 
 @dataclass
@@ -42,7 +43,8 @@ class FlexCall:
         """q [L, H, D] (this call's rows), keys/values [1, KVH, S, D] -> [L, H, D]."""
         mask = self.window_block_mask if is_windowed and self.window_block_mask is not None else self.block_mask
         qs = q[:, :, None] if self.batched else q.transpose(0, 1)[None]  # [L, H, 1, D] or [1, H, L, D]
-        out = _flex(q.device.type)(qs, keys, values, block_mask=mask, scale=scale, enable_gqa=True)
+        out = _flex(q.device.type)(qs, keys, values, block_mask=mask, scale=scale, enable_gqa=True,
+                                   kernel_options=_kernel_options(q, mask.BLOCK_SIZE[1]))
         return out[:, :, 0] if self.batched else out[0].transpose(0, 1)
 
 
@@ -71,8 +73,24 @@ def _flex(device_type: str):
     """flex_attention compiled into a fused kernel on CUDA (shapes change every step: dynamic); on CPU
     the unfused reference (the CPU engine's own backend is engine/executor/attention/torch_backend.py)."""
     if device_type == "cuda":
+        # Dynamic shapes still specialise sizes of 1 (one decode, one chunk, one block of queries), and
+        # a windowed layer's mask is another closure: a model compiles up to ~14 variants, more when a
+        # process serves several. Past dynamo's limit (8) flex falls back to its unfused path, which
+        # materialises scores over the whole KV pool (seen on an H200: the benchmark timed out).
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         return torch.compile(flex_attention, dynamic=True)
     return flex_attention
+
+
+def _kernel_options(q: torch.Tensor, kv_block: int) -> dict | None:
+    """The fused kernel's tiles, which must divide the mask's blocks (Inductor's default key tile, 64 or
+    128, does not divide a 16-token KV block: it refuses to lower). fp32 tiles take twice the shared
+    memory, so they are half as wide. One kernel for decodes and prefills alike: the decoding kernel's
+    own tiling would not honour these."""
+    if q.device.type != "cuda":
+        return None
+    tile = 32 if q.dtype == torch.float32 else 64
+    return {"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_M": tile, "BLOCK_N": min(tile, kv_block)}
 
 
 class FlexBackend:
@@ -97,12 +115,13 @@ def build_metadata(block_size: int, num_blocks: int, slot_mapping: torch.Tensor,
     new token included), rows [0, num_decodes). prefills: (block table, first position, end position)
     of each chunk, rows back to back after the decodes."""
     device = slot_mapping.device
+    group = max(1, MIN_KV_BLOCK // block_size)  # KV blocks per block of the mask (a power of two)
     calls = []
     if decode_tables:
         positions = torch.tensor(decode_lens, dtype=torch.int64, device=device) - 1
-        calls.append(_decode_call(block_size, num_blocks, decode_tables, positions, window))
+        calls.append(_decode_call(block_size, group, num_blocks, decode_tables, positions, window))
     if prefills:
-        calls.append(_prefill_call(block_size, num_blocks, prefills, len(decode_tables), window, device))
+        calls.append(_prefill_call(block_size, group, num_blocks, prefills, len(decode_tables), window, device))
     return FlexMetadata(slot_mapping, calls)
 
 
@@ -139,22 +158,24 @@ def _prefill_mask_mod(block_size: int, logical: torch.Tensor, row_seq: torch.Ten
     return mask_mod
 
 
-def _decode_call(block_size: int, num_blocks: int, tables: list[list[int]], positions: torch.Tensor,
+def _decode_call(block_size: int, group: int, num_blocks: int, tables: list[list[int]], positions: torch.Tensor,
                  window: int | None) -> FlexCall:
     device = positions.device
     num_slots = num_blocks * block_size
+    num_mask_blocks = -(-num_blocks // group)
     used = [t[:pos // block_size + 1] for t, pos in zip(tables, positions.tolist(), strict=True)]
     logical = _logical_blocks(used, num_blocks, device)
-    width = max(map(len, used))
-    # the kernel wants a row as wide as the key axis has blocks: the pool's
-    indices = torch.zeros(len(used), num_blocks, dtype=torch.int32, device=device)
-    indices[:, :width] = torch.tensor([t + [0] * (width - len(t)) for t in used], dtype=torch.int32)
-    counts = torch.tensor([len(t) for t in used], dtype=torch.int32, device=device)
+    reads = [sorted({b // group for b in t}) for t in used]  # each mask block once
+    width = max(map(len, reads))
+    # the kernel wants a row as wide as the key axis has blocks of the mask
+    indices = torch.zeros(len(used), num_mask_blocks, dtype=torch.int32, device=device)
+    indices[:, :width] = torch.tensor([r + [0] * (width - len(r)) for r in reads], dtype=torch.int32)
+    counts = torch.tensor([len(r) for r in reads], dtype=torch.int32, device=device)
     num = len(used)
 
     def block_mask(win: int | None) -> BlockMask:
-        return BlockMask.from_kv_blocks(counts.view(num, 1, 1), indices.view(num, 1, 1, num_blocks),
-                                        BLOCK_SIZE=(Q_BLOCK, block_size), seq_lengths=(1, num_slots),
+        return BlockMask.from_kv_blocks(counts.view(num, 1, 1), indices.view(num, 1, 1, num_mask_blocks),
+                                        BLOCK_SIZE=(Q_BLOCK, block_size * group), seq_lengths=(1, num_slots),
                                         compute_q_blocks=False,  # q-side indices serve only the backward
                                         mask_mod=_decode_mask_mod(block_size, logical, positions, win))
 
@@ -162,9 +183,10 @@ def _decode_call(block_size: int, num_blocks: int, tables: list[list[int]], posi
     return FlexCall(0, num, True, block_mask(None), block_mask(window) if needs_window else None)
 
 
-def _prefill_call(block_size: int, num_blocks: int, chunks: list[tuple[list[int], int, int]], row0: int,
-                  window: int | None, device: torch.device) -> FlexCall:
+def _prefill_call(block_size: int, group: int, num_blocks: int, chunks: list[tuple[list[int], int, int]],
+                  row0: int, window: int | None, device: torch.device) -> FlexCall:
     num_slots = num_blocks * block_size
+    num_mask_blocks = -(-num_blocks // group)
     # a chunk reads its sequence's blocks up to the one holding its last position
     used = [table[:(end - 1) // block_size + 1] for table, _, end in chunks]
     logical = _logical_blocks(used, num_blocks, device)
@@ -178,12 +200,14 @@ def _prefill_call(block_size: int, num_blocks: int, chunks: list[tuple[list[int]
     holds = torch.zeros(num_q_blocks, len(chunks), dtype=torch.float32, device=device)
     holds[torch.arange(num_rows, device=device) // Q_BLOCK, row_seq] = 1.0
     reads = (holds @ (logical >= 0).float()) > 0  # [num_q_blocks, num_blocks]
+    reads = torch.nn.functional.pad(reads, (0, num_mask_blocks * group - num_blocks))
+    reads = reads.view(num_q_blocks, num_mask_blocks, group).any(-1)  # [num_q_blocks, num_mask_blocks]
     counts = reads.sum(-1, dtype=torch.int32)
     indices = torch.argsort((~reads).to(torch.int8), dim=-1, stable=True).to(torch.int32)  # the read ones first
 
     def block_mask(win: int | None) -> BlockMask:
-        return BlockMask.from_kv_blocks(counts.view(1, 1, -1), indices.view(1, 1, num_q_blocks, num_blocks),
-                                        BLOCK_SIZE=(Q_BLOCK, block_size), seq_lengths=(num_rows, num_slots),
+        return BlockMask.from_kv_blocks(counts.view(1, 1, -1), indices.view(1, 1, num_q_blocks, num_mask_blocks),
+                                        BLOCK_SIZE=(Q_BLOCK, block_size * group), seq_lengths=(num_rows, num_slots),
                                         compute_q_blocks=False,
                                         mask_mod=_prefill_mask_mod(block_size, logical, row_seq, row_pos, win))
 
