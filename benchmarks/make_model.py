@@ -11,6 +11,7 @@ tokenizer silently drops), which makes the big presets a little smaller than the
 """
 
 import argparse
+import copy
 import json
 import shutil
 from pathlib import Path
@@ -76,6 +77,11 @@ PRESETS: dict[str, tuple[type[PretrainedConfig], dict]] = {
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=768, intermediate_size=2048,
         norm_topk_prob=True, tie_word_embeddings=True, max_position_embeddings=4096, rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    # the SmolLM-135M shape as Phi-3 lays it out (fused qkv_proj and gate_up_proj): own forward vs generic
+    "phi3-135m": (Phi3Config, dict(
+        hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+        intermediate_size=1536, tie_word_embeddings=False, max_position_embeddings=2048, rms_norm_eps=1e-5,
+        sliding_window=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
     "gemma2-100m": (Gemma2Config, dict(
         hidden_size=640, num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
         intermediate_size=2048, sliding_window=512, query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
@@ -135,7 +141,9 @@ def build_config(preset: str, tokenizer, **overrides) -> PretrainedConfig:
     config_cls, kwargs = PRESETS[preset]
     special = dict(vocab_size=len(tokenizer), bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
                    pad_token_id=tokenizer.pad_token_id)
-    return config_cls(**{**kwargs, **special, **overrides})
+    # a deep copy: config classes write into the dicts they are given (Phi-3 puts its partial_rotary_factor
+    # into rope_parameters), which presets share
+    return config_cls(**copy.deepcopy({**kwargs, **special, **overrides}))
 
 
 @torch.no_grad()

@@ -30,3 +30,17 @@ def test_compiled_layers_give_the_eager_tokens_and_fill_the_disk_cache(tmp_path,
     assert any(cache.rglob("*.py")), "inductor wrote no code to the cache"
     again = LLM(MODEL, compile=True, **options)  # reads what the first one compiled
     assert _greedy(again) == _greedy(eager)
+
+
+def test_moe_layers_run_eager_inside_compiled_layers(random_model, tmp_path, monkeypatch):
+    """An MoE layer's row counts depend on the routing: --compile compiles the layer around it, and the
+    prompt's log-probabilities stay those of the eager engine (a random model's near-ties would make
+    greedy tokens a flaky measure)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    path = random_model("tiny-qwen3-moe")
+    prompt = list(range(10, 70))
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    eager, compiled = (LLM(path, dtype="float32", max_model_len=128, compile=c).generate(
+        [{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].prompt_logprobs for c in (False, True))
+    for i in range(1, len(prompt)):
+        assert abs(eager[i][prompt[i]] - compiled[i][prompt[i]]) < 1e-4

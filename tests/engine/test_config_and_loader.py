@@ -209,3 +209,26 @@ def test_a_checkpoint_that_does_not_fit_fails_before_any_weight_is_read(model_di
     monkeypatch.setattr("engine.executor.models._read_safetensors", lambda *a: pytest.fail("a weight was read"))
     with pytest.raises(ValueError, match=message):
         LLM(str(model_dir), dtype="float32", max_model_len=64)
+
+
+@pytest.mark.parametrize(("preset", "name"), [
+    ("tiny-phi3", "model.layers.1.self_attn.qkv_proj.weight"),  # fused in the checkpoint
+    ("tiny-mixtral", "model.layers.0.block_sparse_moe.experts.3.w3.weight"),
+    ("tiny-qwen3-moe", "model.layers.1.mlp.gate.weight"),
+])
+def test_own_forwards_name_a_missing_tensor_as_their_checkpoint_does(random_model, tmp_path, monkeypatch, preset,
+                                                                      name):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from engine import LLM
+
+    path = tmp_path / preset
+    shutil.copytree(random_model(preset), path)
+    with safe_open(path / "model.safetensors", "pt") as f:
+        assert name in f.keys()  # noqa: SIM118 (safe_open is no dict)
+        tensors = {n: f.get_tensor(n) for n in f.keys() if n != name}  # noqa: SIM118
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    monkeypatch.setattr("engine.executor.models._read_safetensors", lambda *a: pytest.fail("a weight was read"))
+    with pytest.raises(ValueError, match=f"lacks {name}$"):
+        LLM(str(path), dtype="float32", max_model_len=64)

@@ -90,11 +90,13 @@ def test_bf16_close_to_fp32(random_model, preset):
     assert (got.argmax(-1) == reference.argmax(-1)).float().mean().item() >= BF16_MIN_ARGMAX_AGREEMENT
 
 
+@pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-qwen3-moe"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_padding_rows_leave_the_tokens_alone(random_model, dtype):
-    """row_bucket pads a step with rows that the dense layers carry and attention never sees: every
-    token's logits stay as they were, to float rounding (another row count, another GEMM blocking)."""
-    model = _owned(random_model("tiny-qwen2"), dtype)
+def test_padding_rows_leave_the_tokens_alone(random_model, dtype, preset):
+    """row_bucket pads a step with rows that the dense layers carry and attention never sees (and an
+    expert's rows with rows no token reads): every token's logits stay as they were, to float rounding
+    (another row count, another GEMM blocking)."""
+    model = _owned(random_model(preset), dtype)
     ids = _prompt(model.args.vocab_size)
     unpadded = _logits(model, ids, chunk=17)
     model.row_bucket = lambda rows: rows + 5
@@ -125,6 +127,13 @@ def test_checkpoint_mismatches_raise(random_model):
         model.load_weights([("model.layers.0.self_attn.k_proj.weight", torch.zeros(3, 64))])
     with pytest.raises(ValueError, match="checkpoint lacks 1 tensors"):
         model.load_weights([(name, t) for name, t in _hf_names(path) if name != "model.norm.weight"])
+
+
+def test_a_quantized_fused_projection_is_refused(random_model):
+    """Phi-3's fused qkv_proj is split by rows at load; AWQ / GPTQ pack those rows along another axis."""
+    model = _owned(random_model("tiny-phi3"))
+    with pytest.raises(ValueError, match="qkv_proj.qweight: a quantized fused projection is not supported"):
+        model.load_weights([("model.layers.0.self_attn.qkv_proj.qweight", torch.zeros(64, 16, dtype=torch.int32))])
 
 
 def _hf_names(path: str) -> list[tuple[str, torch.Tensor]]:

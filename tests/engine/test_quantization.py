@@ -220,17 +220,20 @@ def test_fp8_checkpoint_is_dequantized_at_load(random_model, tmp_path, family):
     _assert_matches(_engine_greedy(str(quantized)), _hf_greedy(str(reference)), atol=1e-4)
 
 
-def test_int8_matches_the_dequantized_fp32_model(random_model, tmp_path):
+@pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-mixtral"])
+def test_int8_matches_the_dequantized_fp32_model(random_model, tmp_path, preset):
     """--quantization int8 on a float checkpoint vs HF on the same checkpoint with each linear weight
-    replaced by q * scale (per-channel int8): the same weights, so 1e-4 again."""
-    src = random_model("tiny-qwen2")
+    replaced by q * scale (per-channel int8; each expert's rows alike, the MoE router left float): the
+    same weights, so 1e-4 again."""
+    src = random_model(preset)
     reference = tmp_path / "int8-dequantized"
     shutil.copytree(src, reference)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     with torch.no_grad():
-        for name, module in model.named_modules():
-            if name.startswith("model.layers.") and isinstance(module, torch.nn.Linear):
-                module.weight.copy_(dequantize(*quantize_int8(module.weight)))
+        for name, weight in model.named_parameters():  # HF holds experts as [E, out, in] tensors
+            if name.startswith("model.layers.") and weight.dim() >= 2 and not name.endswith("mlp.gate.weight"):
+                rows = weight.view(-1, weight.shape[-1])
+                rows.copy_(dequantize(*quantize_int8(rows)))
     model.save_pretrained(reference)
     _assert_matches(_engine_greedy(src, quantization="int8"), _hf_greedy(str(reference)), atol=1e-4)
 

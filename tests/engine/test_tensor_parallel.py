@@ -54,7 +54,7 @@ def test_two_ranks_give_the_tokens_of_one(random_model, preset, scenario):
 def test_a_shard_must_divide_heads_and_columns():
     args = LlamaArgs(vocab_size=16, hidden_size=12, intermediate_size=12, num_layers=1, num_heads=6,
                      num_kv_heads=3, head_dim=2, rms_norm_eps=1e-6, qkv_bias=False, o_bias=False, mlp_bias=False,
-                     qk_norm=False, tie_word_embeddings=True, sliding_windows=(None,))
+                     qk_norm=False, tie_word_embeddings=True, sliding_windows=(None,), rotary_dim=2)
     assert args.shard(3).num_kv_heads == 1 and args.shard(3).num_heads == 2
     with pytest.raises(ValueError, match="tensor_parallel_size 2 does not divide the model's num_kv_heads"):
         args.shard(2)

@@ -27,13 +27,15 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "Phi3ForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": LlamaForCausalLM,
 }  # its keys are the loader's OWN_ARCHITECTURES (tests/engine/test_config_and_loader.py)
 # generic-backend architectures held to HF `generate` in `make test` (tiny presets of benchmarks/make_model.py,
 # tests/engine/test_equivalence.py and test_generic_backend.py); any other decoder-only one loads untested
-TESTED_GENERIC = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "GPT2LMHeadModel",
-                  "GPTNeoXForCausalLM", "Olmo2ForCausalLM", "GraniteForCausalLM", "StableLmForCausalLM",
-                  "Starcoder2ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM", "SmolLM3ForCausalLM",
-                  "GptOssForCausalLM")
+TESTED_GENERIC = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "GPT2LMHeadModel", "GPTNeoXForCausalLM",
+                  "Olmo2ForCausalLM", "GraniteForCausalLM", "StableLmForCausalLM", "Starcoder2ForCausalLM",
+                  "SmolLM3ForCausalLM", "GptOssForCausalLM")
 
 
 def supported_models_markdown() -> str:
@@ -41,8 +43,9 @@ def supported_models_markdown() -> str:
     holds the page to it)."""
     own_tests = "greedy = HF fp32 (chunked prefill, preemption, prefix cache, block sizes, flex), tensor parallel 2"
     generic_tests = "greedy = HF fp32 (chunked prefill, n = 2, prefix cache, preemption), bf16 logprobs"
+    four_bit = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")  # tested
     rows = [(a, f"own (`{MODEL_CLASSES[a].__module__.rsplit('.', 1)[-1]}.py`)",
-             "AWQ, GPTQ (4-bit), int8; FP8 dequantized at load", "yes",
+             ("AWQ, GPTQ (4-bit), " if a in four_bit else "") + "int8; FP8 dequantized at load", "yes",
              own_tests) for a in MODEL_CLASSES]
     rows += [(a, "generic", "none", "no", generic_tests) for a in TESTED_GENERIC]
     rows.append(("any other decoder-only `*ForCausalLM` of transformers", "generic", "none", "no",

@@ -1,19 +1,24 @@
-"""The Llama-family decoder (Llama, Qwen2, Qwen3, Mistral) in one file, its differences as flags
-read from the HF config:
+"""The Llama-family decoder (Llama, Qwen2, Qwen3, Mistral, Phi-3, and the MoE ones: Mixtral, Qwen3-MoE)
+in one file, its differences as flags read from the HF config:
 
-    family    q/k/v bias                 q/k RMSNorm   sliding window
-    llama     attention_bias (o too)     no            no
-    qwen2     always (o never)           no            layers marked "sliding_attention"
-    qwen3     attention_bias (o too)     per head      layers marked "sliding_attention"
-    mistral   no                         no            every layer, when sliding_window is set
+    family     q/k/v bias              q/k RMSNorm  sliding window                     MLP
+    llama      attention_bias (o too)  no           no                                 dense
+    qwen2      always (o never)        no           layers marked "sliding_attention"  dense
+    qwen3      attention_bias (o too)  per head     layers marked "sliding_attention"  dense
+    mistral    no                      no           every layer, when sliding_window   dense
+    phi3       no                      no           every layer, when sliding_window   dense; partial RoPE
+    mixtral    no                      no           every layer, when sliding_window   experts, renormalised
+    qwen3_moe  attention_bias (o too)  per head     every layer, when sliding_window   experts
 
-Weights keep HF's checkpoint names on disk; q/k/v and gate/up are fused into one matrix each at load,
-so a layer runs four GEMMs (qkv, o, gate_up, down) instead of seven. In float32 the arithmetic follows
-HF's modules op for op (RMSNorm, RoPE as q*cos + rotate_half(q)*sin in halves, on q and k together),
-so float32 greedy tokens match HF `generate`; in bf16 RMSNorm is one fused op (see RMSNorm). A step
-is one packed batch of T tokens, no batch axis.
+Weights keep HF's checkpoint names on disk; q/k/v and gate/up are fused into one matrix each at load
+(Phi-3's checkpoint has them fused already), so a layer runs four GEMMs (qkv, o, gate_up, down) instead
+of seven; an MoE layer runs gate_up and down once per expert over the rows routed to it (SparseMoE).
+In float32 the arithmetic follows HF's modules op for op (RMSNorm, RoPE as q*cos + rotate_half(q)*sin
+in halves, on q and k together), so float32 greedy tokens match HF `generate`; in bf16 RMSNorm is one
+fused op (see RMSNorm). A step is one packed batch of T tokens, no batch axis.
 """
 
+import itertools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -38,6 +43,9 @@ from engine.kernels import cpu as cpu_kernel
 # HF projection name -> (our fused module, its part); parts stack along the output rows in this order
 FUSED_PARTS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+# a checkpoint's fused projection (Phi-3) -> the HF names of its parts, in row order
+FUSED_IN_CHECKPOINT = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+MIXTRAL_NAMES = {"block_sparse_moe": "mlp", "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 QUANT_LEAVES = ("qweight", "qzeros", "scales")  # an AWQ / GPTQ layer's packed tensors
 # dynamic and longrope change their frequencies with the sequence length, which a paged cache written
 # at earlier lengths cannot follow
@@ -60,6 +68,8 @@ class LlamaArgs:
     qk_norm: bool
     tie_word_embeddings: bool
     sliding_windows: tuple[int | None, ...]  # per layer: keys visible to a query, itself included
+    rotary_dim: int  # the leading dims of a head RoPE turns (Phi-3's partial_rotary_factor); the rest pass
+    moe: "MoEArgs | None" = None
 
     @classmethod
     def from_hf(cls, config: PretrainedConfig) -> "LlamaArgs":
@@ -67,24 +77,60 @@ class LlamaArgs:
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; the Llama family uses 'silu'")
         family = config.model_type
         attention_bias = bool(getattr(config, "attention_bias", False))
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        rope = getattr(config, "rope_parameters", None) or {}
         return cls(
             config.vocab_size, config.hidden_size, config.intermediate_size, config.num_hidden_layers,
-            config.num_attention_heads, config.num_key_value_heads,
-            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+            config.num_attention_heads, config.num_key_value_heads, head_dim,
             config.rms_norm_eps, qkv_bias=attention_bias or family == "qwen2",
             o_bias=attention_bias and family != "qwen2", mlp_bias=bool(getattr(config, "mlp_bias", False)),
-            qk_norm=family == "qwen3", tie_word_embeddings=bool(config.tie_word_embeddings),
-            sliding_windows=_sliding_windows(config))
+            qk_norm=family in ("qwen3", "qwen3_moe"), tie_word_embeddings=bool(config.tie_word_embeddings),
+            sliding_windows=_sliding_windows(config),
+            rotary_dim=int(head_dim * rope.get("partial_rotary_factor", 1.0)) if family == "phi3"
+            else head_dim,
+            moe=MoEArgs.from_hf(config))
 
     def shard(self, size: int) -> "LlamaArgs":
         """One rank's share under tensor parallelism over `size` ranks: its attention heads, K/V heads
-        and intermediate columns (engine/executor/parallel.py)."""
-        for name in ("num_heads", "num_kv_heads", "intermediate_size"):
-            if getattr(self, name) % size:
-                raise ValueError(f"tensor_parallel_size {size} does not divide the model's {name} "
-                                 f"({getattr(self, name)})")
+        and intermediate columns, each expert's too (engine/executor/parallel.py)."""
+        sizes = {"num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads,
+                 "intermediate_size": self.intermediate_size}
+        if self.moe is not None:
+            sizes["moe_intermediate_size"] = self.moe.intermediate_size
+        for name, value in sizes.items():
+            if value % size:
+                raise ValueError(f"tensor_parallel_size {size} does not divide the model's {name} ({value})")
+        moe = self.moe and replace(self.moe, intermediate_size=self.moe.intermediate_size // size)
         return replace(self, num_heads=self.num_heads // size, num_kv_heads=self.num_kv_heads // size,
-                       intermediate_size=self.intermediate_size // size)
+                       intermediate_size=self.intermediate_size // size, moe=moe)
+
+
+@dataclass(frozen=True)
+class MoEArgs:
+    """A mixture-of-experts MLP as Mixtral and Qwen3-MoE configure it: a router (softmax over experts, the
+    top k kept), each expert a SwiGLU MLP."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    renormalize: bool  # the top k weights divided by their sum
+    weights_fp32: bool  # the routing weights stay float32 when they scale an expert's output (Mixtral's)
+    layers: tuple[bool, ...]  # which layers are MoE (Qwen3-MoE's mlp_only_layers and decoder_sparse_step)
+
+    @classmethod
+    def from_hf(cls, config: PretrainedConfig) -> "MoEArgs | None":
+        n = config.num_hidden_layers
+        if config.model_type == "mixtral":
+            return cls(config.num_local_experts, config.num_experts_per_tok, config.intermediate_size,
+                       renormalize=True, weights_fp32=True, layers=(True,) * n)
+        if config.model_type == "qwen3_moe":
+            dense = set(config.mlp_only_layers or ())
+            step = config.decoder_sparse_step
+            layers = tuple(i not in dense and config.num_experts > 0 and (i + 1) % step == 0
+                           for i in range(n))
+            return cls(config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
+                       bool(config.norm_topk_prob), False, layers)
+        return None
 
 
 def _sliding_windows(config: PretrainedConfig) -> tuple[int | None, ...]:
@@ -165,6 +211,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps, dtype) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, dtype) if args.qk_norm else None
         self.scale = args.head_dim**-0.5
+        self.rotary_dim = args.rotary_dim
         self.sliding_window = args.sliding_windows[layer_idx]
         self.k_cache: torch.Tensor | None = None  # [num_kv_heads, num_slots, head_dim], set by bind_kv_caches
         self.v_cache: torch.Tensor | None = None
@@ -175,6 +222,12 @@ class Attention(nn.Module):
         q, k, v = heads.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.q_norm is not None:
             return apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin), v
+        if self.rotary_dim < self.head_dim:  # partial RoPE: the leading dims turn, the rest pass (HF's order)
+            r = self.rotary_dim
+            qk = heads[:, :self.num_heads + self.num_kv_heads]
+            qk = torch.cat((apply_rope(qk[..., :r], cos, sin), qk[..., r:]), dim=-1)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            return q, k, v
         # q and k side by side: RoPE once for both, not once each
         kernel = _cpu_kernel(cpu_kernel.rope, heads)
         if kernel is not None and kernel.runs(heads, cos):
@@ -189,24 +242,149 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, args: LlamaArgs, dtype: torch.dtype, quant: QuantConfig | None) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype,
+                 quant: QuantConfig | None) -> None:
         super().__init__()
-        self.gate_up_proj = linear(args.hidden_size, 2 * args.intermediate_size, args.mlp_bias, dtype, quant)
-        self.down_proj = linear(args.intermediate_size, args.hidden_size, args.mlp_bias, dtype, quant)
+        self.gate_up_proj = linear(hidden_size, 2 * intermediate_size, bias, dtype, quant)
+        self.down_proj = linear(intermediate_size, hidden_size, bias, dtype, quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        # on CPU F.silu and the product are two parallel regions, each waking OpenMP's sleeping thread:
-        # engine/kernels/csrc/silu_mul.c does both in one pass (bfloat16 as aten rounds it, float32 within a few ulp)
-        kernel = _cpu_kernel(cpu_kernel.silu_mul, gate_up)
-        if kernel is not None and kernel.runs(gate_up):
-            return self.down_proj(kernel(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of [rows, 2 I] (gate first). On CPU F.silu and the product are two parallel regions,
+    each waking OpenMP's sleeping thread: engine/kernels/csrc/silu_mul.c does both in one pass (bfloat16 as
+    aten rounds it, float32 within a few ulp)."""
+    kernel = _cpu_kernel(cpu_kernel.silu_mul, gate_up)
+    if kernel is not None and kernel.runs(gate_up):
+        return kernel(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class SparseMoE(nn.Module):
+    """Mixtral's and Qwen3-MoE's MLP: a float router picks each token's top k experts; the (token, expert)
+    pairs are sorted by expert, each expert's rows run as one GEMM per projection, the SwiGLU once over
+    all of them, and the outputs, scaled by the routing weights, are added up in expert order, as HF's
+    eager experts do (float32 greedy tokens match). A float model's experts are stacked at load
+    (`stack_experts`) and their products write into one buffer: a handful of ops a layer, not a handful
+    per expert (under OMP_WAIT_POLICY=PASSIVE, the server's, each op wakes a sleeping thread: a loop of
+    module calls per expert ran 2x slower on 8 experts). int8 experts stay modules, one call each.
+    `row_bucket` (set with the model's) pads each expert's rows to the counts oneDNN has run."""
+
+    def __init__(self, hidden_size: int, moe: MoEArgs, dtype: torch.dtype, quant: QuantConfig | None) -> None:
+        super().__init__()
+        self.moe = moe
+        self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False, dtype=dtype)  # never quantized
+        self.experts: nn.ModuleList | None = nn.ModuleList(
+            MLP(hidden_size, moe.intermediate_size, False, dtype, quant) for _ in range(moe.num_experts))
+        self.register_buffer("w13", None)  # [E, 2 I, H]: each expert's gate_up rows, once stacked
+        self.register_buffer("w2", None)  # [E, H, I]
+        self.row_bucket: Callable[[int], int] | None = None
+
+    def stack_experts(self) -> None:
+        """After load: float experts' weights as two [E, ...] buffers; the per-expert modules go."""
+        if self.experts is None or type(self.experts[0].gate_up_proj) is not nn.Linear:
+            return
+        self.w13 = torch.stack([e.gate_up_proj.weight for e in self.experts])
+        self.w2 = torch.stack([e.down_proj.weight for e in self.experts])
+        self.experts = None
+
+    @torch.compiler.disable  # data-dependent row counts: --compile compiles the layer around it
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        moe = self.moe
+        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, chosen = torch.topk(probs, moe.top_k, dim=-1)  # [T, k]
+        if moe.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if not moe.weights_fp32:
+            weights = weights.to(x.dtype)
+        experts = chosen.flatten()
+        order = torch.argsort(experts, stable=True)  # the (token, slot) pairs, expert by expert
+        counts = torch.bincount(experts, minlength=moe.num_experts).tolist()
+        tokens, weights = order // moe.top_k, weights.flatten()[order, None]
+        y = self._stacked(x, tokens, counts) if self.experts is None else self._per_module(x, tokens, counts)
+        out = torch.zeros_like(x)
+        return out.index_add_(0, tokens, y.mul_(weights))  # in x's dtype, rounded once as HF rounds
+
+    def _stacked(self, x: torch.Tensor, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Each pair's expert output [pairs, H], from the stacked weights."""
+        starts = [0, *itertools.accumulate(counts)][:-1]
+        rows, spans, back = tokens, list(zip(starts, counts, strict=True)), None
+        if self.row_bucket is not None:  # each expert's rows padded (with token 0's row) to a bucketed count
+            padded = [self.row_bucket(n) if n else 0 for n in counts]
+            padded_starts = [0, *itertools.accumulate(padded)][:-1]
+            shift = torch.tensor([p - s for p, s in zip(padded_starts, starts, strict=True)], device=x.device)
+            experts = torch.repeat_interleave(torch.arange(len(counts), device=x.device),
+                                              torch.tensor(counts, device=x.device))
+            back = torch.arange(len(tokens), device=x.device) + shift[experts]  # each pair's padded row
+            rows = torch.zeros(sum(padded), dtype=tokens.dtype, device=x.device).index_copy_(0, back, tokens)
+            spans = list(zip(padded_starts, padded, strict=True))
+        hidden = x[rows]
+        if back is None and x.device.type == "cpu":  # no padding to keep: grouped products, two calls (HF's
+            # default experts path; on CUDA it takes bf16 alone)
+            offsets = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device=x.device)
+            gate_up = F.grouped_mm(hidden, self.w13.transpose(1, 2), offs=offsets)
+            return F.grouped_mm(silu_mul(gate_up), self.w2.transpose(1, 2), offs=offsets)
+        gate_up = hidden.new_empty(hidden.shape[0], self.w13.shape[1])
+        for w, (start, n) in zip(self.w13, spans, strict=True):
+            if n:
+                torch.mm(hidden[start:start + n], w.t(), out=gate_up[start:start + n])
+        act = silu_mul(gate_up)
+        y = hidden.new_empty(hidden.shape[0], self.w2.shape[1])
+        for w, (start, n) in zip(self.w2, spans, strict=True):
+            if n:
+                torch.mm(act[start:start + n], w.t(), out=y[start:start + n])
+        return y if back is None else y[back]
+
+    def _per_module(self, x: torch.Tensor, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Each pair's expert output [pairs, H], one module call per expert (int8 experts)."""
+        outputs, start = [], 0
+        for expert, n in zip(self.experts, counts, strict=True):
+            if n:
+                hidden = x[tokens[start:start + n]]
+                if self.row_bucket is not None:
+                    hidden = _pad_rows(hidden, self.row_bucket(n))
+                outputs.append(expert(hidden)[:n])
+                start += n
+        return torch.cat(outputs)
+
+    @torch.inference_mode()
+    def warm_up(self, rows: int) -> None:
+        """One expert's products at `rows` rows (every expert has their shapes)."""
+        weight = self.gate.weight
+        hidden = torch.zeros(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
+        if self.experts is not None:
+            self.experts[0](hidden)
+        else:
+            silu_mul(hidden @ self.w13[0].t()) @ self.w2[0].t()
 
 
 def _no_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
+
+
+def _fuse_shapes(layer: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """A layer's shapes by separate projection -> by the fused ones a Phi-3 checkpoint holds."""
+    fused: dict[str, tuple[int, ...]] = {}
+    for name, shape in layer.items():
+        *prefix, module, leaf = name.split(".")
+        target = next((f for f, parts in FUSED_IN_CHECKPOINT.items() if module in parts), None)
+        if target is None:
+            fused[name] = shape
+        else:
+            key = ".".join([*prefix, target, leaf])
+            fused[key] = (fused.get(key, (0,))[0] + shape[0], *shape[1:])
+    return fused
+
+
+def _mixtral_name(name: str) -> str:
+    """Our (Qwen3-MoE's) name of an MoE tensor -> Mixtral's: block_sparse_moe, w1 / w3 / w2."""
+    ours = {v: k for k, v in MIXTRAL_NAMES.items()}
+    if not name.startswith("mlp."):
+        return name
+    return ".".join(ours.get(p, p) for p in name.split("."))
 
 
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -225,7 +403,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.self_attn = Attention(args, layer_idx, dtype, quant)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
-        self.mlp = MLP(args, dtype, quant)
+        if args.moe and args.moe.layers[layer_idx]:
+            self.mlp: MLP | SparseMoE = SparseMoE(args.hidden_size, args.moe, dtype, quant)
+        else:
+            self.mlp = MLP(args.hidden_size, args.intermediate_size, args.mlp_bias, dtype, quant)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: StepAttention,
                 num_tokens: int) -> torch.Tensor:
@@ -270,10 +451,22 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None if args.tie_word_embeddings else nn.Linear(
                 args.hidden_size, args.vocab_size, bias=False, dtype=dtype)
         self.to_empty(device=device).requires_grad_(False)
-        self.inv_freq, self.rope_scale = rope_frequencies(config, args.head_dim, device)
-        # the row count a step of n tokens runs its dense layers at (padding rows after the tokens): set
-        # where the products keep memory per row count (engine/executor/layers/onednn_linear.py's bucket); None: n itself
-        self.row_bucket: Callable[[int], int] | None = None
+        self.inv_freq, self.rope_scale = rope_frequencies(config, args.rotary_dim, device)
+        self.row_bucket = None
+
+    @property
+    def row_bucket(self) -> Callable[[int], int] | None:
+        """The row count a step of n tokens runs its dense layers at (padding rows after the tokens): set
+        where the products keep memory per row count (engine/executor/layers/onednn_linear.py's bucket), an
+        expert's rows padded alike; None: n itself."""
+        return self._row_bucket
+
+    @row_bucket.setter
+    def row_bucket(self, bucket: Callable[[int], int] | None) -> None:
+        self._row_bucket = bucket
+        for layer in self.layers:
+            if isinstance(layer.mlp, SparseMoE):
+                layer.mlp.row_bucket = bucket
 
     def bind_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Hand each attention layer its (K, V) pool views; copies between pools happen in place."""
@@ -300,7 +493,7 @@ class LlamaForCausalLM(nn.Module):
         a = self.args
         for num_tokens in (2, 1):
             x = torch.zeros(num_tokens, a.hidden_size, dtype=self.norm.weight.dtype, device=self.inv_freq.device)
-            cos_sin = torch.ones(num_tokens, 1, a.head_dim // 2, dtype=x.dtype, device=x.device)
+            cos_sin = torch.ones(num_tokens, 1, a.rotary_dim // 2, dtype=x.dtype, device=x.device)
             attn = torch.zeros(num_tokens, a.num_heads, a.head_dim, dtype=x.dtype, device=x.device)
             for layer in self.layers:
                 layer.before_attention(x, cos_sin, cos_sin)
@@ -328,8 +521,14 @@ class LlamaForCausalLM(nn.Module):
             hidden = torch.zeros(rows, a.hidden_size, dtype=dtype, device=device)
             layer.self_attn.qkv_proj(hidden)
             layer.self_attn.o_proj(torch.zeros(rows, a.num_heads * a.head_dim, dtype=dtype, device=device))
-            layer.mlp.gate_up_proj(hidden)
-            layer.mlp.down_proj(torch.zeros(rows, a.intermediate_size, dtype=dtype, device=device))
+            mlps = [layer.mlp for layer in self.layers]
+            dense = next((m for m in mlps if isinstance(m, MLP)), None)
+            if dense is not None:
+                dense.gate_up_proj(hidden)
+                dense.down_proj(torch.zeros(rows, a.intermediate_size, dtype=dtype, device=device))
+            moe = next((m for m in mlps if isinstance(m, SparseMoE)), None)
+            if moe is not None:  # an expert's products run at the same counts
+                moe.warm_up(rows)
             if rows in head_counts:
                 self.compute_logits(hidden)
         return counts
@@ -341,12 +540,21 @@ class LlamaForCausalLM(nn.Module):
         shapes = {"model.embed_tokens.weight": (a.vocab_size, h), "model.norm.weight": (h,)}
         if not a.tie_word_embeddings:
             shapes["lm_head.weight"] = (a.vocab_size, h)
+        family = self.config.model_type
         for i in range(a.num_layers):
             layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
                      "self_attn.q_proj.weight": (a.num_heads * d, h), "self_attn.k_proj.weight": (a.num_kv_heads * d, h),
-                     "self_attn.v_proj.weight": (a.num_kv_heads * d, h), "self_attn.o_proj.weight": (h, a.num_heads * d),
-                     "mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h),
-                     "mlp.down_proj.weight": (h, inter)}
+                     "self_attn.v_proj.weight": (a.num_kv_heads * d, h),
+                     "self_attn.o_proj.weight": (h, a.num_heads * d)}
+            if a.moe is not None and a.moe.layers[i]:
+                e_inter = a.moe.intermediate_size
+                expert = {"gate_proj": (e_inter, h), "up_proj": (e_inter, h), "down_proj": (h, e_inter)}
+                layer["mlp.gate.weight"] = (a.moe.num_experts, h)
+                layer |= {f"mlp.experts.{e}.{p}.weight": shape for e in range(a.moe.num_experts)
+                          for p, shape in expert.items()}
+            else:
+                layer |= {"mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h),
+                          "mlp.down_proj.weight": (h, inter)}
             if a.qkv_bias:
                 layer |= {f"self_attn.{p}_proj.bias": (rows[0],) for p, rows in
                           (("q", layer["self_attn.q_proj.weight"]), ("k", layer["self_attn.k_proj.weight"]),
@@ -357,6 +565,10 @@ class LlamaForCausalLM(nn.Module):
                 layer |= {"mlp.gate_proj.bias": (inter,), "mlp.up_proj.bias": (inter,), "mlp.down_proj.bias": (h,)}
             if a.qk_norm:
                 layer |= {"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)}
+            if family == "phi3":  # fused in the checkpoint, as our modules hold them
+                layer = _fuse_shapes(layer)
+            elif family == "mixtral":
+                layer = {_mixtral_name(name): shape for name, shape in layer.items()}
             shapes |= {f"model.layers.{i}.{name}": shape for name, shape in layer.items()}
         return shapes
 
@@ -372,7 +584,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         missing = {(name, part) for name, p in params.items() for part in range(self._num_parts(name))}
         packed: dict[tuple[str, int], dict[str, torch.Tensor]] = {}  # an AWQ / GPTQ layer's tensors as they come
-        for hf_name, tensor in weights:
+        for hf_name, tensor in self._split_fused(weights):
             if self.skips(hf_name):
                 continue
             name, part = self._our_name(hf_name)
@@ -403,6 +615,9 @@ class LlamaForCausalLM(nn.Module):
             missing.discard((name, part))
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+        for layer in self.layers:
+            if isinstance(layer.mlp, SparseMoE):
+                layer.mlp.stack_experts()
 
     def _rows(self, params: dict[str, torch.Tensor], name: str, part: int, shape: torch.Size,
               hf_name: str) -> torch.Tensor:
@@ -428,20 +643,42 @@ class LlamaForCausalLM(nn.Module):
             return tensor.chunk(self.tp.size, 1)[self.tp.rank]
         return tensor
 
+    def _split_fused(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        """A checkpoint's fused q/k/v or gate/up tensor (Phi-3's) as its parts, under their HF names, so each
+        is sharded and quantized as a separate one would be. AWQ / GPTQ tensors of a fused projection pack
+        their output columns along another axis: refused."""
+        for hf_name, tensor in weights:
+            module, leaf = hf_name.rsplit(".", 2)[-2:]
+            if module not in FUSED_IN_CHECKPOINT:
+                yield hf_name, tensor
+                continue
+            if leaf not in ("weight", "bias"):
+                raise ValueError(f"checkpoint tensor {hf_name}: a quantized fused projection is not "
+                                 "supported; quantize the float checkpoint at load (--quantization int8)")
+            parts = FUSED_IN_CHECKPOINT[module]
+            sizes = self._part_sizes(f"{module}.", whole=True)
+            if tensor.shape[0] != sum(sizes):
+                raise ValueError(f"checkpoint tensor {hf_name}: shape {tuple(tensor.shape)}, expected "
+                                 f"{sum(sizes)} rows")
+            prefix = hf_name[:-len(f"{module}.{leaf}")]
+            for part, rows in zip(parts, tensor.split(sizes), strict=True):
+                yield f"{prefix}{part}.{leaf}", rows
+
     @staticmethod
     def _our_name(hf_name: str) -> tuple[str, int]:
-        *prefix, module, leaf = hf_name.removeprefix("model.").split(".")
+        *prefix, module, leaf = (MIXTRAL_NAMES.get(p, p) for p in hf_name.removeprefix("model.").split("."))
         if module in FUSED_PARTS:
             fused, part = FUSED_PARTS[module]
             return ".".join([*prefix, fused, leaf]), part
         return ".".join([*prefix, module, leaf]), 0
 
-    def _part_sizes(self, name: str) -> list[int]:
-        if ".qkv_proj." in name:
-            a = self.args
+    def _part_sizes(self, name: str, whole: bool = False) -> list[int]:
+        """The row counts of a fused module's parts: this rank's, or with `whole` the checkpoint's."""
+        a = LlamaArgs.from_hf(self.config) if whole else self.args
+        if "qkv_proj." in name:
             return [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim]
-        if ".gate_up_proj." in name:
-            return [self.args.intermediate_size] * 2
+        if "gate_up_proj." in name:
+            return [a.moe.intermediate_size if ".experts." in name else a.intermediate_size] * 2
         return []
 
     def _num_parts(self, name: str) -> int:
