@@ -87,6 +87,11 @@ PRESETS: dict[str, tuple[type[PretrainedConfig], dict]] = {
         intermediate_size=2048, sliding_window=512, query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
         final_logit_softcapping=30.0, max_position_embeddings=4096, rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    "gemma3-100m": (Gemma3TextConfig, dict(  # the same widths, Gemma 3's way: q/k norms, no soft-capping
+        hidden_size=640, num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+        intermediate_size=2048, sliding_window=512, query_pre_attn_scalar=256, max_position_embeddings=4096,
+        rms_norm_eps=1e-6, rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                                            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
     "tiny-llama": (LlamaConfig, dict(
         _TINY, tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
     "tiny-qwen2": (Qwen2Config, dict(

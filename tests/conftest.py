@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 FAMILIES = ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-phi3", "tiny-mixtral",
-            "tiny-qwen3-moe")  # own forwards
-GENERIC_FAMILIES = ("tiny-gemma2", "tiny-gemma3", "tiny-gpt2", "tiny-gpt-neox", "tiny-olmo2", "tiny-granite",
-                    "tiny-stablelm", "tiny-starcoder2", "tiny-smollm3",
+            "tiny-qwen3-moe", "tiny-gemma2", "tiny-gemma3")  # own forwards
+GENERIC_FAMILIES = ("tiny-gpt2", "tiny-gpt-neox", "tiny-olmo2", "tiny-granite", "tiny-stablelm",
+                    "tiny-starcoder2", "tiny-smollm3",
                     "tiny-gpt-oss")  # the generic backend (engine/executor/models/generic.py)
 RESULTS_DIR_ENV = "PAGEDSERVE_RESULTS_DIR"
 

@@ -26,7 +26,8 @@ INDEX_FILE = "model.safetensors.index.json"
 # other decoder-only architecture transformers builds runs on the generic backend (`backend_for`), checked
 # here so that `pagedserve serve` refuses before its port opens
 OWN_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
-                     "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM")
+                     "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Gemma2ForCausalLM",
+                     "Gemma3ForCausalLM")
 CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")  # decoder-only; ...ForConditionalGeneration is multimodal
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")  # a layer_types entry the paged cache holds
 # transformers' causal LMs with recurrent or state-space layers (found by their modeling code's conv / SSM

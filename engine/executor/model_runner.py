@@ -79,7 +79,7 @@ class ModelRunner:
         # keys a windowed layer sees (itself included); every windowed layer of a model shares it
         sliding_window = next((w for w in self.model.args.sliding_windows if w is not None), None)
         self.attention = select_backend(config.attention_backend, self.device, self.dtype, sliding_window,
-                                        needs_eager=self.generic and args.needs_eager)
+                                        needs_eager=args.needs_eager)
         logger.info("loaded %s (%s backend, %s, %s%s, %s attention): %.1f MiB weights, %d KV blocks of %d tokens (%.1f MiB), "
                     "max_model_len %d", files.path.name, "generic" if self.generic else "own", self.device, self.dtype,
                     f", {self.quant.method} linear weights, int8 read directly up to {self.int8_kernel_rows} rows"

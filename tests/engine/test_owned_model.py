@@ -47,8 +47,8 @@ def _logits(model: LlamaForCausalLM, ids: torch.Tensor, chunk: int | None = None
     return torch.cat(out)
 
 
-def _hf_logits(path: str, ids: torch.Tensor) -> torch.Tensor:
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+def _hf_logits(path: str, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     with torch.inference_mode():
         return hf(ids[None]).logits[0]
 
@@ -59,12 +59,15 @@ def _owned(path: str, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
 
 @pytest.mark.parametrize("preset", FAMILIES)
 def test_logits_match_transformers(random_model, preset):
+    """_logits builds no window masks: a model with windowed layers gets a prompt inside its window
+    (windows are held to HF by the engine's tests, test_equivalence and test_owned_model_window)."""
     path = random_model(preset)
     model = _owned(path)
-    ids = _prompt(model.args.vocab_size)
+    window = min((w for w in model.args.sliding_windows if w is not None), default=None)
+    ids = _prompt(model.args.vocab_size, length=window or 40)
     expected = _hf_logits(path, ids)
     torch.testing.assert_close(_logits(model, ids), expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(_logits(model, ids, chunk=17), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(_logits(model, ids, chunk=len(ids) // 2 + 1), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_scaled_rope_matches_transformers(random_model, tmp_path):
@@ -75,18 +78,22 @@ def test_scaled_rope_matches_transformers(random_model, tmp_path):
             "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
     path = str(make_random_model("tiny-llama", tmp_path, seed=1, rope_parameters=rope))
     model = _owned(path)
-    assert model.rope_scale == 1.0 and not torch.equal(model.inv_freq, _owned(random_model("tiny-llama")).inv_freq)
+    (inv_freq, scale), = model.ropes.values()
+    assert scale == 1.0 and not torch.equal(inv_freq, _owned(random_model("tiny-llama")).ropes[None][0])
     ids = _prompt(model.args.vocab_size)
     torch.testing.assert_close(_logits(model, ids), _hf_logits(path, ids), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("preset", FAMILIES)
 def test_bf16_close_to_fp32(random_model, preset):
+    """Within BF16_LOGIT_ATOL of float32, or where HF's own bfloat16 forward strays further (Gemma 3's
+    embeddings scaled by sqrt(hidden): 0.31 on a 16-token prompt), within 1.5x of HF's stray."""
     path = random_model(preset)
     fp32, bf16 = _owned(path), _owned(path, torch.bfloat16)
     ids = _prompt(fp32.args.vocab_size)
     reference, got = _logits(fp32, ids), _logits(bf16, ids, chunk=17)
-    assert (got - reference).abs().max().item() < BF16_LOGIT_ATOL
+    hf_stray = (_hf_logits(path, ids, torch.bfloat16).float() - _hf_logits(path, ids)).abs().max().item()
+    assert (got - reference).abs().max().item() < max(BF16_LOGIT_ATOL, 1.5 * hf_stray)
     assert (got.argmax(-1) == reference.argmax(-1)).float().mean().item() >= BF16_MIN_ARGMAX_AGREEMENT
 
 

@@ -30,10 +30,12 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Phi3ForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
+    "Gemma2ForCausalLM": LlamaForCausalLM,
+    "Gemma3ForCausalLM": LlamaForCausalLM,
 }  # its keys are the loader's OWN_ARCHITECTURES (tests/engine/test_config_and_loader.py)
 # generic-backend architectures held to HF `generate` in `make test` (tiny presets of benchmarks/make_model.py,
 # tests/engine/test_equivalence.py and test_generic_backend.py); any other decoder-only one loads untested
-TESTED_GENERIC = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "GPT2LMHeadModel", "GPTNeoXForCausalLM",
+TESTED_GENERIC = ("GPT2LMHeadModel", "GPTNeoXForCausalLM",
                   "Olmo2ForCausalLM", "GraniteForCausalLM", "StableLmForCausalLM", "Starcoder2ForCausalLM",
                   "SmolLM3ForCausalLM", "GptOssForCausalLM")
 
@@ -46,7 +48,8 @@ def supported_models_markdown() -> str:
     four_bit = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")  # tested
     rows = [(a, f"own (`{MODEL_CLASSES[a].__module__.rsplit('.', 1)[-1]}.py`)",
              ("AWQ, GPTQ (4-bit), " if a in four_bit else "") + "int8; FP8 dequantized at load", "yes",
-             own_tests) for a in MODEL_CLASSES]
+             own_tests.replace(", flex", "") if a == "Gemma2ForCausalLM" else own_tests)  # flex: no soft-capping
+            for a in MODEL_CLASSES]
     rows += [(a, "generic", "none", "no", generic_tests) for a in TESTED_GENERIC]
     rows.append(("any other decoder-only `*ForCausalLM` of transformers", "generic", "none", "no",
                  "untested; refused at load, with the reason, where its layers are not all attention"))

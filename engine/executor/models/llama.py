@@ -9,6 +9,13 @@ in one file, its differences as flags read from the HF config:
     phi3       no                      no           every layer, when sliding_window   dense; partial RoPE
     mixtral    no                      no           every layer, when sliding_window   experts, renormalised
     qwen3_moe  attention_bias (o too)  per head     every layer, when sliding_window   experts
+    gemma2     attention_bias (o too)  no           layers marked "sliding_attention"  dense, GELU (tanh)
+    gemma3     attention_bias (o too)  per head     layers marked "sliding_attention"  dense, GELU (tanh)
+
+Gemma's own (`gemma` in LlamaArgs): RMSNorm scales by (1 + w) (the 1 added at load), embeddings scaled
+by sqrt(hidden), sandwich norms (after attention and after the MLP, before each residual add), scores
+scaled by query_pre_attn_scalar; Gemma 2 soft-caps scores (the torch backend's eager path) and logits;
+Gemma 3's local layers take RoPE of their own (rope_parameters keyed by layer type).
 
 Weights keep HF's checkpoint names on disk; q/k/v and gate/up are fused into one matrix each at load
 (Phi-3's checkpoint has them fused already), so a layer runs four GEMMs (qkv, o, gate_up, down) instead
@@ -70,12 +77,27 @@ class LlamaArgs:
     sliding_windows: tuple[int | None, ...]  # per layer: keys visible to a query, itself included
     rotary_dim: int  # the leading dims of a head RoPE turns (Phi-3's partial_rotary_factor); the rest pass
     moe: "MoEArgs | None" = None
+    gemma: bool = False  # (1 + w) norms, scaled embeddings, sandwich norms, GELU (tanh) MLP
+    attn_scale: float | None = None  # scores' scale; None: head_dim ** -0.5
+    attn_softcap: float | None = None  # scores soft-capped: tanh(s / cap) * cap (Gemma 2)
+    final_softcap: float | None = None  # logits likewise
+
+    def norm_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """Gemma's norms keep (1 + w) in float32 and compute in it, as HF does; others the model's dtype."""
+        return torch.float32 if self.gemma else dtype
+
+    @property
+    def needs_eager(self) -> bool:
+        """Soft-capped scores: only the torch backend's eager path computes them (select_backend)."""
+        return self.attn_softcap is not None
 
     @classmethod
     def from_hf(cls, config: PretrainedConfig) -> "LlamaArgs":
-        if config.hidden_act != "silu":
-            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; the Llama family uses 'silu'")
         family = config.model_type
+        gemma = family in ("gemma2", "gemma3_text")
+        act = getattr(config, "hidden_activation", None) if gemma else config.hidden_act
+        if act != ("gelu_pytorch_tanh" if gemma else "silu"):
+            raise ValueError(f"hidden activation {act!r} is not supported for {family}")
         attention_bias = bool(getattr(config, "attention_bias", False))
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         rope = getattr(config, "rope_parameters", None) or {}
@@ -84,11 +106,15 @@ class LlamaArgs:
             config.num_attention_heads, config.num_key_value_heads, head_dim,
             config.rms_norm_eps, qkv_bias=attention_bias or family == "qwen2",
             o_bias=attention_bias and family != "qwen2", mlp_bias=bool(getattr(config, "mlp_bias", False)),
-            qk_norm=family in ("qwen3", "qwen3_moe"), tie_word_embeddings=bool(config.tie_word_embeddings),
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text"),
+            tie_word_embeddings=bool(config.tie_word_embeddings),
             sliding_windows=_sliding_windows(config),
             rotary_dim=int(head_dim * rope.get("partial_rotary_factor", 1.0)) if family == "phi3"
             else head_dim,
-            moe=MoEArgs.from_hf(config))
+            moe=MoEArgs.from_hf(config), gemma=gemma,
+            attn_scale=config.query_pre_attn_scalar**-0.5 if gemma else None,
+            attn_softcap=getattr(config, "attn_logit_softcapping", None) if gemma else None,
+            final_softcap=getattr(config, "final_logit_softcapping", None) if gemma else None)
 
     def shard(self, size: int) -> "LlamaArgs":
         """One rank's share under tensor parallelism over `size` ranks: its attention heads, K/V heads
@@ -143,13 +169,23 @@ def _sliding_windows(config: PretrainedConfig) -> tuple[int | None, ...]:
     return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
 
 
-def rope_frequencies(config: PretrainedConfig, head_dim: int, device: torch.device) -> tuple[torch.Tensor, float]:
-    """(inv_freq [head_dim / 2] float32, the cos/sin scale), as HF's rotary embedding computes them."""
-    rope = config.rope_parameters
+def rope_kinds(config: PretrainedConfig) -> tuple[str | None, ...]:
+    """Each layer's RoPE: its layer type where rope_parameters is keyed by them (Gemma 3), else None."""
+    layer_types = getattr(config, "layer_types", None) or ()
+    keyed = bool(layer_types) and all(t in config.rope_parameters for t in layer_types)
+    return tuple(layer_types) if keyed else (None,) * config.num_hidden_layers
+
+
+def rope_frequencies(config: PretrainedConfig, head_dim: int, device: torch.device,
+                     layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim / 2] float32, the cos/sin scale), as HF's rotary embedding computes them (for
+    `layer_type`'s own rope_parameters where they are keyed by layer type)."""
+    rope = config.rope_parameters if layer_type is None else config.rope_parameters[layer_type]
     if rope["rope_type"] not in STATIC_ROPE_TYPES:
         raise ValueError(f"rope_type {rope['rope_type']!r} is not supported; supported: {STATIC_ROPE_TYPES}")
     if rope["rope_type"] != "default":
-        inv_freq, scale = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, device)
+        kwargs = {} if layer_type is None else {"layer_type": layer_type}
+        inv_freq, scale = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, device, **kwargs)
         return inv_freq.float(), scale
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim
     return 1.0 / (rope["rope_theta"] ** exponents), 1.0
@@ -182,6 +218,11 @@ class RMSNorm(nn.Module):
         float32 result 0.043 against HF's order's 0.051. On CPU it is a chain of aten ops, each waking
         OpenMP's sleeping thread: engine/kernels/csrc/rms_norm.c computes the same in one pass (float32 results
         within 2 ulp of it, another summation order), the residual add with it."""
+        if self.weight.dtype != x.dtype:  # Gemma's float32 (1 + w): the norm in float32, rounded once, as HF
+            if residual is not None:
+                x = x + residual
+            out = F.rms_norm(x.float(), self.weight.shape, self.weight, self.eps).to(x.dtype)
+            return out if residual is None else (x, out)
         kernel = _cpu_kernel(cpu_kernel.rms_norm, x)
         if kernel is not None and kernel.runs(x, self.weight):
             return kernel(x, self.weight, self.eps, None if residual is None else residual.contiguous())
@@ -208,9 +249,11 @@ class Attention(nn.Module):
         q_size, kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
         self.qkv_proj = linear(args.hidden_size, q_size + 2 * kv_size, args.qkv_bias, dtype, quant)
         self.o_proj = linear(q_size, args.hidden_size, args.o_bias, dtype, quant)
-        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps, dtype) if args.qk_norm else None
-        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, dtype) if args.qk_norm else None
-        self.scale = args.head_dim**-0.5
+        norm_dtype = args.norm_dtype(dtype)
+        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps, norm_dtype) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, norm_dtype) if args.qk_norm else None
+        self.scale = args.attn_scale or args.head_dim**-0.5
+        self.softcap = args.attn_softcap
         self.rotary_dim = args.rotary_dim
         self.sliding_window = args.sliding_windows[layer_idx]
         self.k_cache: torch.Tensor | None = None  # [num_kv_heads, num_slots, head_dim], set by bind_kv_caches
@@ -238,18 +281,24 @@ class Attention(nn.Module):
         return q, k, v
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StepAttention) -> torch.Tensor:
-        return meta.attend(q, k, v, self.k_cache, self.v_cache, self.scale, self.sliding_window is not None)
+        return meta.attend(q, k, v, self.k_cache, self.v_cache, self.scale, self.sliding_window is not None,
+                           softcap=self.softcap)
 
 
 class MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype,
-                 quant: QuantConfig | None) -> None:
+                 quant: QuantConfig | None, gelu: bool = False) -> None:
         super().__init__()
         self.gate_up_proj = linear(hidden_size, 2 * intermediate_size, bias, dtype, quant)
         self.down_proj = linear(intermediate_size, hidden_size, bias, dtype, quant)
+        self.gelu = gelu  # Gemma's GELU (tanh approximation) on the gate, else SiLU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if self.gelu:
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return self.down_proj(silu_mul(gate_up))
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -400,13 +449,19 @@ class DecoderLayer(nn.Module):
                  reduce: Callable[[torch.Tensor], torch.Tensor] = _no_reduce) -> None:
         super().__init__()
         self.reduce = reduce
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        norm_dtype = args.norm_dtype(dtype)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, norm_dtype)
         self.self_attn = Attention(args, layer_idx, dtype, quant)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, norm_dtype)
+        if args.gemma:  # the sandwich's other two
+            self.pre_feedforward_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, norm_dtype)
+            self.post_feedforward_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, norm_dtype)
+        self.sandwich = args.gemma
         if args.moe and args.moe.layers[layer_idx]:
             self.mlp: MLP | SparseMoE = SparseMoE(args.hidden_size, args.moe, dtype, quant)
         else:
-            self.mlp = MLP(args.hidden_size, args.intermediate_size, args.mlp_bias, dtype, quant)
+            self.mlp = MLP(args.hidden_size, args.intermediate_size, args.mlp_bias, dtype, quant,
+                           gelu=args.gemma)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: StepAttention,
                 num_tokens: int) -> torch.Tensor:
@@ -421,7 +476,11 @@ class DecoderLayer(nn.Module):
         return self.self_attn.project(self.input_layernorm(x), cos, sin)
 
     def after_attention(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        x, h = self.post_attention_layernorm(x, self.reduce(self.self_attn.o_proj(attn.flatten(1))))
+        attn = self.reduce(self.self_attn.o_proj(attn.flatten(1)))
+        if self.sandwich:  # Gemma: each half normed before its residual add, the MLP's input normed apart
+            x, h = self.pre_feedforward_layernorm(self.post_attention_layernorm(attn), x)
+            return x + self.post_feedforward_layernorm(self.reduce(self.mlp(h)))
+        x, h = self.post_attention_layernorm(x, attn)
         return x + self.reduce(self.mlp(h))
 
     def compile_dense(self) -> None:
@@ -447,11 +506,13 @@ class LlamaForCausalLM(nn.Module):
         with torch.device("meta"):  # every parameter comes from the checkpoint: no random init
             self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype)
             self.layers = nn.ModuleList(DecoderLayer(args, i, dtype, quant, reduce) for i in range(args.num_layers))
-            self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+            self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.norm_dtype(dtype))
             self.lm_head = None if args.tie_word_embeddings else nn.Linear(
                 args.hidden_size, args.vocab_size, bias=False, dtype=dtype)
         self.to_empty(device=device).requires_grad_(False)
-        self.inv_freq, self.rope_scale = rope_frequencies(config, args.rotary_dim, device)
+        self.layer_ropes = rope_kinds(config)  # each layer's key into ropes
+        self.ropes = {kind: rope_frequencies(config, args.rotary_dim, device, kind)
+                      for kind in dict.fromkeys(self.layer_ropes)}  # kind -> (inv_freq, cos/sin scale)
         self.row_bucket = None
 
     @property
@@ -477,11 +538,15 @@ class LlamaForCausalLM(nn.Module):
         num_tokens = input_ids.shape[0]
         rows = self._padded_rows(num_tokens)
         x = self.embed_tokens(_pad_rows(input_ids, rows))
-        freqs = _pad_rows(positions, rows)[:, None].float() * self.inv_freq  # [rows, D/2], float32 as HF has it
-        cos = (freqs.cos() * self.rope_scale).to(x.dtype)[:, None]
-        sin = (freqs.sin() * self.rope_scale).to(x.dtype)[:, None]
-        for layer in self.layers:
-            x = layer(x, cos, sin, meta, num_tokens)
+        if self.args.gemma:
+            x = x * torch.tensor(self.args.hidden_size**0.5, dtype=x.dtype)  # rounded to x's dtype, as HF
+        pos = _pad_rows(positions, rows)[:, None].float()
+        cos_sin = {}
+        for kind, (inv_freq, scale) in self.ropes.items():
+            freqs = pos * inv_freq  # [rows, D/2], float32 as HF has it
+            cos_sin[kind] = tuple((f * scale).to(x.dtype)[:, None] for f in (freqs.cos(), freqs.sin()))
+        for layer, kind in zip(self.layers, self.layer_ropes, strict=True):
+            x = layer(x, *cos_sin[kind], meta, num_tokens)
         return self.norm(x[:num_tokens])
 
     @torch.inference_mode()
@@ -492,7 +557,8 @@ class LlamaForCausalLM(nn.Module):
             layer.compile_dense()
         a = self.args
         for num_tokens in (2, 1):
-            x = torch.zeros(num_tokens, a.hidden_size, dtype=self.norm.weight.dtype, device=self.inv_freq.device)
+            x = torch.zeros(num_tokens, a.hidden_size, dtype=self.embed_tokens.weight.dtype,
+                            device=self.norm.weight.device)
             cos_sin = torch.ones(num_tokens, 1, a.rotary_dim // 2, dtype=x.dtype, device=x.device)
             attn = torch.zeros(num_tokens, a.num_heads, a.head_dim, dtype=x.dtype, device=x.device)
             for layer in self.layers:
@@ -502,7 +568,9 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         num_rows = hidden.shape[0]
-        return F.linear(_pad_rows(hidden, self._padded_rows(num_rows)), head.weight)[:num_rows]
+        logits = F.linear(_pad_rows(hidden, self._padded_rows(num_rows)), head.weight)[:num_rows]
+        cap = self.args.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def _padded_rows(self, n: int) -> int:
         """The row count n rows run at: row_bucket's, or n where it is unset."""
@@ -514,7 +582,8 @@ class LlamaForCausalLM(nn.Module):
         tokens (the LM head: of 1..max_logit_rows rows), so the memory oneDNN keeps per count is taken
         at load, before serving and before a leak detector's baseline, not as new counts arrive. Every
         layer has the same shapes: one layer's products stand for all. Returns the counts."""
-        a, layer, dtype, device = self.args, self.layers[0], self.norm.weight.dtype, self.inv_freq.device
+        a, layer = self.args, self.layers[0]
+        dtype, device = self.embed_tokens.weight.dtype, self.norm.weight.device
         counts = sorted({self._padded_rows(n) for n in range(1, max_tokens + 1)})
         head_counts = {self._padded_rows(n) for n in range(1, max_logit_rows + 1)}
         for rows in counts:
@@ -565,6 +634,8 @@ class LlamaForCausalLM(nn.Module):
                 layer |= {"mlp.gate_proj.bias": (inter,), "mlp.up_proj.bias": (inter,), "mlp.down_proj.bias": (h,)}
             if a.qk_norm:
                 layer |= {"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)}
+            if a.gemma:
+                layer |= {"pre_feedforward_layernorm.weight": (h,), "post_feedforward_layernorm.weight": (h,)}
             if family == "phi3":  # fused in the checkpoint, as our modules hold them
                 layer = _fuse_shapes(layer)
             elif family == "mixtral":
@@ -611,6 +682,8 @@ class LlamaForCausalLM(nn.Module):
                 tensor, scale = quantize_int8(tensor, self.get_submodule(module).group_size)
                 self._rows(params, f"{module}.scales", part, scale.shape, hf_name).copy_(scale)
                 missing.discard((f"{module}.scales", part))
+            if self.args.gemma and name.endswith("norm.weight"):  # Gemma's norms scale by 1 + w
+                tensor = tensor.float() + 1.0
             target.copy_(tensor)
             missing.discard((name, part))
         if missing:
