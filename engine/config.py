@@ -1,4 +1,4 @@
-"""`EngineConfig`: a frozen dataclass that validates itself (STYLE 3). Values found at run time
+"""`EngineConfig`: a frozen dataclass that validates itself (docs/style.md, item 3). Values found at run time
 (number of KV blocks, bytes per block) live in `KVCacheLayout`, never in the config."""
 
 from dataclasses import dataclass, field

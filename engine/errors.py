@@ -1,4 +1,4 @@
-"""The engine's two error families (STYLE 9): request errors and overload are recoverable,
+"""The engine's two error families (docs/style.md, item 9): request errors and overload are recoverable,
 a dead engine is not."""
 
 

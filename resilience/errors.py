@@ -1,8 +1,8 @@
 """Errors raised by the resilience layer.
 
-Two families, as in the engine (STYLE 9): `RetryLater` (overload or a tripped breaker: recoverable,
-the service answers 429/503 with a Retry-After header) and `ProbeError` with `is_fatal` (a lost
-device: the replica must be replaced, liveness fails).
+Two families, as in the engine (docs/style.md, item 9): `RetryLater` (overload or a tripped breaker:
+recoverable, the service answers 429/503 with a Retry-After header) and `ProbeError` with `is_fatal`
+(a lost device: the replica must be replaced, liveness fails).
 """
 
 import math

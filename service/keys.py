@@ -1,4 +1,4 @@
-"""Every typed key of the app and of a request, in one place (STYLE 10)."""
+"""Every typed key of the app and of a request, in one place (docs/style.md, item 10)."""
 
 from collections.abc import Callable
 from typing import Any

@@ -1,4 +1,5 @@
-"""Server-sent events by hand (STYLE 11): one `data: {json}\\n\\n` per chunk, `data: [DONE]\\n\\n` last.
+"""Server-sent events by hand (docs/style.md, item 11): one `data: {json}\\n\\n` per chunk,
+`data: [DONE]\\n\\n` last.
 
 JSON is written by orjson, UTF-8 from whole Python strings, so the bytes on the wire are always valid
 UTF-8 (the engine never hands out half a character); a string orjson refuses (a lone surrogate in an

@@ -133,3 +133,17 @@ def test_supported_models_table_is_the_engines():
                       re.DOTALL)
     assert table is not None, "docs/models.md lost its supported-models markers"
     assert table.group(1) == supported_models_markdown(), f"paste this table into docs/models.md:\n{supported_models_markdown()}"
+
+
+def test_every_doc_the_code_cites_is_in_the_repository():
+    """A path like docs/style.md or benchmarks/results/x.json named in the code or the docs exists
+    (globs and templated names aside)."""
+    cited = re.compile(r"(?<![\w/.-])((?:docs|deploy|benchmarks|loadtests|models)/[\w./-]*\w"
+                       r"\.(?:md|py|json|sh|conf|yaml|yml))")
+    missing = set()
+    for path in [*REPO.glob("*.md"), *REPO.glob("docs/*.md"),
+                 *(p for d in ("engine", "service", "resilience") for p in (REPO / d).rglob("*.py"))]:
+        for name in cited.findall(path.read_text()):
+            if not (REPO / name).exists():
+                missing.add(f"{path.relative_to(REPO)} -> {name}")
+    assert not missing, sorted(missing)
