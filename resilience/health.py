@@ -195,4 +195,5 @@ class HealthState:
                 "queue_delay_s": round(engine.queue_delay_s(), 3),
                 "dtype": engine.dtype, "dtype_probe": probe.to_dict() if probe is not None else None,
                 "quantization": engine.quantization, "attention_backend": engine.attention_backend,
+                "linear_kernel": engine.linear_kernel, "linear_choice": engine.linear_choice,
                 "tensor_parallel_pids": list(engine.rank_pids)}

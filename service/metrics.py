@@ -125,7 +125,11 @@ class EngineCollector(Collector):
         families, histograms = _families(), _histograms()
         cache = GaugeMetricFamily(f"{PREFIX}cache_config_info", "Information of the engine's KV cache "
                                   "(always 1)", labels=["model_name", *CACHE_LABELS])
+        config = GaugeMetricFamily(f"{PREFIX}engine_config_info", "How the engine runs the model: the dtype, "
+                                   "linear kernel and attention backend chosen at load (always 1)",
+                                   labels=["model_name", "dtype", "linear_kernel", "attention_backend"])
         for name, engine in list(self.engines().items()):
+            config.add_metric([name, engine.dtype, engine.linear_kernel, engine.attention_backend], 1)
             stats = engine.stats()
             for key, value in _figures(stats).items():
                 families[key].add_metric([name], value)
@@ -136,6 +140,7 @@ class EngineCollector(Collector):
         yield from families.values()
         yield from histograms.values()
         yield cache
+        yield config
 
 
 def _families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:

@@ -66,7 +66,7 @@ class ModelRunner:
         self.model = load_model(files, self.dtype, self.device, self.quant, self.tp, backend)
         self.generic = isinstance(self.model, GenericForCausalLM)
         self.int8_kernel_rows = quantization.calibrate_kernel_rows(self.model, self.dtype) if self.quant else None
-        self.linear_probe, self.linear_kernel = self._choose_linear_kernel(config.linear_kernel)
+        self.linear_choice, self.linear_kernel = self._choose_linear_kernel(config.linear_kernel)
         self.compile_s = self._compile() if config.compile else None
         self.row_counts = self._bound_row_counts()
         # reordered oneDNN weights are buffers
@@ -95,22 +95,28 @@ class ModelRunner:
         if self.ranks is not None:
             self.ranks.close()
 
-    def _choose_linear_kernel(self, requested: str) -> tuple[onednn_linear.LinearProbe | None, str]:
-        """The decoder layers' float linear layers on CPU: aten's, or oneDNN's on reordered weights
-        (auto: whichever this machine runs the model's MLP shape faster, probed now; aten under tensor
-        parallelism and with compile)."""
+    def _choose_linear_kernel(self, requested: str) -> tuple[onednn_linear.LinearChoice | None, str]:
+        """The decoder layers' float linear layers on CPU: aten's, or oneDNN's on reordered weights (auto:
+        timed on the loaded model's own layers at a decode step of 1 row and of max_num_seqs rows and at a
+        prefill chunk, onednn_linear.choose; aten under tensor parallelism and with compile)."""
         if (self.device.type != "cpu" or requested == "aten" or self.quant is not None or self.tp is not None
                 or self.config.compile or self.generic):
             return None, "int8" if self.quant is not None else "aten"
-        args = self.model.args
-        probe = onednn_linear.probe(args.hidden_size, args.intermediate_size, self.dtype)
-        if requested == "onednn" and probe.error is not None:
-            raise ValueError(f"linear_kernel 'onednn' cannot run {self.dtype} here: {probe.error}")
-        chosen = "onednn" if requested == "onednn" else probe.chosen
+        if requested == "onednn":
+            error = onednn_linear.reorder_error(self.dtype)
+            if error is not None:
+                raise ValueError(f"linear_kernel 'onednn' cannot run {self.dtype} here: {error}")
+            choice = None
+        else:
+            prefill = onednn_linear.bucket(min(self.config.max_num_batched_tokens,
+                                               onednn_linear.CHOICE_MAX_PREFILL_ROWS))
+            rows = tuple(sorted({1, self.config.max_num_seqs, prefill}))
+            choice = onednn_linear.choose(self.model, self.dtype, rows)
+        chosen = choice.chosen if choice is not None else "onednn"
         if chosen == "onednn":
             onednn_linear.pack_linears(self.model.layers)
-        logger.info("linear layers: %s (probe %s)", chosen, probe.to_dict())
-        return probe, chosen
+        logger.info("linear layers: %s (%s)", chosen, choice.to_dict() if choice else "asked for")
+        return choice, chosen
 
     def _bound_row_counts(self) -> list[int] | None:
         """Where the model's products run through oneDNN on CPU (aten's for bf16 and fp16, the packed

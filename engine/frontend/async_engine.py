@@ -92,6 +92,8 @@ class EngineInfo:
     dtype_probe: Any
     quantization: str | None
     attention_backend: str
+    linear_kernel: str
+    linear_choice: dict | None
     chat_template: str | None
     memory_bytes: tuple[int, int]  # (weights, KV block pool), every rank's under tensor parallelism
     rank_pids: tuple[int, ...] = ()  # the processes of tensor-parallel ranks 1..N-1 (rank 0 runs the loop)
@@ -102,7 +104,8 @@ class EngineInfo:
         ranks = runner.tp.size if runner.tp is not None else 1
         return cls(engine.max_model_len, engine.vocab_size, engine.sampling_defaults,
                    str(runner.dtype).removeprefix("torch."), runner.dtype_probe,
-                   runner.quant.method if runner.quant else None, runner.attention.name, engine.chat_template,
+                   runner.quant.method if runner.quant else None, runner.attention.name, runner.linear_kernel,
+                   runner.linear_choice.to_dict() if runner.linear_choice else None, engine.chat_template,
                    (int(runner.weight_bytes) * ranks, int(runner.layout.total_bytes) * ranks),
                    tuple(pid for pid in runner.ranks.pids if pid is not None) if runner.ranks is not None else ())
 
@@ -125,6 +128,8 @@ class EngineFrontend:
         self.dtype_probe = info.dtype_probe  # how --dtype auto chose, on CPU
         self.quantization = info.quantization
         self.attention_backend = info.attention_backend
+        self.linear_kernel = info.linear_kernel
+        self.linear_choice = info.linear_choice
         self.rank_pids = info.rank_pids
         self._num_adds_sent = 0  # "add" commands handed to the loop
         self._num_adds_taken = 0  # ... and taken by it (the loop's count)

@@ -1,5 +1,5 @@
-"""engine/executor/layers/onednn_linear.py: CPU linear layers on weights reordered for oneDNN, chosen at load by a probe.
-The products against F.linear, the probe's report, the swap of every float nn.Linear of the decoder
+"""engine/executor/layers/onednn_linear.py: CPU linear layers on weights reordered for oneDNN, chosen at load by
+timing the model's own layers. The products against F.linear, the choice's timings and rule, the swap of every float nn.Linear of the decoder
 layers (and nothing else), the engine's choice, and the bounded row counts that keep oneDNN's memory
 flat; greedy parity with HF on both kernels is in test_equivalence.py."""
 
@@ -11,15 +11,19 @@ from torch import nn
 
 from engine import LLM, SamplingParams
 from engine.executor.layers.onednn_linear import (
+    CHOICE_LAYERS,
     EXACT_ROWS,
-    PROBE_ROWS,
+    MARGIN,
     STEPS_PER_OCTAVE,
     PackedLinear,
     bucket,
+    choose,
     pack_linears,
-    probe,
+    reorder_error,
 )
 from engine.executor.layers.quantization import Int8Linear
+from engine.executor.loader import validate_model_dir
+from engine.executor.models import load_model
 from resilience.probes import read_kib_field
 
 
@@ -69,15 +73,18 @@ def test_steps_of_every_size_keep_memory_flat_after_load(random_model, dtype, ke
     assert _rss_mib() - before < 40  # measured: +4 MiB bounded, +400 MiB unbounded (bf16, AVX512-BF16 EPYC)
 
 
-def test_probe_times_both_kernels_on_the_shape_it_is_given():
-    result = probe(64, 192, torch.float32)
-    assert result.error is None and result.chosen in ("aten", "onednn") and result.shape == (64, 192)
-    assert set(result.seconds) == {"aten", "onednn"}
-    for times in result.seconds.values():
-        assert set(times) == set(PROBE_ROWS) and all(t > 0 for t in times.values())
-    aten, onednn = (sum(result.seconds[k].values()) for k in ("aten", "onednn"))
-    assert (result.chosen == "onednn") == (aten >= 1.1 * onednn)
-    assert result.to_dict()["seconds"]["aten"].keys() == {str(r) for r in PROBE_ROWS}  # JSON-ready
+def test_choose_times_both_kernels_on_the_models_own_layers_and_leaves_them_as_they_were(random_model):
+    model = load_model(validate_model_dir(random_model("tiny-llama")), torch.float32, torch.device("cpu"))
+    before = [type(m) for m in model.modules()]
+    choice = choose(model, torch.float32, (1, 4, 48))
+    assert [type(m) for m in model.modules()] == before  # every trial swap undone
+    assert choice.error is None and set(choice.seconds) == {"aten", "onednn"}
+    for times in choice.seconds.values():
+        assert set(times) == {1, 4, 48} and all(t > 0 for t in times.values())
+    aten, onednn = (sum(choice.seconds[k].values()) for k in ("aten", "onednn"))
+    assert (choice.chosen == "aten") == (aten * (1 + MARGIN) < onednn)  # oneDNN stands within the margin
+    assert choice.to_dict()["layers_timed"] == CHOICE_LAYERS and "4" in choice.to_dict()["seconds"]["aten"]
+    assert choose(model, torch.float32, (1, 4, 48)) is choice  # once per shape in a process
 
 
 def test_pack_linears_swaps_float_linears_only():
@@ -90,25 +97,25 @@ def test_pack_linears_swaps_float_linears_only():
 def test_engine_reports_its_choice_and_forced_kernels(random_model):
     path = random_model("tiny-llama")
     auto = LLM(path, dtype="float32", max_model_len=64, linear_kernel="auto").engine.model_runner
-    assert auto.linear_kernel == auto.linear_probe.chosen
+    assert auto.linear_kernel == auto.linear_choice.chosen
     # a reload takes the first load's measurement: a close call decided afresh each load flipped between
     # the kernels, and each one's products keep their memory (a server kept +101 MB over ten reloads)
     again = LLM(path, dtype="float32", max_model_len=64, linear_kernel="auto").engine.model_runner
-    assert again.linear_probe is auto.linear_probe and again.linear_kernel == auto.linear_kernel
+    assert again.linear_choice is auto.linear_choice and again.linear_kernel == auto.linear_kernel
     onednn = LLM(path, dtype="float32", max_model_len=64, linear_kernel="onednn").engine.model_runner
     assert onednn.linear_kernel == "onednn"
     linears = [m for m in onednn.model.layers.modules() if isinstance(m, (nn.Linear, PackedLinear))]
     assert linears and all(isinstance(m, PackedLinear) for m in linears)
     assert isinstance(onednn.model.lm_head, nn.Linear | None)  # the head is left as it is
     aten = LLM(path, dtype="float32", max_model_len=64, linear_kernel="aten").engine.model_runner
-    assert aten.linear_kernel == "aten" and aten.linear_probe is None
+    assert aten.linear_kernel == "aten" and aten.linear_choice is None
     assert onednn.weight_bytes == aten.weight_bytes  # reordered weights are counted
     int8 = LLM(path, dtype="float32", max_model_len=64, quantization="int8").engine.model_runner
-    assert int8.linear_kernel == "int8" and int8.linear_probe is None
+    assert int8.linear_kernel == "int8" and int8.linear_choice is None
 
 
 def test_forcing_onednn_where_it_cannot_run_is_a_clear_error(random_model):
-    if probe(64, 64, torch.bfloat16).error is None:
+    if reorder_error(torch.bfloat16) is None:
         pytest.skip("this CPU reorders bf16 weights for oneDNN")
     with pytest.raises(ValueError, match="linear_kernel 'onednn' cannot run torch.bfloat16 here"):
         LLM(random_model("tiny-llama"), dtype="bfloat16", max_model_len=64, linear_kernel="onednn")

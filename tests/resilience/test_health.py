@@ -21,6 +21,8 @@ class Loop:
     dtype_probe: None = None
     quantization: None = None
     attention_backend: str = "torch"
+    linear_kernel: str = "aten"
+    linear_choice: dict | None = None
     rank_pids: tuple[int, ...] = ()
 
     @property
@@ -75,7 +77,8 @@ def test_starts_loading_then_ready(clock):
                       "engines": {"primary": {"is_dead": False, "seconds_since_progress": 0.0, "queue_delay_s": 0.0,
                                               "dtype": "float32",
                                               "dtype_probe": None, "quantization": None,
-                                              "attention_backend": "torch", "tensor_parallel_pids": []}},
+                                              "attention_backend": "torch", "linear_kernel": "aten",
+                                              "linear_choice": None, "tensor_parallel_pids": []}},
                       "memory": None}
     assert json.loads(json.dumps(report)) == report
     assert replica.health.refusal("primary") is None

@@ -113,6 +113,20 @@ async def test_cache_config_info_describes_each_pool(start):
     assert sum(key[0] == "pagedserve:cache_config_info" for key in samples) == 2
 
 
+async def test_engine_config_info_says_what_each_engine_chose_at_load(start):
+    h = await start()
+    samples = await _scrape(h)
+    for name, engine in h.engines.items():
+        runner = engine.engine.model_runner
+        labels = {"model_name": name, "dtype": "float32", "linear_kernel": runner.linear_kernel,
+                  "attention_backend": runner.attention.name}
+        assert samples[("pagedserve:engine_config_info", tuple(sorted(labels.items())))] == 1
+        assert engine.linear_choice == (runner.linear_choice.to_dict() if runner.linear_choice else None)
+    ready = await (await h.client.get("/health/ready")).json()
+    assert {e["linear_kernel"] for e in ready["engines"].values()} <= {"aten", "onednn"}
+    assert sum(key[0] == "pagedserve:engine_config_info" for key in samples) == 2
+
+
 async def test_aborted_and_refused_requests_are_not_finished_requests(start):
     h = await start()
     await until(h.idle)

@@ -4,29 +4,29 @@ which reads the weight as it lies on every call.
 
 On a 2-core AMD EPYC (AVX2) the SmolLM-135M layer shapes ran 3.5x faster at 1 row, 4.4x at 8, 2.1x at
 32 and 1.8x at 128; the Qwen2-1.5B ones 1.65x at 1 row (17 GB/s of weights against aten's 10). Whether
-it pays is measured at load on the model's own shape (`probe`, tens of milliseconds), never assumed:
-EngineConfig.linear_kernel "auto" takes oneDNN only where it is at least 10% faster at 1 and 32 rows
-together; it is the default (aten under tensor parallelism and --compile). On a 2-core EPYC with
+it pays is measured at load on the loaded model's own layers at the batch shapes it serves (`choose`),
+never assumed: EngineConfig.linear_kernel "auto" keeps oneDNN unless aten runs those layers MARGIN
+faster; it is the default (aten under tensor parallelism and --compile). On a 2-core EPYC with
 AVX512-BF16, benchmarks/offline.py ran 222 tok/s on oneDNN against 145 on aten in float32, 333 against
-320 in bf16. The probe runs once per shape and dtype in a process: where the two are close (bf16 on a
-CPU whose aten bf16 products are oneDNN's too), a probe per load flipped between them, and each kernel's
-products keep their own memory for good (see EXACT_ROWS): coder-small bf16 loaded on oneDNN, then on
-aten, kept +96 MiB (471 -> 568 MiB), and a server kept +101 MB over ten reloads in CI.
+320 in bf16. The choice is made once per model shape and dtype in a process: each kernel's products keep
+their own memory for good (see EXACT_ROWS): coder-small bf16 loaded on oneDNN, then on aten, kept +96
+MiB (471 -> 568 MiB), and a server kept +101 MB over ten reloads in CI.
 Results differ from F.linear by float rounding only (another summation order).
 bf16 weights need AVX512 (BW/VL/DQ) or AVX-NE-CONVERT for the reorder; without, bf16 stays on aten.
 """
 
-import functools
+import statistics
+import time
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from engine.executor.layers.quantization import fastest
-
-PROBE_ROWS = (1, 32)  # a decode step of one sequence, a batch of them
-MIN_GAIN = 1.1  # oneDNN must be this much faster over the probe's shapes
 BATCH_HINT = 32  # rows the reorder is tuned for (vLLM's CPU build uses the same)
+CHOICE_LAYERS = 2  # decoder layers timed (every layer has the same shapes)
+CHOICE_ROUNDS = 7  # timings of each kernel at each row count, the kernels taking turns
+CHOICE_MAX_PREFILL_ROWS = 256  # the prefill chunk timed, at most
+MARGIN = 0.05  # aten must be this much faster over one step of each timed kind to displace oneDNN
 # oneDNN keeps memory for every row count a product has run, for good: about 0.7 MiB per count and weight
 # shape whatever the shape (measured on an AVX512-BF16 EPYC: bf16 F.linear on five weights from 384 x 640
 # to 1536 x 8960, rows 2..41), and across 2048 distinct counts it kept growing on a second pass (+925 then
@@ -55,36 +55,82 @@ class PackedLinear(nn.Module):
 
 
 @dataclass(frozen=True)
-class LinearProbe:
+class LinearChoice:
     chosen: str  # "onednn" or "aten"
-    seconds: dict[str, dict[int, float]]  # kernel -> rows -> best time of one product
-    shape: tuple[int, int]  # (in_features, out_features) timed
+    seconds: dict[str, dict[int, float]]  # kernel -> rows -> median time of CHOICE_LAYERS layers' dense halves
     error: str | None = None  # why oneDNN could not run here
 
     def to_dict(self) -> dict:
-        return {"chosen": self.chosen, "shape": list(self.shape), "error": self.error,
+        return {"chosen": self.chosen, "error": self.error, "layers_timed": CHOICE_LAYERS, "margin": MARGIN,
                 "seconds": {k: {str(r): round(s, 6) for r, s in v.items()} for k, v in self.seconds.items()}}
 
 
-@functools.cache  # once per shape, dtype and process: a reload must choose what the first load chose
-def probe(in_features: int, out_features: int, dtype: torch.dtype) -> LinearProbe:
-    """Time F.linear against the reordered oneDNN product on one weight of the model's shape."""
-    weight = torch.randn(out_features, in_features).to(dtype)
+_CHOICES: dict[tuple, LinearChoice] = {}  # one choice per model shape, dtype and process
+
+
+def choose(model: nn.Module, dtype: torch.dtype, row_counts: tuple[int, ...]) -> LinearChoice:
+    """Time the dense halves of the model's first CHOICE_LAYERS layers (every GEMM, norm and activation of
+    a step but attention, which neither kernel runs) on aten's products and on reordered oneDNN ones, at
+    each of `row_counts` (a decode step of one sequence, a full batch of them, a prefill chunk), the two
+    taking turns CHOICE_ROUNDS times; oneDNN stands unless aten is faster by MARGIN. One product of one
+    shape timed for 10 ms (the probe before this) flipped between the kernels from one start to the next,
+    where whole runs differed 1.9x (issue 39). A reload takes the first load's choice: each kernel's
+    products keep their memory for good (a server kept +101 MB over ten reloads that flipped)."""
+    key = (type(model).__name__, model.args, dtype, row_counts)
+    if key not in _CHOICES:
+        _CHOICES[key] = _time_kernels(model, dtype, row_counts)
+    return _CHOICES[key]
+
+
+def reorder_error(dtype: torch.dtype) -> str | None:
+    """Why oneDNN cannot reorder weights of `dtype` on this CPU, or None."""
     try:
-        packed = PackedLinear(weight)
-    except RuntimeError as exc:  # no oneDNN reorder for this dtype on this CPU
-        return LinearProbe("aten", {}, (in_features, out_features), str(exc).splitlines()[0])
-    seconds: dict[str, dict[int, float]] = {"aten": {}, "onednn": {}}
-    with torch.inference_mode():
-        for rows in PROBE_ROWS:
-            x = torch.randn(rows, in_features).to(dtype)
-            # a warm-up each (first-touch pages, oneDNN's primitive cache), then at least 10 ms of runs
-            for kernel, product in (("aten", lambda x=x: torch.nn.functional.linear(x, weight)),
-                                    ("onednn", lambda x=x: packed(x))):
-                product()
-                seconds[kernel][rows] = fastest(product, min_seconds=0.01)
-    faster = sum(seconds["aten"].values()) >= MIN_GAIN * sum(seconds["onednn"].values())
-    return LinearProbe("onednn" if faster else "aten", seconds, (in_features, out_features))
+        PackedLinear(torch.zeros(16, 16, dtype=dtype))
+    except RuntimeError as exc:
+        return str(exc).splitlines()[0]
+    return None
+
+
+@torch.inference_mode()
+def _time_kernels(model: nn.Module, dtype: torch.dtype, row_counts: tuple[int, ...]) -> LinearChoice:
+    error = reorder_error(dtype)
+    if error is not None:
+        return LinearChoice("aten", {}, error)
+    layers = model.layers[:CHOICE_LAYERS]
+    slots = [(layers.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2], linear)
+             for name, linear in layers.named_modules() if type(linear) is nn.Linear]
+    kernels = {"aten": [linear for _, _, linear in slots],
+               "onednn": [PackedLinear(linear.weight, linear.bias) for _, _, linear in slots]}
+    a, device = model.args, model.norm.weight.device
+    gen = torch.Generator(device=device).manual_seed(0)
+    inputs = {rows: (torch.randn(rows, a.hidden_size, generator=gen, device=device).to(dtype) * 0.1,
+                     torch.ones(rows, 1, a.rotary_dim // 2, dtype=dtype, device=device),
+                     torch.zeros(rows, a.num_heads, a.head_dim, dtype=dtype, device=device)) for rows in row_counts}
+
+    def run(rows: int) -> float:
+        x, cos_sin, attn = inputs[rows]
+        started = time.perf_counter()
+        for layer in layers:
+            layer.before_attention(x, cos_sin, cos_sin)
+            layer.after_attention(x, attn)
+        return time.perf_counter() - started
+
+    samples: dict[str, dict[int, list[float]]] = {k: {r: [] for r in row_counts} for k in kernels}
+    try:
+        for turn in range(CHOICE_ROUNDS + 1):  # the first round warms up (oneDNN's primitives, first touch)
+            for kernel in (kernels if turn % 2 else reversed(kernels)):
+                for (parent, leaf, _), module in zip(slots, kernels[kernel], strict=True):
+                    setattr(parent, leaf, module)
+                for rows in row_counts:
+                    seconds = run(rows)
+                    if turn:
+                        samples[kernel][rows].append(seconds)
+    finally:
+        for parent, leaf, linear in slots:
+            setattr(parent, leaf, linear)
+    medians = {k: {r: statistics.median(v) for r, v in by_rows.items()} for k, by_rows in samples.items()}
+    total = {k: sum(by_rows.values()) for k, by_rows in medians.items()}  # one step of each kind
+    return LinearChoice("aten" if total["aten"] * (1 + MARGIN) < total["onednn"] else "onednn", medians)
 
 
 def pack_linears(module: nn.Module) -> int:
