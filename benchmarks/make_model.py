@@ -70,6 +70,11 @@ PRESETS: dict[str, tuple[type[PretrainedConfig], dict]] = {
         hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, head_dim=128,
         intermediate_size=8960, tie_word_embeddings=True, max_position_embeddings=32768, rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    # a Qwen3 shape of issue 39 (head_dim 128), where the linear-kernel choice once cost 1.56x
+    "qwen3-250m": (Qwen3Config, dict(
+        hidden_size=1024, num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+        intermediate_size=3072, tie_word_embeddings=True, max_position_embeddings=4096, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
     # benchmark shapes for the generic backend (benchmarks/offline.py --model): a Qwen3-MoE of ~200 M
     # parameters (8 experts, top 2) and a Gemma 2 of ~100 M (Gemma 3 270M's widths, Gemma 2's soft-capping)
     "qwen3-moe-200m": (Qwen3MoeConfig, dict(

@@ -130,7 +130,7 @@ def test_flex_backend_matches_transformers(references, preset):
 @pytest.mark.parametrize("preset", FAMILIES)
 @pytest.mark.parametrize("kernel", ["aten", "onednn"])
 def test_linear_kernels_match_transformers(references, preset, kernel):
-    """Both CPU linear kernels (the probe picks one per machine), under chunked prefill."""
+    """Both CPU linear kernels (`choose` picks one per machine at load), under chunked prefill."""
     path, prompts, expected = references(preset)
     llm = LLM(path, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=32, linear_kernel=kernel,
               **SCENARIOS["chunked_prefill"])
