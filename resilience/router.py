@@ -145,7 +145,6 @@ class ModelRouter:
         self.num_deadline_hits: Counter[tuple[str, str]] = Counter()  # (model, one of DEADLINE_KINDS)
         self.num_failovers = 0
         self.num_continuations: Counter[tuple[str, str, str]] = Counter()  # (from model, reason, to model)
-        self._same_vocab: dict[tuple[int, int], bool] = {}
 
     def breaker(self, model: str) -> ModelBreaker:
         if model not in self.breakers:
@@ -272,15 +271,12 @@ class ModelRouter:
                 return None
             await asyncio.sleep(CONTINUE_POLL_S)
 
-    def _same_tokenizer(self, tokenizer: Any, engine: EngineClient) -> bool:
-        """Token ids of one mean the same text in the other (the same vocabulary)."""
-        other = engine.tokenizer
-        if tokenizer is other:
-            return True
-        key = (id(tokenizer), id(other))
-        if key not in self._same_vocab:
-            self._same_vocab[key] = tokenizer.get_vocab() == other.get_vocab()
-        return self._same_vocab[key]
+    @staticmethod
+    def _same_tokenizer(tokenizer: Any, engine: EngineClient) -> bool:
+        """Token ids of one mean the same text in the other (the same vocabulary). Compared afresh on each
+        continuation (rare): a cache keyed by id() answered for a tokenizer unloaded and another loaded in
+        its place."""
+        return tokenizer is engine.tokenizer or tokenizer.get_vocab() == engine.tokenizer.get_vocab()
 
     def _may_fail_over(self, req: GenerateRequest, error: BaseException) -> bool:
         if req.deadline is not None and self.clock() >= req.deadline:

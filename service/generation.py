@@ -56,7 +56,6 @@ class Generation:
         self.num_prompt_tokens: list[int] = []
         self.num_generated: list[int] = []  # per prompt, all its choices
         self.encoded_by: str | None = None
-        self.fingerprint = ""  # of its prompts and parameters: the poison quarantine's key
         self.add_special_tokens = True
         self._last_token: float | None = None
         self._queue_time: float | None = None
@@ -110,27 +109,30 @@ class Generation:
         prompt gets the tokenizer's BOS (as HF encodes it; not a rendered chat template, which has its own)."""
         self.encoded_by, engine = self._encoder()
         self.add_special_tokens = add_special_tokens
-        self.prompt_token_ids, self.fingerprint = await asyncio.to_thread(self._check_all, engine, prompts)
+        self.prompt_token_ids = await asyncio.to_thread(self._check_all, engine, prompts)
         self.num_prompt_tokens = [len(ids) for ids in self.prompt_token_ids]
         self.num_generated = [0] * len(prompts)
         self.prompts = prompts
-        self._check_quarantine()
         if self.params.max_tokens is None:  # not asked for (chat): the default, within the context left
             room = self.engine.max_model_len - max(self.num_prompt_tokens)
             self.params = dataclasses.replace(self.params, max_tokens=min(self.config.default_max_tokens, room))
+        if len(self.state.quarantine):  # nothing to hash while nothing is quarantined (the usual case)
+            await self._check_quarantine()
         # its prompts are admitted side by side: a request bigger than the whole bulkhead never fits
         n, max_tokens = self.params.n, self.params.max_tokens or 0
         self.state.router.bulkhead(self.model).check_fits(
             sum(self.num_prompt_tokens) + len(prompts) * n * max_tokens, len(prompts) * n, self.owner)
 
-    def _fingerprint(self, prompt_token_ids: list[list[int]]) -> str:
-        """The poison quarantine's key: the model, the prompts' ids, every sampling and grammar parameter."""
-        return hashlib.sha256(repr((self.model, prompt_token_ids, self.params)).encode()).hexdigest()
+    async def _fingerprint(self) -> str:
+        """The poison quarantine's key: the model, the prompts' ids, every sampling and grammar parameter
+        (hashed in a worker thread: a prompt of a million ids is megabytes of repr)."""
+        key = (self.model, self.prompt_token_ids, self.params)
+        return await asyncio.to_thread(lambda: hashlib.sha256(repr(key).encode()).hexdigest())
 
-    def _check_quarantine(self) -> None:
+    async def _check_quarantine(self) -> None:
         """422 for a request the engine isolated as a poison within --quarantine-seconds: its retry loop
         never reaches an engine again (nginx does not replay a 4xx)."""
-        left_s = self.state.quarantine.seconds_left(self.fingerprint)
+        left_s = self.state.quarantine.seconds_left(await self._fingerprint())
         if left_s:
             raise UnprocessableError(f"this request made the engine fail and is quarantined for another "
                                      f"{math.ceil(left_s)} s; change it, or send it later", code="request_quarantined")
@@ -140,15 +142,13 @@ class Generation:
         prompt = await asyncio.to_thread(self.engine.apply_chat_template, messages, tools)
         await self.check_prompts([prompt], add_special_tokens)
 
-    def _check_all(self, engine: EngineClient, prompts: list[str | list[int]]) -> tuple[list[list[int]], str]:
-        """Each prompt's ids, checked, and the request's fingerprint (hashed here too: a prompt of a million
-        ids is megabytes of repr)."""
+    def _check_all(self, engine: EngineClient, prompts: list[str | list[int]]) -> list[list[int]]:
         encoded = []
         for prompt in prompts:
             token_ids = engine.encode(prompt, self.add_special_tokens)
             engine.check_request(token_ids, self.params)
             encoded.append(token_ids)
-        return encoded, self._fingerprint(encoded)
+        return encoded
 
     @staticmethod
     def token_text(routed: RoutedOutput) -> Any:
@@ -184,7 +184,8 @@ class Generation:
                     yield index, routed
             self._finished()
         except RequestFailedError:  # the engine isolated it as the poison of a step
-            self.state.quarantine.add(self.fingerprint)
+            if self.state.quarantine.ttl_s > 0:
+                self.state.quarantine.add(await self._fingerprint())
             raise
         finally:
             self.state.generations.discard(task)
