@@ -1,10 +1,8 @@
-"""`AsyncEngine`: the engine loop in its own thread, a mailbox per request.
+"""`AsyncEngine`: the engine loop in its own thread, an asyncio queue per request.
 
 The event loop never runs the model: `generate()` validates on the caller's side, hands the
 request to the loop thread through a command queue, and awaits deltas that the loop thread
-posts back with `call_soon_threadsafe`. If the loop dies, every waiter gets `EngineDeadError`. A
-request's mailbox merges the deltas its consumer has not taken yet (a slow client costs one pending
-output, not one per step).
+posts back with `call_soon_threadsafe`. If the loop dies, every waiter gets `EngineDeadError`.
 `EngineFrontend` is that callers' side alone; `engine.frontend.process_engine.ProcessEngine` puts the same
 loop in a process of its own behind it.
 """
@@ -16,7 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from engine.config import EngineConfig
@@ -39,47 +37,10 @@ logger = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.5  # the loop thread sleeps this long at most when there is no work
 
 
-class Mailbox:
-    """One request's outputs on its event loop. A delta put while the one before is still untaken merges
-    into it (texts, token ids and logprobs appended per choice; finish, metrics and error the newer's), as
-    vLLM's RequestOutputCollector does; an exception waits behind what came before it."""
-
-    def __init__(self) -> None:
-        self._items: collections.deque[RequestOutput | BaseException] = collections.deque()
-        self._ready = asyncio.Event()
-
-    def put(self, item: RequestOutput | BaseException) -> None:
-        last = self._items[-1] if self._items else None
-        if isinstance(item, RequestOutput) and isinstance(last, RequestOutput):
-            self._items[-1] = merge_deltas(last, item)
-        else:
-            self._items.append(item)
-        self._ready.set()
-
-    async def get(self) -> RequestOutput | BaseException:
-        while not self._items:
-            self._ready.clear()
-            await self._ready.wait()
-        return self._items.popleft()
-
-
-def merge_deltas(first: RequestOutput, then: RequestOutput) -> RequestOutput:
-    """The delta `first` then `then` make together (neither is changed)."""
-    choices = {c.index: c for c in first.outputs}
-    for c in then.outputs:
-        before = choices.get(c.index)
-        choices[c.index] = c if before is None else replace(
-            c, text=before.text + c.text, token_ids=before.token_ids + c.token_ids,
-            logprobs=None if before.logprobs is None and c.logprobs is None
-            else (before.logprobs or []) + (c.logprobs or []))
-    return replace(then, outputs=sorted(choices.values(), key=lambda c: c.index),
-                   prompt_logprobs=first.prompt_logprobs or then.prompt_logprobs)
-
-
 @dataclass
 class _Waiter:
     loop: asyncio.AbstractEventLoop
-    mailbox: Mailbox
+    queue: asyncio.Queue
 
 
 @dataclass(frozen=True)
@@ -111,8 +72,8 @@ class EngineInfo:
 
 
 class EngineFrontend:
-    """The callers' side of an engine, wherever its loop runs: a request's deltas reach the mailbox
-    of its own event loop. Subclasses hand commands to the loop (`_submit`), check requests,
+    """The callers' side of an engine, wherever its loop runs: a request's deltas reach the asyncio
+    queue of its own event loop. Subclasses hand commands to the loop (`_submit`), check requests,
     and feed `_send` with the loop's outputs."""
 
     faults: Any  # FaultInjector, or a stand-in forwarding to the loop's
@@ -192,7 +153,7 @@ class EngineFrontend:
         self._check_room()
         if request_id in self._waiters:
             raise EngineError(f"request id {request_id!r} is already in use")
-        waiter = _Waiter(asyncio.get_running_loop(), Mailbox())
+        waiter = _Waiter(asyncio.get_running_loop(), asyncio.Queue())
         self._waiters[request_id] = waiter
         self.last_used = time.monotonic()
         with self._adds_lock:
@@ -203,7 +164,7 @@ class EngineFrontend:
                                    group_id, resume)))
             self._check_alive()  # the loop may have died after the first check, before it saw us
             while not finished:
-                item = await waiter.mailbox.get()
+                item = await waiter.queue.get()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -246,11 +207,11 @@ class EngineFrontend:
 
     def _send(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
         """Items reach each event loop in one callback (a step's outputs: not one wake-up per request)."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Mailbox, RequestOutput | BaseException]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput | BaseException]]] = {}
         for request_id, item in items:
             waiter = self._waiters.get(request_id)
             if waiter is not None:
-                by_loop.setdefault(waiter.loop, []).append((waiter.mailbox, item))
+                by_loop.setdefault(waiter.loop, []).append((waiter.queue, item))
         for loop, queued in by_loop.items():
             with contextlib.suppress(RuntimeError):  # its event loop is closed: nobody is listening
                 loop.call_soon_threadsafe(_put_all, queued)
@@ -359,6 +320,6 @@ class AsyncEngine(EngineFrontend):
         self._post(request_id, error)
 
 
-def _put_all(items: list[tuple[Mailbox, RequestOutput | BaseException]]) -> None:
-    for mailbox, item in items:
-        mailbox.put(item)
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)

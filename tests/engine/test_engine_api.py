@@ -6,17 +6,9 @@ import asyncio
 import pytest
 
 from engine import AsyncEngine, EngineConfig, LLMEngine, SamplingParams
-from engine.errors import (
-    EngineDeadError,
-    EngineError,
-    EngineOverloadedError,
-    EngineStepError,
-    RequestRejectedError,
-)
+from engine.errors import EngineDeadError, EngineOverloadedError, EngineStepError, RequestRejectedError
 from engine.faults import Fault, FaultInjector
-from engine.frontend.async_engine import Mailbox, merge_deltas
 from engine.frontend.llm import _merge
-from engine.outputs import CompletionOutput, RequestOutput
 
 LONG = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
@@ -207,52 +199,6 @@ async def test_a_steps_outputs_wake_the_event_loop_once(async_engine):
     assert all(sum(len(d.outputs[0].token_ids) for d in s) == 6 for s in streams)
     # 8 requests decoding side by side: about as many wake-ups as one request alone (one per step), not 8x
     assert solo >= 6 and len(wakeups) <= solo + 4, (solo, len(wakeups))
-
-
-def _delta(*choices, finished=False, prompt_logprobs=None) -> RequestOutput:
-    return RequestOutput("r", None, [1, 2], [CompletionOutput(*c) for c in choices], finished=finished,
-                         prompt_logprobs=prompt_logprobs)
-
-
-def test_merged_deltas_append_per_choice_and_keep_the_newer_finish():
-    first = _delta((0, "a", [5], None, None, [{5: -0.1}]), (1, "x", [7]), prompt_logprobs=[None, {2: -1.0}])
-    then = _delta((0, "b", [6], "stop", "\n", [{6: -0.2}]), finished=True)
-    merged = merge_deltas(first, then)
-    assert [(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason, c.logprobs) for c in merged.outputs] == [
-        (0, "ab", [5, 6], "stop", "\n", [{5: -0.1}, {6: -0.2}]), (1, "x", [7], None, None, None)]
-    assert merged.finished and merged.prompt_logprobs == [None, {2: -1.0}]
-    assert first.outputs[0].text == "a" and then.outputs[0].text == "b"  # neither changed
-
-
-async def test_a_mailbox_merges_what_its_consumer_has_not_taken():
-    box = Mailbox()
-    for i in range(3):
-        box.put(_delta((0, str(i), [i])))
-    error = EngineError("failed")
-    box.put(error)
-    box.put(_delta((0, "late", [9])))
-    merged = await box.get()
-    assert (merged.outputs[0].text, merged.outputs[0].token_ids) == ("012", [0, 1, 2])
-    assert await box.get() is error  # an exception waits behind the outputs before it
-    assert (await box.get()).outputs[0].text == "late"
-    waiting = asyncio.create_task(box.get())
-    await asyncio.sleep(0.01)
-    assert not waiting.done()
-    box.put(_delta((0, "next", [3])))
-    assert (await asyncio.wait_for(waiting, 5)).outputs[0].text == "next"
-
-
-async def test_a_slow_consumer_gets_fewer_bigger_deltas_with_the_same_tokens(async_engine):
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    fast = [d async for d in async_engine.generate("def h(", params, "fast")]
-    slow = []
-    async for delta in async_engine.generate("def h(", params, "slow"):
-        slow.append(delta)
-        await asyncio.sleep(0.05)  # a client that reads slower than the engine decodes
-    assert len(fast) >= 24 and len(slow) < len(fast) / 2, (len(fast), len(slow))
-    tokens = [[t for d in deltas for t in d.outputs[0].token_ids] for deltas in (fast, slow)]
-    assert tokens[0] == tokens[1] and len(tokens[0]) == 24 and slow[-1].finished
-    assert "".join(d.outputs[0].text for d in slow) == "".join(d.outputs[0].text for d in fast)
 
 
 async def test_cancelled_consumer_aborts(async_engine):
