@@ -48,3 +48,27 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: one entry per prompt token (None for the first), on the request's
     # first output only
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # the request's inter-token latencies, measured where tokens are made: one (seconds since the request's
+    # previous tokens, tokens made then, all choices) per step that made tokens after its first one
+    token_intervals: list[tuple[float, int]] = field(default_factory=list)
+
+
+def merge_into(whole: RequestOutput, delta: RequestOutput) -> None:
+    """Fold `delta`, the request's next output, into `whole` (changed in place; `delta` is not): texts,
+    token ids, logprobs and token intervals appended per choice; finish, metrics and error the newer's."""
+    by_index = {o.index: o for o in whole.outputs}
+    for part in delta.outputs:
+        out = by_index.get(part.index)
+        if out is None:
+            by_index[part.index] = out = CompletionOutput(part.index, "", [])
+        out.text += part.text
+        out.token_ids += part.token_ids
+        out.finish_reason, out.stop_reason = part.finish_reason, part.stop_reason
+        if part.logprobs is not None:
+            out.logprobs = (out.logprobs or []) + part.logprobs
+    whole.outputs = sorted(by_index.values(), key=lambda o: o.index)
+    whole.finished = delta.finished
+    whole.metrics = delta.metrics
+    whole.error = delta.error or whole.error
+    whole.prompt_logprobs = whole.prompt_logprobs or delta.prompt_logprobs
+    whole.token_intervals.extend(delta.token_intervals)

@@ -57,7 +57,6 @@ class Generation:
         self.num_generated: list[int] = []  # per prompt, all its choices
         self.encoded_by: str | None = None
         self.add_special_tokens = True
-        self._last_token: float | None = None
         self._queue_time: float | None = None
         self._seen: set[int] = set()  # prompt indices with an output already
 
@@ -199,10 +198,10 @@ class Generation:
         if num_tokens and record.first_token is None:
             record.first_token = now
             self.metrics.observe_first_token(routed.served_model, now - record.start)
-        elif num_tokens and self._last_token is not None:
-            self.metrics.observe_tokens(routed.served_model, now - self._last_token, num_tokens)
+        for seconds, num in output.token_intervals:  # measured by the engine: the same however deltas merged
+            self.metrics.observe_tokens(routed.served_model, seconds, num)
         if num_tokens:
-            self._last_token = self.state.last_token_time = now
+            self.state.last_token_time = now
         record.completion_tokens += num_tokens
         self.num_generated[index] += num_tokens
         record.finish_reasons.extend(o.finish_reason for o in output.outputs if o.finish_reason)

@@ -51,7 +51,7 @@ class Metrics:
                                              "Time from HTTP arrival to the first output token", model,
                                              buckets=TTFT_BUCKETS, registry=self.registry)
         self.inter_token_latency = Histogram(f"{PREFIX}inter_token_latency_seconds",
-                                             "Time between output tokens", model,
+                                             "Time between output tokens, as the engine made them", model,
                                              buckets=ITL_BUCKETS, registry=self.registry)
         self.e2e_request_latency = Histogram(f"{PREFIX}e2e_request_latency_seconds",
                                              "Time from HTTP arrival to the last output", model,

@@ -1,21 +1,22 @@
-"""`AsyncEngine`: the engine loop in its own thread, an asyncio queue per request.
+"""The callers' side of an engine loop (`EngineFrontend`) and `AsyncEngine`, the loop in a thread.
 
-The event loop never runs the model: `generate()` validates on the caller's side, hands the
-request to the loop thread through a command queue, and awaits deltas that the loop thread
-posts back with `call_soon_threadsafe`. If the loop dies, every waiter gets `EngineDeadError`.
-`EngineFrontend` is that callers' side alone; `engine.frontend.process_engine.ProcessEngine` puts the same
-loop in a process of its own behind it.
+The event loop never runs the model: `generate()` validates on the caller's side, hands an
+`AddRequest` to the loop (engine/frontend/engine_loop.py) through a transport, and awaits the deltas
+the loop's `StepOutput`s carry, which reach the request's mailbox on its event loop through
+`call_soon_threadsafe` (one callback per step and event loop). A mailbox merges the deltas its
+consumer has not taken yet (a slow client costs one pending output, not one per step). If the loop
+dies, every waiter gets `EngineDeadError`. `AsyncEngine` runs the loop in a thread of this process
+(`ThreadTransport`); `engine.frontend.process_engine.ProcessEngine` in a child behind a pipe.
 """
 
 import asyncio
-import collections
 import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from engine.config import EngineConfig
 from engine.core.chat_template import chat_prompt, encode_prompt
@@ -27,20 +28,45 @@ from engine.errors import (
     EngineStoppedError,
 )
 from engine.faults import FaultInjector
+from engine.frontend.engine_loop import AbortRequest, AddRequest, Command, EngineLoop, StepOutput
 from engine.frontend.llm_engine import LLMEngine
-from engine.outputs import RequestOutput, ResumedChoice
+from engine.outputs import RequestOutput, ResumedChoice, merge_into
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 
-IDLE_WAIT_S = 0.5  # the loop thread sleeps this long at most when there is no work
+
+class Mailbox:
+    """One request's outputs on its event loop. A delta put while the one before is still untaken merges
+    into it (`merge_into`), as vLLM's RequestOutputCollector does; an exception waits behind what came
+    before it."""
+
+    __slots__ = ("_items", "_ready")
+
+    def __init__(self) -> None:
+        self._items: list[RequestOutput | BaseException] = []
+        self._ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        last = self._items[-1] if self._items else None
+        if isinstance(item, RequestOutput) and isinstance(last, RequestOutput):
+            merge_into(last, item)  # untaken: nobody else holds it
+        else:
+            self._items.append(item)
+        self._ready.set()
+
+    async def get(self) -> RequestOutput | BaseException:
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._items.pop(0)
 
 
 @dataclass
 class _Waiter:
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    mailbox: Mailbox
 
 
 @dataclass(frozen=True)
@@ -71,17 +97,37 @@ class EngineInfo:
                    tuple(pid for pid in runner.ranks.pids if pid is not None) if runner.ranks is not None else ())
 
 
-class EngineFrontend:
-    """The callers' side of an engine, wherever its loop runs: a request's deltas reach the asyncio
-    queue of its own event loop. Subclasses hand commands to the loop (`_submit`), check requests,
-    and feed `_send` with the loop's outputs."""
+class Transport(Protocol):
+    """Where an `EngineLoop` runs, seen from its callers. `start` hands every `StepOutput` to `on_step`
+    and a dead loop's error and its words to `on_death` (from the transport's own thread); `send` raises
+    EngineNotRunningError when the loop is gone."""
 
+    info: EngineInfo
+    tokenizer: Any
+    stats: EngineStats  # as loaded
     faults: Any  # FaultInjector, or a stand-in forwarding to the loop's
 
-    def __init__(self, config: EngineConfig, info: EngineInfo, tokenizer: Any) -> None:
+    def start(self, on_step: Callable[[StepOutput], None], on_death: Callable[[BaseException, str], None]) -> None: ...
+
+    def send(self, command: Command) -> None: ...
+
+    def call(self, name: str, *args: Any) -> Any: ...
+
+    def stop(self, timeout: float) -> None: ...
+
+    @property
+    def is_running(self) -> bool: ...
+
+
+class EngineFrontend:
+    """Implements `engine.client.EngineClient`, the seam the service and resilience layers use, over an
+    `EngineLoop` behind `transport`: a request's deltas reach the mailbox on its own event loop."""
+
+    def __init__(self, config: EngineConfig, transport: Transport) -> None:
         self.config = config
-        self.tokenizer = tokenizer
-        self.info = info
+        self.transport = transport
+        self.tokenizer = transport.tokenizer
+        self.info = info = transport.info
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
         self.sampling_defaults = info.sampling_defaults
@@ -92,22 +138,33 @@ class EngineFrontend:
         self.linear_kernel = info.linear_kernel
         self.linear_choice = info.linear_choice
         self.rank_pids = info.rank_pids
-        self._num_adds_sent = 0  # "add" commands handed to the loop
+        self.faults = transport.faults
+        self._num_adds_sent = 0  # AddRequests handed to the loop
         self._num_adds_taken = 0  # ... and taken by it (the loop's count)
         self._adds_lock = threading.Lock()
         self._waiters: dict[str, _Waiter] = {}
         self._running = False
         self.dead_error: BaseException | None = None
-        self._stats: EngineStats | None = None
+        self._stats: EngineStats = transport.stats
         self.last_progress_time = time.monotonic()  # end of the loop's last iteration (step or idle tick)
         self.last_used = time.monotonic()  # the start or end of its last request
 
-    def _submit(self, command: tuple) -> None:
-        """Hand ("add", args) or ("abort", request_id) to the loop."""
-        raise NotImplementedError
+    # --- lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        if not self._running and self.dead_error is None:
+            self._running = True
+            self.transport.start(self._on_step, self._on_death)
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        raise NotImplementedError
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the loop (what runs there is aborted and its blocks freed); requests still in flight
+        get EngineStoppedError."""
+        self._running = False
+        self.transport.stop(timeout)
+        self._fail_all(EngineStoppedError("the engine was stopped"))
+
+    @property
+    def is_running(self) -> bool:
+        return self._running and self.transport.is_running
 
     @property
     def is_dead(self) -> bool:
@@ -129,6 +186,9 @@ class EngineFrontend:
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         return chat_prompt(self.tokenizer, self.info.chat_template, messages, tools)
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.transport.call("check_request", prompt_token_ids, params)
 
     def _encode_checked(self, prompt: str | list[int], params: SamplingParams, add_special_tokens: bool) -> list[int]:
         prompt_token_ids = self.encode(prompt, add_special_tokens)
@@ -153,18 +213,18 @@ class EngineFrontend:
         self._check_room()
         if request_id in self._waiters:
             raise EngineError(f"request id {request_id!r} is already in use")
-        waiter = _Waiter(asyncio.get_running_loop(), asyncio.Queue())
+        waiter = _Waiter(asyncio.get_running_loop(), Mailbox())
         self._waiters[request_id] = waiter
         self.last_used = time.monotonic()
         with self._adds_lock:
             self._num_adds_sent += 1
         finished = False
         try:
-            self._submit(("add", (request_id, prompt, params, priority, time.monotonic(), prompt_token_ids,
-                                   group_id, resume)))
+            self.transport.send(AddRequest(request_id, prompt, params, priority, time.monotonic(),
+                                           prompt_token_ids, group_id, resume))
             self._check_alive()  # the loop may have died after the first check, before it saw us
             while not finished:
-                item = await waiter.queue.get()
+                item = await waiter.mailbox.get()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -176,8 +236,9 @@ class EngineFrontend:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        """Idempotent; safe from any thread. Unknown ids are a no-op."""
-        self._submit(("abort", request_id))
+        """Idempotent; safe from any thread. Unknown ids are a no-op, and so is an abort to a gone loop."""
+        with contextlib.suppress(EngineNotRunningError):
+            self.transport.send(AbortRequest(request_id))
 
     def stats(self) -> EngineStats:
         return self._stats
@@ -201,125 +262,87 @@ class EngineFrontend:
         if queued >= self.config.max_num_waiting:
             raise EngineOverloadedError(f"waiting queue is full ({self.config.max_num_waiting} requests)")
 
-    # --- the loop's outputs ------------------------------------------------------------------------
-    def _post(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        self._send([(request_id, item)])
+    # --- the loop's outputs (the transport's thread) ------------------------------------------------
+    def _on_step(self, step: StepOutput) -> None:
+        self._stats, self._num_adds_taken = step.stats, step.num_adds_taken
+        self.last_progress_time = time.monotonic()
+        if step.items:
+            self._send(step.items)
+
+    def _on_death(self, error: BaseException, why: str) -> None:
+        self.dead_error = error
+        self._running = False
+        logger.error("engine loop died: %s", why)
+        self._fail_all(EngineDeadError(f"the engine loop died: {why}"))
 
     def _send(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
         """Items reach each event loop in one callback (a step's outputs: not one wake-up per request)."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput | BaseException]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Mailbox, RequestOutput | BaseException]]] = {}
         for request_id, item in items:
             waiter = self._waiters.get(request_id)
             if waiter is not None:
-                by_loop.setdefault(waiter.loop, []).append((waiter.queue, item))
+                by_loop.setdefault(waiter.loop, []).append((waiter.mailbox, item))
         for loop, queued in by_loop.items():
             with contextlib.suppress(RuntimeError):  # its event loop is closed: nobody is listening
                 loop.call_soon_threadsafe(_put_all, queued)
 
     def _fail_all(self, error: BaseException) -> None:
-        for request_id in list(self._waiters):
-            self._post(request_id, error)
+        self._send([(request_id, error) for request_id in list(self._waiters)])
 
 
-class AsyncEngine(EngineFrontend):
-    """Implements `engine.client.EngineClient`, the seam the service and resilience layers use: the
-    engine loop in a thread of this process."""
+def _put_all(items: list[tuple[Mailbox, RequestOutput | BaseException]]) -> None:
+    for mailbox, item in items:
+        mailbox.put(item)
+
+
+class ThreadTransport:
+    """The loop in a thread of this process: commands go straight into its inbox, calls run in the
+    caller's thread, the faults are the loop's own."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.engine = LLMEngine(config)
-        super().__init__(config, EngineInfo.of(self.engine), self.engine.tokenizer)
-        self.faults = FaultInjector()
-        self._commands: collections.deque = collections.deque()  # ("add", args) | ("abort", request_id)
-        self._wake = threading.Event()
+        self.loop = EngineLoop(config)
+        self.info = EngineInfo.of(self.loop.engine)
+        self.tokenizer = self.loop.engine.tokenizer
+        self.stats = self.loop.engine.stats()
+        self.faults: FaultInjector = self.loop.faults
         self._thread: threading.Thread | None = None
-        self._stats = self.engine.stats()
+        self._died = False
 
-    # --- lifecycle ---------------------------------------------------------------------------------
-    def start(self) -> None:
-        if self._thread is None:
-            self._running = True
-            self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
-            self._thread.start()
+    def start(self, on_step: Callable[[StepOutput], None], on_death: Callable[[BaseException, str], None]) -> None:
+        def run() -> None:
+            error = self.loop.run(on_step)
+            if error is not None:
+                self._died = True
+                on_death(error, repr(error))
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Stop the loop; requests still in flight get EngineDeadError and their blocks are freed."""
-        self._running = False
-        self.faults.clear()
-        self._wake.set()
+        self._thread = threading.Thread(target=run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def send(self, command: Command) -> None:
+        self.loop.put(command)
+
+    def call(self, name: str, *args: Any) -> Any:
+        return self.loop.call(name, args)
+
+    def stop(self, timeout: float) -> None:
+        self.loop.request_stop()
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
-        if self.dead_error is None:
-            for request_id in list(self.engine.requests):
-                self.engine.abort_request(request_id)
-        self._fail_all(EngineStoppedError("the engine was stopped"))
-        self.engine.close()
+        self.loop.close(abort=not self._died)
 
     @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.engine.check_request(prompt_token_ids, params)
 
-    def _submit(self, command: tuple) -> None:
-        self._commands.append(command)
-        self._wake.set()
+class AsyncEngine(EngineFrontend):
+    """The engine loop in a thread of this process."""
 
-    # --- the loop thread ---------------------------------------------------------------------------
-    def _loop(self) -> None:
-        try:
-            while self._running:
-                self._drain_commands()
-                self.faults.before_step(self.engine, self._fail_request)
-                if self.engine.has_unfinished_requests:
-                    self._deliver(self.engine.step())
-                else:
-                    self._wake.wait(IDLE_WAIT_S)
-                    self._wake.clear()
-                self._stats = self.engine.stats()
-                self.last_progress_time = time.monotonic()
-                self._after_iteration()
-        except BaseException as exc:  # noqa: BLE001 - any death of the loop must reach every waiter
-            logger.exception("engine loop died")
-            self.dead_error = exc
-            self._fail_all(EngineDeadError(f"the engine loop died: {exc!r}"))
-        finally:
-            self._running = False
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config, ThreadTransport(config))
 
-    def _after_iteration(self) -> None:
-        """A hook: the engine process sends the iteration's outputs and stats from here."""
-
-    def _is_wanted(self, request_id: str) -> bool:
-        return request_id in self._waiters  # else its caller left before the loop saw it
-
-    def _drain_commands(self) -> None:
-        while self._commands:
-            kind, arg = self._commands.popleft()
-            if kind == "abort":
-                output = self.engine.abort_request(arg)
-                if output is not None:
-                    self._deliver([output])
-                continue
-            self._num_adds_taken += 1
-            request_id = arg[0]
-            if not self._is_wanted(request_id):
-                continue
-            try:
-                self.engine.add_request(*arg)
-            except EngineError as exc:
-                self._post(request_id, exc)
-                continue
-            self.faults.after_add(self.engine, request_id, arg[1])
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        self._send([(output.request_id, output.error or output) for output in outputs])
-
-    def _fail_request(self, request_id: str, error: BaseException) -> None:
-        self.engine.abort_request(request_id)
-        self._post(request_id, error)
-
-
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:
-    for queue, item in items:
-        queue.put_nowait(item)
+    @property
+    def engine(self) -> LLMEngine:
+        """The loop's engine (tests and benchmarks reach in; code above the engine never does)."""
+        return self.transport.loop.engine

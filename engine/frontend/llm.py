@@ -7,7 +7,7 @@ from tqdm import tqdm
 
 from engine.config import EngineConfig
 from engine.frontend.llm_engine import LLMEngine
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import RequestOutput, merge_into
 from engine.sampling_params import SamplingParams
 
 Prompt = str | dict  # a string, or {"prompt_token_ids": [...]}
@@ -62,7 +62,9 @@ class LLM:
         try:
             while self.engine.has_unfinished_requests:
                 for delta in self.engine.step():
-                    _merge(finals, delta)
+                    whole = finals.setdefault(delta.request_id, delta)
+                    if whole is not delta:
+                        merge_into(whole, delta)
                     progress.update(int(delta.finished))
         except BaseException:
             self._abort(order)
@@ -74,22 +76,3 @@ class LLM:
     def _abort(self, order: list[str]) -> None:
         for request_id in order:
             self.engine.abort_request(request_id)
-
-
-def _merge(finals: dict[str, RequestOutput], delta: RequestOutput) -> None:
-    """Fold a delta into the whole output of its request."""
-    whole = finals.setdefault(delta.request_id, RequestOutput(
-        delta.request_id, delta.prompt, delta.prompt_token_ids, [], num_cached_tokens=delta.num_cached_tokens,
-        prompt_logprobs=delta.prompt_logprobs))
-    by_index = {o.index: o for o in whole.outputs}
-    for part in delta.outputs:
-        out = by_index.setdefault(part.index, CompletionOutput(part.index, "", [], logprobs=None))
-        out.text += part.text
-        out.token_ids += part.token_ids
-        out.finish_reason, out.stop_reason = part.finish_reason, part.stop_reason
-        if part.logprobs is not None:
-            out.logprobs = (out.logprobs or []) + part.logprobs
-    whole.outputs = sorted(by_index.values(), key=lambda o: o.index)
-    whole.finished = delta.finished
-    whole.metrics = delta.metrics
-    whole.error = delta.error or whole.error

@@ -49,6 +49,14 @@ class _Request:
     group_id: str = ""  # the client request it is part of: isolation blames a group as one request
     num_choices: int = 1  # params.n, or the choices a resumed request continues
     sent_prompt_logprobs: bool = False
+    last_token_time: float | None = None  # when the request last made tokens
+    token_intervals: list[tuple[float, int]] = field(default_factory=list)  # not in an output yet
+
+    def note_tokens(self, now: float, num_tokens: int) -> None:
+        """`num_tokens` (one per choice that advanced) made at `now`: an inter-token interval after the first."""
+        if self.last_token_time is not None:
+            self.token_intervals.append((now - self.last_token_time, num_tokens))
+        self.last_token_time = now
 
     @property
     def is_finished(self) -> bool:
@@ -331,11 +339,13 @@ class LLMEngine:
             by_request.setdefault(seq.request_id, []).append(seq)
         outputs = []
         every_step = self.config.stream_interval == 1
+        now = self.scheduler.clock()
         for request_id, seqs in by_request.items():
             request = self.requests.get(request_id)
             if request is None:  # failed in this step: its final output is out already
                 continue
             request.seqs.extend(s for s in seqs if s not in request.seqs)
+            request.note_tokens(now, len(seqs))
             if every_step or self._is_due(request, seqs):
                 outputs.append(self._output(request, seqs))
         return outputs
@@ -359,14 +369,16 @@ class LLMEngine:
             del self.requests[request.request_id]
             if not request.is_aborted:
                 self._observe_phases(first)
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
-                             [self._delta(request, seq) for seq in sorted(seqs, key=lambda s: s.index)],
-                             finished, first.num_cached_tokens,
-                             {"arrival_time": request.arrival_time,
-                              "first_scheduled_time": first.first_scheduled_time or 0.0,
-                              "first_token_time": first.first_token_time or 0.0,
-                              "num_preemptions": sum(s.num_preemptions for s in request.seqs)}, request.error,
-                             prompt_logprobs)
+        output = RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
+                               [self._delta(request, seq) for seq in sorted(seqs, key=lambda s: s.index)],
+                               finished, first.num_cached_tokens,
+                               {"arrival_time": request.arrival_time,
+                                "first_scheduled_time": first.first_scheduled_time or 0.0,
+                                "first_token_time": first.first_token_time or 0.0,
+                                "num_preemptions": sum(s.num_preemptions for s in request.seqs)}, request.error,
+                               prompt_logprobs, request.token_intervals)
+        request.token_intervals = []
+        return output
 
     def _observe_phases(self, first: Sequence) -> None:
         """A request that finished on its own this step: its last token came now."""

@@ -2,13 +2,21 @@
 never fit are rejected with the numbers, a dead loop fails every waiter at once."""
 
 import asyncio
+import copy
 
 import pytest
 
 from engine import AsyncEngine, EngineConfig, LLMEngine, SamplingParams
-from engine.errors import EngineDeadError, EngineOverloadedError, EngineStepError, RequestRejectedError
+from engine.errors import (
+    EngineDeadError,
+    EngineError,
+    EngineOverloadedError,
+    EngineStepError,
+    RequestRejectedError,
+)
 from engine.faults import Fault, FaultInjector
-from engine.frontend.llm import _merge
+from engine.frontend.async_engine import Mailbox
+from engine.outputs import CompletionOutput, RequestOutput, merge_into
 
 LONG = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
@@ -100,7 +108,10 @@ def _folded(deltas: dict[str, list]) -> dict[str, list[tuple]]:
     """Each request's deltas folded as LLM.generate folds them: per choice, its whole text, tokens, logprobs."""
     finals: dict = {}
     for out in (d for request_deltas in deltas.values() for d in request_deltas):
-        _merge(finals, out)
+        if out.request_id in finals:
+            merge_into(finals[out.request_id], out)
+        else:
+            finals[out.request_id] = copy.deepcopy(out)
     return {r: [(o.index, o.text, o.token_ids, o.logprobs, o.finish_reason) for o in whole.outputs]
             for r, whole in finals.items()}
 
@@ -199,6 +210,60 @@ async def test_a_steps_outputs_wake_the_event_loop_once(async_engine):
     assert all(sum(len(d.outputs[0].token_ids) for d in s) == 6 for s in streams)
     # 8 requests decoding side by side: about as many wake-ups as one request alone (one per step), not 8x
     assert solo >= 6 and len(wakeups) <= solo + 4, (solo, len(wakeups))
+
+
+def _delta(*choices, finished=False, prompt_logprobs=None, intervals=()) -> RequestOutput:
+    return RequestOutput("r", None, [1, 2], [CompletionOutput(*c) for c in choices], finished=finished,
+                         prompt_logprobs=prompt_logprobs, token_intervals=list(intervals))
+
+
+def test_merged_deltas_append_per_choice_and_keep_the_newer_finish():
+    first = _delta((0, "a", [5], None, None, [{5: -0.1}]), (1, "x", [7]), prompt_logprobs=[None, {2: -1.0}],
+                   intervals=[(0.1, 2)])
+    then = _delta((0, "b", [6], "stop", "\n", [{6: -0.2}]), finished=True, intervals=[(0.2, 1)])
+    merge_into(first, then)
+    assert [(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason, c.logprobs) for c in first.outputs] == [
+        (0, "ab", [5, 6], "stop", "\n", [{5: -0.1}, {6: -0.2}]), (1, "x", [7], None, None, None)]
+    assert first.finished and first.prompt_logprobs == [None, {2: -1.0}]
+    assert first.token_intervals == [(0.1, 2), (0.2, 1)]
+    assert then.outputs[0].text == "b" and then.token_intervals == [(0.2, 1)]  # the newer one is not changed
+
+
+async def test_a_mailbox_merges_what_its_consumer_has_not_taken():
+    box = Mailbox()
+    for i in range(3):
+        box.put(_delta((0, str(i), [i])))
+    error = EngineError("failed")
+    box.put(error)
+    box.put(_delta((0, "late", [9])))
+    merged = await box.get()
+    assert (merged.outputs[0].text, merged.outputs[0].token_ids) == ("012", [0, 1, 2])
+    assert await box.get() is error  # an exception waits behind the outputs before it
+    assert (await box.get()).outputs[0].text == "late"
+    waiting = asyncio.create_task(box.get())
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    box.put(_delta((0, "next", [3])))
+    assert (await asyncio.wait_for(waiting, 5)).outputs[0].text == "next"
+
+
+async def test_a_slow_consumer_gets_fewer_bigger_deltas_with_the_same_tokens_and_intervals(async_engine):
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, n=2, seed=1)
+    fast = [d async for d in async_engine.generate("def h(", params, "fast")]
+    slow = []
+    async for delta in async_engine.generate("def h(", params, "slow"):
+        slow.append(delta)
+        await asyncio.sleep(0.05)  # a client that reads slower than the engine decodes
+    assert len(fast) >= 24 and len(slow) < len(fast) / 2, (len(fast), len(slow))
+    for deltas in (fast, slow):
+        assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
+        # the engine measured the intervals: a token of each choice a step, 23 intervals after the first
+        intervals = [i for d in deltas for i in d.token_intervals]
+        assert [num for _, num in intervals] == [2] * 23 and all(s >= 0 for s, _ in intervals)
+    for index in (0, 1):
+        texts, tokens = ([[x for d in deltas for o in d.outputs if o.index == index for x in getattr(o, field)]
+                          for deltas in (fast, slow)] for field in ("text", "token_ids"))
+        assert tokens[0] == tokens[1] and len(tokens[0]) == 24 and texts[0] == texts[1]
 
 
 async def test_cancelled_consumer_aborts(async_engine):

@@ -40,7 +40,7 @@ def engine():
     engine.start()
     yield engine
     engine.stop()
-    assert engine._process.exitcode == 0 and not engine.is_dead  # a stop leaves no process behind
+    assert engine.transport.process.exitcode == 0 and not engine.is_dead  # a stop leaves no process behind
 
 
 async def _collect(engine, requests=REQUESTS) -> dict:
