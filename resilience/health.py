@@ -23,11 +23,12 @@ a fatal reason, probe errors).
 """
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
 
 from engine.client import EngineClient
 from resilience.breaker import CLOSED
 from resilience.clock import Clock
+from resilience.heartbeat import Heartbeat
+from resilience.router import ModelRouter
 
 DEFAULT_HANG_TIMEOUT_S = 60.0
 LIFECYCLE_CODES = {"draining": "model_unloading", "unloading": "model_unloading", "failed": "model_failed"}
@@ -44,8 +45,8 @@ class HealthState:
         self.engines: Mapping[str, EngineClient] = {} if engines is None else engines
         self.model_states = model_states
         self.required = list(required)  # the start-up models: readiness needs each one's ladder to serve
-        self.router: Any | None = None
-        self.heartbeat: Any | None = None
+        self.router: ModelRouter | None = None
+        self.heartbeat: Heartbeat | None = None
         self.is_loading = True  # until the start-up models are up
         self.load_error: str | None = None  # a start-up model failed to load: never ready
         self.is_draining = False

@@ -16,7 +16,6 @@ class Quarantine:
         self.clock = clock
         self.max_entries = max_entries
         self._until: OrderedDict[str, float] = OrderedDict()  # fingerprint -> refused until, oldest first
-        self.num_added = 0
         self.num_refused = 0
 
     def add(self, fingerprint: str) -> None:
@@ -24,7 +23,6 @@ class Quarantine:
             return
         self._until.pop(fingerprint, None)
         self._until[fingerprint] = self.clock() + self.ttl_s
-        self.num_added += 1
         while len(self._until) > self.max_entries:
             self._until.popitem(last=False)
 

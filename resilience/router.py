@@ -49,9 +49,9 @@ import dataclasses
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
 
 from engine.client import EngineClient
 from engine.errors import (
@@ -98,12 +98,20 @@ class GenerateRequest:
     add_special_tokens: bool = True  # how another model of the ladder encodes a text `prompt` (False: chat)
 
 
+class Tokenizer(Protocol):
+    """What the router and the service use of an engine's (transformers) tokenizer."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str: ...
+
+    def get_vocab(self) -> dict[str, int]: ...
+
+
 @dataclass
 class RoutedOutput:
     output: RequestOutput  # a delta
     served_model: str
     degraded: bool
-    tokenizer: Any  # the serving engine's: its model may be unloaded or recycled before the stream ends
+    tokenizer: Tokenizer  # the serving engine's: its model may be unloaded or recycled before the stream ends
     continued: str | None = None  # on the first output after a continuation: why ("engine_dead", ...)
 
 
@@ -177,7 +185,7 @@ class ModelRouter:
         engine = self.engines.get(name)
         return engine is not None and not engine.is_dead and self.breaker(name).is_call_permitted()
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[RoutedOutput]:
+    async def generate(self, req: GenerateRequest) -> AsyncGenerator[RoutedOutput, None]:
         """The request's output deltas, from the first model of its ladder that gives a first output. One
         generator: each delta goes from the engine's stream through here to the caller (no task, no
         wrapping generator per layer: the breaker, bulkhead and deadlines are held by `_Call`)."""
@@ -272,7 +280,7 @@ class ModelRouter:
             await asyncio.sleep(CONTINUE_POLL_S)
 
     @staticmethod
-    def _same_tokenizer(tokenizer: Any, engine: EngineClient) -> bool:
+    def _same_tokenizer(tokenizer: Tokenizer | None, engine: EngineClient) -> bool:
         """Token ids of one mean the same text in the other (the same vocabulary). Compared afresh on each
         continuation (rare): a cache keyed by id() answered for a tokenizer unloaded and another loaded in
         its place."""
@@ -432,7 +440,7 @@ class _Delivered:
         self.tokens: dict[int, list[int]] = {}
         self.finished: set[int] = set()
         self.prompt_token_ids: list[int] | None = None
-        self.tokenizer: Any = None
+        self.tokenizer: Tokenizer | None = None  # the serving engine's, once a call started
         self.continuations = 0
 
     def add(self, output: RequestOutput) -> None:

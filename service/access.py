@@ -10,6 +10,7 @@ import time
 import uuid
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from service.keys import METRICS_KEY, RECORD_KEY, REQUEST_ID_KEY, TRACER_KEY
 from service.state import RequestRecord
@@ -24,7 +25,7 @@ QUIET_PATHS = ("/metrics", "/health")  # probes and scrapes (every second or so)
 
 
 @web.middleware
-async def access_middleware(request: web.Request, handler) -> web.StreamResponse:
+async def access_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     request_id = request_id_of(request)
     request[REQUEST_ID_KEY] = request_id
     record = RequestRecord()

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import re
-from typing import Any
 
 from aiohttp import web
 
@@ -19,6 +18,7 @@ from service.config import ENGINE_OPTIONS, ConfigError, engine_config, parse_siz
 from service.errors import InvalidRequestError, ModelNotFoundError
 from service.keys import CONFIG_KEY, STATE_KEY
 from service.model_files import resolve_model_path
+from service.protocol import JSON
 
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:+@-]{0,127}")  # a name a log line or a path cannot misread
 
@@ -79,7 +79,7 @@ async def list_models(request: web.Request) -> web.Response:
     return web.json_response(request.app[STATE_KEY].registry.describe())
 
 
-async def _object(request: web.Request, fields: set[str]) -> dict[str, Any]:
+async def _object(request: web.Request, fields: set[str]) -> dict[str, JSON]:
     body = await read_json(request)
     if not isinstance(body, dict):
         raise InvalidRequestError("the body must be a JSON object")
@@ -89,7 +89,7 @@ async def _object(request: web.Request, fields: set[str]) -> dict[str, Any]:
     return body
 
 
-def _size(body: dict[str, Any], key: str) -> int | None:
+def _size(body: dict[str, JSON], key: str) -> int | None:
     if body.get(key) is None:
         return None
     try:
@@ -126,7 +126,7 @@ async def list_faults(request: web.Request) -> web.Response:
     return web.json_response({name: await asyncio.to_thread(_describe, engine) for name, engine in engines.items()})
 
 
-def _engine(request: web.Request, model: Any) -> EngineClient:
+def _engine(request: web.Request, model: JSON) -> EngineClient:
     if not isinstance(model, str):
         raise InvalidRequestError("'model' must name a served model", param="model")
     engine = request.app[STATE_KEY].engines.get(model)
@@ -135,13 +135,13 @@ def _engine(request: web.Request, model: Any) -> EngineClient:
     return engine
 
 
-def _number(body: dict[str, Any], key: str) -> float | None:
+def _number(body: dict[str, JSON], key: str) -> float | None:
     value = body.get(key)
     if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
         raise ValueError(f"{key} must be a number, got {type(value).__name__}")
     return value
 
 
-def _describe(engine: EngineClient) -> list[dict[str, Any]]:
+def _describe(engine: EngineClient) -> list[dict[str, JSON]]:
     return [{"kind": f.kind, "seconds": f.seconds, "bytes_per_step": f.bytes_per_step, "delay_ms": f.delay_ms,
              "marker": f.marker} for f in engine.faults.active()]

@@ -23,9 +23,10 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from aiohttp import web, web_response
+from aiohttp.typedefs import Handler
+from aiohttp.web_protocol import RequestHandler
 
 from engine.client import EngineClient
 from engine.config import EngineConfig
@@ -128,12 +129,12 @@ class ConnectionLimit:
         self.max_per_client = max_per_client
         self.num_connections = 0
         self.num_refused = 0
-        self._open: dict[Any, str] = {}  # request handler (one per connection) -> client address, oldest first
+        self._open: dict[RequestHandler, str] = {}  # request handler (one per connection) -> client address, oldest first
         self._by_client: Counter[str] = Counter()
-        self._refused: dict[Any, str] = {}  # handlers opened over a cap with no idle one to close -> why
-        self._timers: dict[Any, asyncio.TimerHandle] = {}  # handler -> its request-head deadline
+        self._refused: dict[RequestHandler, str] = {}  # handlers opened over a cap with no idle one to close -> why
+        self._timers: dict[RequestHandler, asyncio.TimerHandle] = {}  # handler -> its request-head deadline
 
-    def opened(self, handler: Any, transport: asyncio.Transport) -> None:
+    def opened(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
         peer = transport.get_extra_info("peername")
         client = str(peer[0]) if isinstance(peer, tuple) else "local"  # a unix socket: one local client
         self._open[handler] = client
@@ -159,7 +160,7 @@ class ConnectionLimit:
         idle.force_close()  # connection_lost follows: closed() counts it out
         return True
 
-    def closed(self, handler: Any) -> None:
+    def closed(self, handler: RequestHandler) -> None:
         self.num_connections -= 1
         client = self._open.pop(handler, None)
         if client is not None:
@@ -173,7 +174,7 @@ class ConnectionLimit:
         if timer is not None:
             timer.cancel()
 
-    def _close_if_silent(self, handler: Any) -> None:
+    def _close_if_silent(self, handler: RequestHandler) -> None:
         self._timers.pop(handler, None)
         # _request_count: request heads aiohttp parsed on this connection (there is no public counter)
         if handler.transport is not None and not getattr(handler, "_request_count", 1):
@@ -182,7 +183,7 @@ class ConnectionLimit:
             handler.transport.close()
 
     @web.middleware
-    async def middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         why = self._refused.get(request.protocol)
         if why is not None and not request.path.startswith(HEALTH_PATHS):
             self.num_refused += 1
@@ -221,11 +222,11 @@ class _Runner(web.AppRunner):
         limit = self.app[CONNECTIONS_KEY]
         made, lost = server.connection_made, server.connection_lost
 
-        def connection_made(handler: Any, transport: asyncio.Transport) -> None:
+        def connection_made(handler: RequestHandler, transport: asyncio.Transport) -> None:
             made(handler, transport)
             limit.opened(handler, transport)
 
-        def connection_lost(handler: Any, exc: BaseException | None = None) -> None:
+        def connection_lost(handler: RequestHandler, exc: BaseException | None = None) -> None:
             lost(handler, exc)
             limit.closed(handler)
 

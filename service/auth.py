@@ -9,6 +9,7 @@ import hashlib
 import hmac
 
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 
 from service.errors import AuthenticationError, PermissionDeniedError
 
@@ -33,12 +34,12 @@ class KeyRing:
         return found
 
 
-def auth_middleware(api_keys: KeyRing, admin_keys: KeyRing, auth_metrics: bool = False):
+def auth_middleware(api_keys: KeyRing, admin_keys: KeyRing, auth_metrics: bool = False) -> Middleware:
     """/v1/* needs an API key when any is configured; /admin/* always needs the admin key
     (closed when none is configured); /metrics needs an API key only with `auth_metrics`."""
 
     @web.middleware
-    async def middleware(request: web.Request, handler) -> web.StreamResponse:
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         path = request.path
         if path == "/admin" or path.startswith("/admin/"):
             if not admin_keys:

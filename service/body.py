@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import zlib
-from typing import Any
 
 from aiohttp import web
 
@@ -22,6 +21,7 @@ from service.errors import (
     UnsupportedMediaTypeError,
 )
 from service.keys import CONFIG_KEY
+from service.protocol import JSON
 from service.schemas import parse_json
 
 HANDLER_ARGS = {"auto_decompress": False}  # web.Application(handler_args=...): bodies come as sent
@@ -30,7 +30,7 @@ ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflat
 BODY_KEY = web.RequestKey("body", bytes)  # the body as read and inflated: middlewares and handler share it
 
 
-async def read_json(request: web.Request) -> Any:
+async def read_json(request: web.Request) -> JSON:
     """The JSON body of a POST. Only a JSON Content-Type is read: a browser sends text/plain, form or
     multipart bodies cross-site without a preflight, so refusing them keeps a keyless server out of
     reach of any web page its user opens."""

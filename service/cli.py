@@ -34,6 +34,7 @@ from service.config import (
     parse_size,
 )
 from service.logs import LOG_FORMATS, configure_logging
+from service.state import ServerState
 from service.tracing import endpoint_from
 
 logger = logging.getLogger("service")
@@ -402,7 +403,7 @@ async def serve(config: ServerConfig) -> int:
 BACKSTOP_MARGIN_S = 1.0  # past --shutdown-timeout, a graceful stop still running is cut short
 
 
-def start_backstop(state: Any, seconds: float) -> None:
+def start_backstop(state: ServerState, seconds: float) -> None:
     """Every stage of the stop is bounded by what is left of --shutdown-timeout, but a thread can
     still hold the exit (a model load or a memory probe that hangs: asyncio.run waits for its worker
     threads). Past `seconds` the process leaves anyway, with the code it meant to leave with."""

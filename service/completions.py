@@ -10,19 +10,20 @@ import contextlib
 import json
 import logging
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 from aiohttp import web
 
-from engine.outputs import CompletionOutput
+from engine.outputs import CompletionOutput, RequestOutput
 from engine.structured.grammar import StructuredOutputError
 from service import protocol
 from service.body import read_json
 from service.constraints import ToolCalling
 from service.errors import InvalidRequestError, UnavailableError, classify, error_body
-from service.generation import Generation
+from service.generation import Generation, prepare
 from service.keys import RECORD_KEY, REQUEST_ID_KEY
+from service.protocol import JSON, TokenText
 from service.router import RoutedOutput
 from service.schemas import parse_chat, parse_completion
 from service.sse import EventStream
@@ -36,11 +37,9 @@ def _draining() -> UnavailableError:
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
     parsed = parse_completion(await read_json(request))
-    gen = Generation(request, "cmpl", parsed.model, parsed.params, parsed.priority, parsed.unset_sampling)
     with _naming(parsed.structured_param):
-        await gen.check_prompts(parsed.prompts, parsed.add_special_tokens)
-    echo = await asyncio.to_thread(_prompt_texts, gen, parsed.prompts) if parsed.echo else None
-    fmt = CompletionFormat(parsed.params.n, parsed.params.logprobs, echo, parsed.prompt_logprobs)
+        gen = Generation(request, "cmpl", await prepare(request, parsed))
+    fmt = CompletionFormat(parsed.params.n, parsed.params.logprobs, gen.prepared.echo, parsed.prompt_logprobs)
     if parsed.stream:
         return await stream(request, gen, fmt, parsed.include_usage)
     return await collect(gen, fmt)
@@ -48,9 +47,8 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     parsed = parse_chat(await read_json(request))
-    gen = Generation(request, "chatcmpl", parsed.model, parsed.params, parsed.priority, parsed.unset_sampling)
     with _naming(parsed.structured_param):
-        await gen.check_chat(parsed.messages, parsed.tools, parsed.add_special_tokens)
+        gen = Generation(request, "chatcmpl", await prepare(request, parsed))
     fmt = ChatFormat(parsed.params.n, parsed.params.logprobs, parsed.tool_calling)
     if parsed.stream:
         return await stream(request, gen, fmt, parsed.include_usage)
@@ -58,18 +56,12 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
 
 
 @contextlib.contextmanager
-def _naming(structured_param: str | None):
+def _naming(structured_param: str | None) -> Iterator[None]:
     """A constraint the engine cannot compile is a 400 naming the field the client sent it in."""
     try:
         yield
     except StructuredOutputError as exc:
         raise InvalidRequestError(f"{structured_param}: {exc}", param=structured_param) from None
-
-
-def _prompt_texts(gen: Generation, prompts: list[str | list[int]]) -> list[str]:
-    """What `echo` prepends: a text prompt as sent, a token-id prompt decoded."""
-    tokenizer = gen.engine.tokenizer
-    return [p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
 
 
 async def collect(gen: Generation, fmt: _Format) -> web.Response:
@@ -83,7 +75,7 @@ async def collect(gen: Generation, fmt: _Format) -> web.Response:
         if gen.state.is_draining:  # shutdown ran out of drain time; the client is still there
             raise _draining() from None
         raise
-    model = served.served_model if served else gen.model
+    model = served.served_model if served else gen.prepared.model
     record = gen.record
     body = fmt.body(gen.id, gen.created, model, protocol.usage(record.prompt_tokens, record.completion_tokens))
     return web.json_response(body, headers=gen.headers(served), dumps=_dumps)
@@ -91,7 +83,7 @@ async def collect(gen: Generation, fmt: _Format) -> web.Response:
 
 async def stream(request: web.Request, gen: Generation, fmt: _Format, include_usage: bool) -> web.StreamResponse:
     events: EventStream | None = None
-    model = gen.model
+    model = gen.prepared.model
     try:
         async with contextlib.aclosing(gen.outputs()) as outputs:
             async for index, routed in outputs:
@@ -136,7 +128,7 @@ async def _open(request: web.Request, gen: Generation, routed: RoutedOutput | No
 
 def _error_chunks(gen: Generation, fmt: _Format, model: str) -> list[dict]:
     """A last chunk for every choice not finished yet, with finish_reason "error"."""
-    num_choices = len(gen.prompts) * fmt.n
+    num_choices = len(gen.prepared.prompts) * fmt.n
     return [protocol.chunk(fmt.chunk_kind, gen.id, gen.created, model, [fmt.error_choice(i)])
             for i in range(num_choices) if fmt.choices[i].finish_reason is None]
 
@@ -156,7 +148,7 @@ async def _send_error(request: web.Request, events: EventStream, exc: Exception,
         await events.close()
 
 
-def _dumps(obj: Any) -> str:
+def _dumps(obj: JSON) -> str:
     return json.dumps(obj, ensure_ascii=False)
 
 
@@ -180,7 +172,7 @@ class _Format:
         self.top_n = logprobs  # None: no logprobs asked for
         self.choices: dict[int, _Choice] = defaultdict(_Choice)
 
-    def accumulate(self, prompt_index: int, output: Any, token_text: Any) -> None:
+    def accumulate(self, prompt_index: int, output: RequestOutput, token_text: TokenText) -> None:
         for out in output.outputs:
             choice = self.choices[prompt_index * self.n + out.index]
             choice.text.append(out.text)
@@ -188,17 +180,17 @@ class _Format:
             if out.finish_reason:
                 choice.finish_reason, choice.stop_reason = out.finish_reason, out.stop_reason
 
-    def body(self, completion_id: str, created: int, model: str, usage: dict) -> dict[str, Any]:
+    def body(self, completion_id: str, created: int, model: str, usage: dict) -> dict[str, JSON]:
         raise NotImplementedError
 
-    def stream(self, prompt_index: int, output: Any, token_text: Any) -> list[list[dict]]:
+    def stream(self, prompt_index: int, output: RequestOutput, token_text: TokenText) -> list[list[dict]]:
         """The `choices` list of each chunk this output delta makes (one choice per chunk)."""
         raise NotImplementedError
 
-    def _logprobs(self, out: CompletionOutput, choice: _Choice, token_text: Any) -> dict | None:
+    def _logprobs(self, out: CompletionOutput, choice: _Choice, token_text: TokenText) -> dict | None:
         raise NotImplementedError
 
-    def error_choice(self, index: int) -> dict[str, Any]:
+    def error_choice(self, index: int) -> dict[str, JSON]:
         raise NotImplementedError
 
     def _finish(self, index: int, out: CompletionOutput) -> None:
@@ -227,12 +219,12 @@ class CompletionFormat(_Format):
     def _echo(self, index: int) -> str:
         return self.echo[index // self.n] if self.echo else ""
 
-    def accumulate(self, prompt_index: int, output: Any, token_text: Any) -> None:
+    def accumulate(self, prompt_index: int, output: RequestOutput, token_text: TokenText) -> None:
         for out in output.outputs:
             self._start(prompt_index, output, out, token_text)
         super().accumulate(prompt_index, output, token_text)
 
-    def _start(self, prompt_index: int, output: Any, out: CompletionOutput, token_text: Any) -> dict | None:
+    def _start(self, prompt_index: int, output: RequestOutput, out: CompletionOutput, token_text: TokenText) -> dict | None:
         """At a choice's first output: with echo and logprobs, the prompt's logprobs its own start with
         (returned; text_offset then counts from the end of the echoed text)."""
         index = prompt_index * self.n + out.index
@@ -252,16 +244,16 @@ class CompletionFormat(_Format):
         return logprobs
 
 
-    def error_choice(self, index: int) -> dict[str, Any]:
+    def error_choice(self, index: int) -> dict[str, JSON]:
         return protocol.completion_choice(index, "", None, "error")
 
-    def body(self, completion_id: str, created: int, model: str, usage: dict) -> dict[str, Any]:
+    def body(self, completion_id: str, created: int, model: str, usage: dict) -> dict[str, JSON]:
         choices = [protocol.completion_choice(i, self._echo(i) + "".join(c.text), c.logprobs, c.finish_reason,
                                               c.stop_reason, self.formatted.get(i // self.n))
                    for i, c in self._sorted()]
         return protocol.completion_body(completion_id, created, model, choices, usage)
 
-    def stream(self, prompt_index: int, output: Any, token_text: Any) -> list[list[dict]]:
+    def stream(self, prompt_index: int, output: RequestOutput, token_text: TokenText) -> list[list[dict]]:
         chunks = []
         for out in output.outputs:
             index = prompt_index * self.n + out.index
@@ -280,7 +272,7 @@ class CompletionFormat(_Format):
                                                           self.formatted.get(prompt_index) if is_first else None)])
         return chunks
 
-    def _logprobs(self, out: CompletionOutput, choice: _Choice, token_text: Any) -> dict | None:
+    def _logprobs(self, out: CompletionOutput, choice: _Choice, token_text: TokenText) -> dict | None:
         if self.top_n is None or not out.logprobs:
             return None
         logprobs = protocol.completion_logprobs(out.token_ids, out.logprobs, token_text, self.top_n, choice.offset)
@@ -298,10 +290,10 @@ class ChatFormat(_Format):
         super().__init__(n, logprobs)
         self.tool_calling = tool_calling
 
-    def error_choice(self, index: int) -> dict[str, Any]:
+    def error_choice(self, index: int) -> dict[str, JSON]:
         return protocol.chat_chunk_choice(index, {}, None, "error")
 
-    def body(self, completion_id: str, created: int, model: str, usage: dict) -> dict[str, Any]:
+    def body(self, completion_id: str, created: int, model: str, usage: dict) -> dict[str, JSON]:
         choices = []
         for i, c in self._sorted():
             text = "".join(c.text)
@@ -313,7 +305,7 @@ class ChatFormat(_Format):
     def _calls(self, text: str, finish_reason: str | None) -> list[dict] | None:
         return self.tool_calling.calls(text) if self.tool_calling and finish_reason == "stop" else None
 
-    def stream(self, prompt_index: int, output: Any, token_text: Any) -> list[list[dict]]:
+    def stream(self, prompt_index: int, output: RequestOutput, token_text: TokenText) -> list[list[dict]]:
         chunks = []
         for out in output.outputs:
             index = prompt_index * self.n + out.index
@@ -355,7 +347,7 @@ class ChatFormat(_Format):
         finish = "tool_calls" if calls else out.finish_reason
         return [*chunks, [protocol.chat_chunk_choice(index, {}, None, finish, out.stop_reason)]]
 
-    def _logprobs(self, out: CompletionOutput, choice: _Choice, token_text: Any) -> dict | None:
+    def _logprobs(self, out: CompletionOutput, choice: _Choice, token_text: TokenText) -> dict | None:
         if self.top_n is None or not out.logprobs:
             return None
         return protocol.chat_logprobs(out.token_ids, out.logprobs, token_text, self.top_n)

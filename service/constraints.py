@@ -8,11 +8,11 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
 
 from engine.sampling_params import StructuredOutputs
 from service import protocol
 from service.errors import InvalidRequestError
+from service.protocol import JSON
 
 TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")  # chat only
 MAX_NUM_TOOLS = 128
@@ -57,7 +57,7 @@ def _renamed(message: str, name: str) -> str:
     return re.sub(r"^structured_outputs( (json|regex|choice|grammar)\b)?", label, message)
 
 
-def _response_format(value: Any) -> StructuredOutputs:
+def _response_format(value: JSON) -> StructuredOutputs:
     """{"type": "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema", "strict"}};
     a json_schema without a schema is any JSON object. strict or not, the schema is enforced."""
     kind = value.get("type") if isinstance(value, dict) else None
@@ -85,7 +85,7 @@ class ToolCalling:
 
     function: str | None  # the named function; None: "required", any of the tools
 
-    def calls(self, text: str) -> list[dict[str, Any]] | None:
+    def calls(self, text: str) -> list[dict[str, JSON]] | None:
         """The tool_calls a finished constrained text makes; None if it is not whole JSON (cut by max_tokens)."""
         try:
             value = json.loads(text)
@@ -97,7 +97,7 @@ class ToolCalling:
                 for call in value]
 
 
-def parse_tools(body: dict) -> tuple[list[dict[str, Any]], ToolCalling | None, StructuredOutputs | None]:
+def parse_tools(body: dict) -> tuple[list[dict[str, JSON]], ToolCalling | None, StructuredOutputs | None]:
     """tools, tool_choice, parallel_tool_calls -> the tools' definitions (for the chat template: a model
     whose template knows tools is told of them), how tool calls are made, and the constraint that
     makes them: a named function's arguments match its parameters schema; "required" is a JSON array
@@ -126,7 +126,7 @@ def parse_tools(body: dict) -> tuple[list[dict[str, Any]], ToolCalling | None, S
     return definitions, ToolCalling(name), _tool_constraint(by_name[name])
 
 
-def _tool(tool: Any, index: int) -> dict[str, Any]:
+def _tool(tool: JSON, index: int) -> dict[str, JSON]:
     param = f"tools[{index}]"
     function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
     if not isinstance(function, dict):
@@ -152,7 +152,7 @@ def _tool_constraint(schema: dict) -> StructuredOutputs:
         raise InvalidRequestError(str(exc).replace("structured_outputs json", "tools"), param="tools") from None
 
 
-def checked_list(value: Any, name: str, limit: int) -> list:
+def checked_list(value: JSON, name: str, limit: int) -> list:
     if value is None:
         return []
     if not isinstance(value, list):

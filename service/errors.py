@@ -13,6 +13,7 @@ import json
 import logging
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from engine.errors import (
     EngineDeadError,
@@ -109,7 +110,7 @@ FALLBACK_BODY = (b'{"error": {"message": "internal error", "type": "internal_ser
 
 
 @web.middleware
-async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except asyncio.CancelledError:

@@ -9,15 +9,16 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from engine.stats import SECONDS_BUCKETS, CacheInfo, Distribution
+from engine.client import EngineClient
+from engine.stats import SECONDS_BUCKETS, CacheInfo, Distribution, EngineStats
 from resilience.admission import REJECTION_REASONS
+from service.state import ServerState
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # seconds; vLLM's buckets, trimmed at the long end
@@ -34,7 +35,7 @@ PREFIX = "pagedserve:"
 
 
 class Metrics:
-    def __init__(self, engines: Callable[[], Mapping[str, Any]], state: Any | None = None) -> None:
+    def __init__(self, engines: Callable[[], Mapping[str, EngineClient]], state: ServerState | None = None) -> None:
         """`engines`: returns the loaded engines by served name, read at every scrape; `state`:
         the ServerState whose router and heartbeat feed the resilience figures."""
         self.registry = CollectorRegistry()
@@ -118,7 +119,7 @@ class Metrics:
 class EngineCollector(Collector):
     """Gauges, counters and histograms read from every loaded engine's `stats()` when Prometheus scrapes."""
 
-    def __init__(self, engines: Callable[[], Mapping[str, Any]]) -> None:
+    def __init__(self, engines: Callable[[], Mapping[str, EngineClient]]) -> None:
         self.engines = engines
 
     def collect(self) -> Iterator[Metric]:
@@ -175,7 +176,7 @@ def _families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
     }
 
 
-def _figures(stats: Any) -> dict[str, float]:
+def _figures(stats: EngineStats) -> dict[str, float]:
     return {
         "num_requests_running": stats.num_running, "num_requests_waiting": stats.num_waiting,
         "num_requests_swapped": stats.num_swapped, "queue_delay_seconds": stats.queue_delay_s(time.monotonic()),
@@ -204,7 +205,7 @@ def _histograms() -> dict[str, HistogramMetricFamily]:
     }
 
 
-def _distributions(stats: Any) -> dict[str, Distribution]:
+def _distributions(stats: EngineStats) -> dict[str, Distribution]:
     phases = stats.phase_times
     return {"iteration_tokens": stats.iteration_tokens, "inference_time": phases.inference,
             "prefill_time": phases.prefill, "decode_time": phases.decode}
@@ -232,7 +233,7 @@ BREAKER_STATES = {"closed": 0, "half_open": 1, "open": 2}
 class ResilienceCollector(Collector):
     """Breakers, failovers, the leak detector and the memory heartbeat, read at scrape time."""
 
-    def __init__(self, state: Any) -> None:
+    def __init__(self, state: ServerState) -> None:
         self.state = state
 
     def collect(self) -> Iterator[Metric]:
@@ -313,7 +314,7 @@ class ResilienceCollector(Collector):
 class ModelRegistryCollector(Collector):
     """Loaded models and what each holds, read from the model registry at scrape time."""
 
-    def __init__(self, state: Any) -> None:
+    def __init__(self, state: ServerState) -> None:
         self.state = state
 
     def collect(self) -> Iterator[Metric]:

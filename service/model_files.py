@@ -1,14 +1,14 @@
 """What a model directory is: a path confined to the models root, validated before anything loads."""
 
 from pathlib import Path
-from typing import Any
 
 from engine.errors import ModelValidationError
 from engine.executor.loader import ModelFiles, validate_model_dir
 from service.errors import InvalidRequestError
+from service.protocol import JSON
 
 
-def resolve_model_path(raw: Any, models_root: Path) -> ModelFiles:
+def resolve_model_path(raw: JSON, models_root: Path) -> ModelFiles:
     """A model directory confined to `models_root`: absolute or relative to the root, symlinks
     resolved before the check; then validated. Anything else is a 400 that says why."""
     if not isinstance(raw, str) or not raw.strip() or "\x00" in raw:  # NUL: os.stat raises ValueError (a 500)

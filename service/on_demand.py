@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 
 from engine.config import EngineConfig
 from service.body import read_body
@@ -69,13 +69,13 @@ def _may_retry(registry: ModelRegistry, entry: ModelEntry) -> bool:
             and registry.clock() >= entry.retry_at(RETRY_FIRST_WAIT_S, RETRY_MAX_WAIT_S))
 
 
-def on_demand_middleware(models_dir: Path, options: dict[str, Any], fallback: str, wait_s: float) -> Callable:
+def on_demand_middleware(models_dir: Path, options: dict[str, Any], fallback: str, wait_s: float) -> Middleware:
     """Before a generation names a model that is not loaded but is a directory of `models_dir`,
     load it (evicting LRU idle models as any load does); the request waits up to `wait_s` (the
     first-token timeout), then goes on as usual: to the model if it is up, else to `fallback`, whose
     first-token window starts after the wait (the record's `load_wait_s`)."""
     @web.middleware
-    async def middleware(request: web.Request, handler: Callable) -> web.StreamResponse:
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.method == "POST" and request.path in GENERATION_PATHS:
             name = await _asked_model(request)
             state = request.app[STATE_KEY]

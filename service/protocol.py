@@ -17,6 +17,9 @@ from typing import Any
 # JSON has no -inf; vLLM clamps the same way
 MIN_LOGPROB = -9999.0
 TokenText = Callable[[int], str]
+# a JSON value: parsed from a request body (untrusted: whoever reads it checks its type), or built for a
+# response. service/'s one name for an untyped value; here, below schemas and constraints, so both can use it
+JSON = Any
 
 
 def new_id(prefix: str) -> str:
@@ -34,7 +37,7 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 # --- completions ---------------------------------------------------------------------------------
 def completion_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None,
-                      stop_reason: str | int | None = None, prompt_logprobs: list | None = None) -> dict[str, Any]:
+                      stop_reason: str | int | None = None, prompt_logprobs: list | None = None) -> dict[str, JSON]:
     choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
               "stop_reason": stop_reason}
     if prompt_logprobs is not None:  # vLLM's field, only when asked for
@@ -43,7 +46,7 @@ def completion_choice(index: int, text: str, logprobs: dict | None, finish_reaso
 
 
 def completion_body(completion_id: str, created: int, model: str, choices: list[dict],
-                    usage_: dict | None) -> dict[str, Any]:
+                    usage_: dict | None) -> dict[str, JSON]:
     return {"id": completion_id, "object": "text_completion", "created": created, "model": model,
             "choices": choices, "usage": usage_}
 
@@ -92,21 +95,21 @@ def merge_completion_logprobs(into: dict[str, list] | None, more: dict[str, list
 
 # --- chat ----------------------------------------------------------------------------------------
 def chat_choice(index: int, text: str | None, logprobs: dict | None, finish_reason: str | None,
-                stop_reason: str | int | None = None, tool_calls: list[dict] | None = None) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": text}
+                stop_reason: str | int | None = None, tool_calls: list[dict] | None = None) -> dict[str, JSON]:
+    message: dict[str, JSON] = {"role": "assistant", "content": text}
     if tool_calls:
         message["tool_calls"] = tool_calls
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
             "stop_reason": stop_reason}
 
 
-def tool_call(name: str, arguments: str) -> dict[str, Any]:
+def tool_call(name: str, arguments: str) -> dict[str, JSON]:
     """One entry of a message's tool_calls; `arguments` is JSON text, as OpenAI sends it."""
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": name, "arguments": arguments}}
 
 
-def tool_call_delta(position: int, call: dict[str, Any] | None = None, arguments: str = "") -> dict[str, Any]:
+def tool_call_delta(position: int, call: dict[str, JSON] | None = None, arguments: str = "") -> dict[str, JSON]:
     """A stream delta of tool call `position`: its head (id, type, name) when `call` is given, then
     more of its arguments."""
     if call is not None:
@@ -115,13 +118,13 @@ def tool_call_delta(position: int, call: dict[str, Any] | None = None, arguments
 
 
 def chat_body(completion_id: str, created: int, model: str, choices: list[dict],
-              usage_: dict | None) -> dict[str, Any]:
+              usage_: dict | None) -> dict[str, JSON]:
     return {"id": completion_id, "object": "chat.completion", "created": created, "model": model,
             "choices": choices, "usage": usage_}
 
 
 def chat_chunk_choice(index: int, delta: dict[str, str], logprobs: dict | None,
-                      finish_reason: str | None, stop_reason: str | int | None = None) -> dict[str, Any]:
+                      finish_reason: str | None, stop_reason: str | int | None = None) -> dict[str, JSON]:
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
             "stop_reason": stop_reason}
 
@@ -137,13 +140,13 @@ def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, float]], token_
 
 
 def chunk(kind: str, completion_id: str, created: int, model: str, choices: list[dict],
-          usage_: dict | None = None) -> dict[str, Any]:
+          usage_: dict | None = None) -> dict[str, JSON]:
     """A stream chunk; `kind` is "text_completion" or "chat.completion.chunk"."""
     return {"id": completion_id, "object": kind, "created": created, "model": model, "choices": choices,
             "usage": usage_}
 
 
-def _chat_token(text: str, logprob: float) -> dict[str, Any]:
+def _chat_token(text: str, logprob: float) -> dict[str, JSON]:
     return {"token": text, "logprob": _clamp(logprob), "bytes": list(text.encode("utf-8"))}
 
 

@@ -23,11 +23,13 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from engine.client import EngineClient
 from engine.config import EngineConfig
 from service.errors import InvalidRequestError, ServiceError
+from service.metrics import Metrics
+from service.protocol import JSON
+from service.state import ServerState
 from service.supervision import release_memory, warm_up
 
 logger = logging.getLogger(__name__)
@@ -84,7 +86,7 @@ class ModelEntry:
         """Engine requests running on this model (its use as a fallback included)."""
         return self.engine.num_in_flight if self.engine is not None else 0
 
-    def to_dict(self, now: float) -> dict[str, Any]:
+    def to_dict(self, now: float) -> dict[str, JSON]:
         return {"name": self.name, "path": self.path, "state": str(self.state), "fallback": self.fallback,
                 "pinned": self.is_pinned, "memory_bytes": self.memory_bytes, "quota_bytes": self.quota_bytes,
                 "weight_bytes": self.weight_bytes, "kv_cache_bytes": self.kv_cache_bytes,
@@ -93,9 +95,9 @@ class ModelEntry:
 
 
 class ModelRegistry:
-    def __init__(self, state: Any, engine_factory: Callable[[EngineConfig], EngineClient], *,
+    def __init__(self, state: ServerState, engine_factory: Callable[[EngineConfig], EngineClient], *,
                  memory_budget_bytes: int | None = None, max_loaded_models: int | None = None,
-                 warmup: bool = True, drain_timeout_s: float = 10.0, metrics: Any | None = None,
+                 warmup: bool = True, drain_timeout_s: float = 10.0, metrics: Metrics | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.state = state
         self.engine_factory = engine_factory
@@ -126,7 +128,7 @@ class ModelRegistry:
         entry = self.entries.get(name)
         return entry.engine if entry is not None else None
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, JSON]:
         now = self.clock()
         return {"memory_budget_bytes": self.memory_budget_bytes, "used_bytes": self.used_bytes,
                 "max_loaded_models": self.max_loaded_models,
@@ -253,7 +255,7 @@ class ModelRegistry:
             self._publish(entry, await self._build(entry, entry.engine_config))
 
     # --- unloading ---------------------------------------------------------------------------------
-    async def unload(self, name: str) -> dict[str, Any]:
+    async def unload(self, name: str) -> dict[str, JSON]:
         """No new requests, then stop: at once where the streams in flight continue on the model's fallback
         (resilience/router.py's continuation), else once they finish (up to drain_timeout_s)."""
         entry = self.entries.get(name)

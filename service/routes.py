@@ -7,10 +7,11 @@ import contextlib
 import importlib.metadata
 import time
 from pathlib import Path
-from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
+from engine.client import EngineClient
 from service.auth import KeyRing, bearer_token, holds_any_key
 from service.body import read_json
 from service.completions import create_chat_completion, create_completion
@@ -23,6 +24,7 @@ from service.errors import (
 )
 from service.keys import CONFIG_KEY, METRICS_KEY, STATE_KEY
 from service.metrics import CONTENT_TYPE
+from service.protocol import JSON
 from service.schemas import MAX_MODEL_CHARS, parse_messages
 from service.supervision import warm_up
 
@@ -65,7 +67,7 @@ async def retrieve_model(request: web.Request) -> web.Response:
     return web.json_response(_model_object(request, name))
 
 
-def _model_object(request: web.Request, name: str) -> dict[str, Any]:
+def _model_object(request: web.Request, name: str) -> dict[str, JSON]:
     config, state = request.app[CONFIG_KEY], request.app[STATE_KEY]
     engine, entry = state.engines[name], state.registry.entries[name]
     return {"id": name, "object": "model", "created": int(state.started), "owned_by": "pagedserve",
@@ -101,7 +103,7 @@ async def ready(request: web.Request) -> web.Response:
     return _health(request, report)
 
 
-def _health(request: web.Request, body: dict[str, Any], status: int = 200) -> web.Response:
+def _health(request: web.Request, body: dict[str, JSON], status: int = 200) -> web.Response:
     """With --health-details-auth only a key holder reads more than the status; the code is public."""
     config = request.app[CONFIG_KEY]
     if config.health_details_auth and not holds_any_key(request, config.api_keys, config.admin_key):
@@ -181,7 +183,7 @@ async def detokenize(request: web.Request) -> web.Response:
     return web.json_response({"prompt": text})
 
 
-def _engine(request: web.Request, body: Any) -> Any:
+def _engine(request: web.Request, body: JSON) -> EngineClient:
     """The engine of body["model"] (None: the primary); 404 for a model not served, 503 while it loads."""
     if not isinstance(body, dict):
         raise InvalidRequestError("the request body must be a JSON object")
@@ -223,7 +225,7 @@ def add_cors(app: web.Application) -> None:
 
 
 @web.middleware
-async def _preflight_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+async def _preflight_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     missing = isinstance(request.match_info.http_exception, web.HTTPNotFound)
     if request.method != "OPTIONS" or missing or not request.path.startswith(CORS_PATHS):
         return await handler(request)

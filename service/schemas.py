@@ -10,7 +10,6 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any
 
 from engine.executor.loader import SAMPLING_DEFAULTS
 from engine.sampling_params import (
@@ -33,6 +32,7 @@ from service.constraints import (
     parse_tools,
 )
 from service.errors import InvalidRequestError
+from service.protocol import JSON
 
 INT32_MAX = 2**31 - 1
 MAX_NUM_PROMPTS = 64  # one engine request per prompt
@@ -73,19 +73,19 @@ class CompletionRequest:
 @dataclass(frozen=True)
 class ChatRequest:
     model: str | None
-    messages: list[dict[str, Any]]  # normalized: role, text content; tool_calls / tool_call_id / name kept
+    messages: list[dict[str, JSON]]  # normalized: role, text content; tool_calls / tool_call_id / name kept
     params: SamplingParams
     stream: bool = False
     include_usage: bool = False
     priority: int = 0
     structured_param: str | None = None
     tool_calling: ToolCalling | None = None
-    tools: list[dict[str, Any]] = field(default_factory=list)  # definitions the chat template is given
+    tools: list[dict[str, JSON]] = field(default_factory=list)  # definitions the chat template is given
     unset_sampling: frozenset[str] = frozenset()  # sampling fields the model's generation_config may set
     add_special_tokens: bool = False  # vLLM's default for chat: the template puts its own BOS
 
 
-def parse_json(raw: bytes) -> Any:
+def parse_json(raw: bytes) -> JSON:
     """The JSON value of a request body: strict UTF-8, no NaN/Infinity, at most MAX_JSON_DEPTH deep, no
     lone surrogate in any string (they cannot be encoded back to UTF-8: tokenizer, logs, the error body).
     Every check runs at C speed over the whole body (a Python walk of a 4 MiB body of tiny lists takes
@@ -129,7 +129,7 @@ def _is_too_deep(raw: bytes) -> bool:
     return bool(brackets)
 
 
-def _encodes(value: Any) -> bool:
+def _encodes(value: JSON) -> bool:
     if isinstance(value, str):
         return not _SURROGATE.search(value)
     if not isinstance(value, dict | list):
@@ -141,7 +141,7 @@ def _encodes(value: Any) -> bool:
     return True
 
 
-def _surrogate_path(value: Any) -> tuple[str, str]:
+def _surrogate_path(value: JSON) -> tuple[str, str]:
     """(path, "a string" | "a key" | "a value") of the first lone surrogate, descending one level at a
     time; a container with more than MAX_SEARCH_ITEMS items is named as a whole."""
     path = ""
@@ -162,7 +162,7 @@ def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not a JSON number")
 
 
-def parse_completion(body: Any) -> CompletionRequest:
+def parse_completion(body: JSON) -> CompletionRequest:
     reader = _Reader(body)
     if reader.raw("prompt") is _MISSING:
         raise InvalidRequestError("prompt is required", param="prompt")
@@ -183,7 +183,7 @@ def parse_completion(body: Any) -> CompletionRequest:
                              prompt_logprobs is not None, structured_param, reader.unset(SAMPLING_DEFAULTS), reader.bool_("add_special_tokens", True))
 
 
-def parse_chat(body: Any) -> ChatRequest:
+def parse_chat(body: JSON) -> ChatRequest:
     reader = _Reader(body)
     for name, off in (("echo", False), ("prompt_logprobs", None)):
         if reader.body.get(name) not in (None, off):
@@ -206,7 +206,7 @@ def parse_chat(body: Any) -> ChatRequest:
                        tool_calling, tools, reader.unset(SAMPLING_DEFAULTS), reader.bool_("add_special_tokens", False))
 
 
-def parse_prompts(prompt: Any) -> list[str | list[int]]:
+def parse_prompts(prompt: JSON) -> list[str | list[int]]:
     """A string, a list of strings, a list of token ids, or a list of token-id lists."""
     if isinstance(prompt, str):
         return [prompt]
@@ -225,7 +225,7 @@ def parse_prompts(prompt: Any) -> list[str | list[int]]:
     raise InvalidRequestError("prompt mixes strings, token ids and lists; use one form", param="prompt")
 
 
-def parse_messages(messages: Any) -> list[dict[str, Any]]:
+def parse_messages(messages: JSON) -> list[dict[str, JSON]]:
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages must be a non-empty list of {role, content} objects", param="messages")
     if len(messages) > MAX_NUM_MESSAGES:
@@ -233,7 +233,7 @@ def parse_messages(messages: Any) -> list[dict[str, Any]]:
     return [_message(m, i) for i, m in enumerate(messages)]
 
 
-def _message(message: Any, index: int) -> dict[str, Any]:
+def _message(message: JSON, index: int) -> dict[str, JSON]:
     param = f"messages[{index}]"
     if not isinstance(message, dict):
         raise InvalidRequestError(f"{param} must be an object with role and content", param=param)
@@ -253,10 +253,10 @@ def _message(message: Any, index: int) -> dict[str, Any]:
     return {"role": role, "content": content} | _tool_fields(message, role, param)
 
 
-def _tool_fields(message: dict, role: str, param: str) -> dict[str, Any]:
+def _tool_fields(message: dict, role: str, param: str) -> dict[str, JSON]:
     """What a chat template may render of a tool conversation: an assistant's tool_calls (arguments
     as JSON text, as OpenAI sends them), a tool result's tool_call_id and name."""
-    fields: dict[str, Any] = {}
+    fields: dict[str, JSON] = {}
     if role == "assistant" and message.get("tool_calls") is not None:
         calls = checked_list(message["tool_calls"], f"{param}.tool_calls", MAX_NUM_TOOLS)
         for i, call in enumerate(calls):
@@ -275,7 +275,7 @@ def _tool_fields(message: dict, role: str, param: str) -> dict[str, Any]:
     return fields
 
 
-def _text_part(part: Any, param: str) -> str:
+def _text_part(part: JSON, param: str) -> str:
     if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
         return part["text"]
     kind = part.get("type") if isinstance(part, dict) else _json_type(part)
@@ -318,7 +318,7 @@ def _sampling_params(reader: _Reader, default_max_tokens: int | None, logprobs: 
 class _Reader:
     """Typed access to the fields of one JSON body; a wrong type is a 400 naming the field."""
 
-    def __init__(self, body: Any) -> None:
+    def __init__(self, body: JSON) -> None:
         if not isinstance(body, dict):
             raise InvalidRequestError("the request body must be a JSON object")
         self.body = body
@@ -327,10 +327,10 @@ class _Reader:
         """The fields the body leaves out (or sends as null)."""
         return frozenset(name for name in names if self.body.get(name) is None)
 
-    def raw(self, name: str) -> Any:
+    def raw(self, name: str) -> JSON:
         return self.body.get(name, _MISSING)
 
-    def _get(self, name: str, default: Any) -> Any:
+    def _get(self, name: str, default: JSON) -> JSON:
         value = self.body.get(name)
         return default if value is None else value
 
@@ -351,7 +351,7 @@ class _Reader:
             raise InvalidRequestError(f"{name} must be a string, got {_json_type(value)}", param=name)
         return value
 
-    def int_(self, name: str, default: Any, lo: int | None = None, hi: int | None = INT64_MAX) -> Any:
+    def int_(self, name: str, default: JSON, lo: int | None = None, hi: int | None = INT64_MAX) -> JSON:
         value = self._get(name, default)
         if value is default:
             return value
@@ -448,7 +448,7 @@ def _check_choices(num_prompts: int, n: int) -> None:
                                   "completions in one request", param="n")
 
 
-def _token_ids(ids: Any) -> list[int]:
+def _token_ids(ids: JSON) -> list[int]:
     if not isinstance(ids, list) or not ids or not all(_is_int(t) and 0 <= t <= INT64_MAX for t in ids):
         raise InvalidRequestError("token-id prompts must be non-empty lists of non-negative integers",
                                   param="prompt")
@@ -463,10 +463,10 @@ def _range(name: str, value: int, lo: int | None, hi: int | None) -> None:
         raise InvalidRequestError(f"{name} must be at most {hi}, got {shown}", param=name)
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: JSON) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _json_type(value: Any) -> str:
+def _json_type(value: JSON) -> str:
     names = {bool: "a boolean", str: "a string", list: "an array", dict: "an object", float: "a number"}
     return names.get(type(value), "an integer" if _is_int(value) else type(value).__name__)

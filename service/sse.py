@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
+from collections.abc import Awaitable
 
 import orjson
 from aiohttp import web
 
 from service.keys import CONFIG_KEY
+from service.protocol import JSON
 
 SSE_HEADERS = {
     "Content-Type": "text/event-stream; charset=utf-8",
@@ -34,7 +35,7 @@ DONE = b"data: [DONE]\n\n"
 UNBOUNDED_WRITE_BYTES = 16 * 1024
 
 
-def encode_event(data: Any) -> bytes:
+def encode_event(data: JSON) -> bytes:
     try:
         encoded = orjson.dumps(data)
     except orjson.JSONEncodeError:  # a lone surrogate (an echoed error message): escape it as \uXXXX
@@ -62,10 +63,10 @@ class EventStream:
             self.write_timeout_s = config.stream_write_timeout_s
         await self._bounded(self.response.prepare(request))
 
-    async def send(self, data: Any) -> None:
+    async def send(self, data: JSON) -> None:
         await self._write(encode_event(data))
 
-    async def send_many(self, events: list[Any]) -> None:
+    async def send_many(self, events: list[JSON]) -> None:
         if events:
             await self._write(b"".join(encode_event(e) for e in events))
 
@@ -86,7 +87,7 @@ class EventStream:
         else:
             await self._bounded(self.response.write(data))
 
-    async def _bounded(self, write: Any) -> None:
+    async def _bounded(self, write: Awaitable[object]) -> None:
         try:
             async with asyncio.timeout(self.write_timeout_s):
                 await write

@@ -10,7 +10,9 @@ from typing import Any
 
 from engine.client import EngineClient
 from resilience.health import HealthState
+from resilience.heartbeat import Heartbeat
 from resilience.quarantine import Quarantine
+from resilience.router import ModelRouter
 
 
 class ServerState:
@@ -21,8 +23,10 @@ class ServerState:
     def __init__(self, hang_timeout_s: float = 60.0, required_models: tuple[str, ...] = (),
                  quarantine_s: float = 0.0) -> None:
         self.engines: dict[str, EngineClient] = {}  # served name -> engine, configuration order, loaded ones only
-        self.router: Any | None = None  # built once every engine is loaded
-        self.registry: Any | None = None  # service.registry.ModelRegistry: loads and unloads models
+        self.router: ModelRouter | None = None  # built once every engine is loaded
+        # service.registry.ModelRegistry: loads and unloads models. Not named here: registry -> errors -> keys
+        # -> state would close an import circle (tests/test_layering.py counts type-only imports too)
+        self.registry: Any | None = None
         self.health = HealthState(clock=time.monotonic, hang_timeout_s=hang_timeout_s, engines=self.engines,
                                   model_states=self._model_states, required=required_models)
         self.fatal = asyncio.Event()  # set when the server cannot serve at all (a model failed to load)
@@ -44,8 +48,8 @@ class ServerState:
         return not self.health.is_loading
 
     @property
-    def heartbeat(self) -> Any | None:
-        """resilience.heartbeat.Heartbeat while the app runs: the health model holds it."""
+    def heartbeat(self) -> Heartbeat | None:
+        """The memory heartbeat, while the app runs (the health model holds it)."""
         return self.health.heartbeat
 
     @property

@@ -31,17 +31,17 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator
-from typing import Any
 
 from aiohttp import web
 
-from engine.client import WARMUP_PROMPT
+from engine.client import WARMUP_PROMPT, EngineClient
 from engine.sampling_params import SamplingParams
 from resilience.heartbeat import Heartbeat, engine_load
 from resilience.leak_detector import LeakDetector, LeakDetectorConfig, LeakReport
 from resilience.probes import make_probe
 from resilience.retry import RetryConfig, retry_policy
 from service.keys import CONFIG_KEY, STATE_KEY
+from service.state import ServerState
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ async def _watch_engines(app: web.Application) -> None:
                     logger.exception("healing the engine of %s failed", name)
 
 
-async def _heal(app: web.Application, name: str, engine: Any, deaths: deque[float]) -> None:
+async def _heal(app: web.Application, name: str, engine: EngineClient, deaths: deque[float]) -> None:
     config, state = app[CONFIG_KEY], app[STATE_KEY]
     start = time.monotonic()
     state.num_engine_deaths += 1
@@ -115,7 +115,7 @@ async def _heal(app: web.Application, name: str, engine: Any, deaths: deque[floa
     logger.warning("engine of %s rebuilt in %.2f s", name, state.last_rebuild_seconds)
 
 
-def exit_for_supervisor(state: Any, reason: str) -> None:
+def exit_for_supervisor(state: ServerState, reason: str) -> None:
     """Leave for good: liveness fails, the normal graceful stop runs, the exit code says 'replace me'."""
     logger.error("%s: exiting with code %d so the supervisor replaces this replica", reason,
                  EXIT_CODE_REPLACE_ME)
@@ -124,7 +124,7 @@ def exit_for_supervisor(state: Any, reason: str) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-async def _start_when_loaded(state, heartbeat: Heartbeat) -> None:
+async def _start_when_loaded(state: ServerState, heartbeat: Heartbeat) -> None:
     await state.loaded.wait()
     baseline = await heartbeat.beat()
     state.memory_baseline_bytes = baseline.used_bytes if baseline else None
@@ -163,7 +163,7 @@ async def _handle_leak(app: web.Application) -> None:
     await recycle_engines(app)
 
 
-async def _wait_in_flight(state, timeout_s: float) -> None:
+async def _wait_in_flight(state: ServerState, timeout_s: float) -> None:
     pending = {t for t in state.generations if not t.done()}
     if pending:
         logger.info("waiting for %d in-flight requests before recycling", len(pending))
@@ -190,7 +190,7 @@ async def recycle_engines(app: web.Application) -> None:
     logger.info("engines recycled; memory %s", state.health.last_recycle)
 
 
-async def warm_up(engine: Any, name: str, purpose: str = "warmup") -> None:
+async def warm_up(engine: EngineClient, name: str, purpose: str = "warmup") -> None:
     """One greedy token end to end: before the first client (lazy initialization paid), or as a
     health probe. Each call has a request id of its own: concurrent probes must not collide."""
     prompt = engine.encode(WARMUP_PROMPT) or [0]

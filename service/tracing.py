@@ -12,9 +12,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 from service.state import RequestRecord
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider  # optional: loaded only with an exporter
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +28,7 @@ SERVICE_NAME = "pagedserve"
 class Tracer:
     """Turns finished request records into spans on an OpenTelemetry tracer provider."""
 
-    def __init__(self, provider: Any) -> None:
+    def __init__(self, provider: TracerProvider) -> None:
         from opentelemetry import trace  # here, not at import: a replica without an exporter never loads it
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
