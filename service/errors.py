@@ -85,10 +85,6 @@ class UnprocessableError(ServiceError):
     status = 422
 
 
-class OverloadedError(ServiceError):
-    status = 429
-
-
 class UnavailableError(ServiceError):
     status = 503
 

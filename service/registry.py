@@ -109,8 +109,6 @@ class ModelRegistry:
         self.clock = clock
         self.entries: dict[str, ModelEntry] = {}  # load order
         self.fallbacks: dict[str, str | None] = {}  # served name -> fallback: the router reads it
-        self.num_loads = 0
-        self.num_unloads = 0
         self.num_evictions = 0
         self._lock = asyncio.Lock()
         self.on_demand_loads: dict[str, asyncio.Task] = {}  # name -> its load, shared by every request waiting
@@ -119,9 +117,6 @@ class ModelRegistry:
     @property
     def used_bytes(self) -> int:
         return sum(e.memory_bytes for e in self.entries.values() if e.state != ModelState.FAILED)
-
-    def ready_names(self) -> list[str]:
-        return [n for n, e in self.entries.items() if e.state == ModelState.READY]
 
     def find_engine(self, name: str) -> EngineClient | None:
         """The engine of a READY or DRAINING model (a draining one still finishes its streams)."""
@@ -199,7 +194,6 @@ class ModelRegistry:
         entry.state, entry.loaded_at, entry.num_failures = ModelState.READY, self.clock(), 0
         self.fallbacks[entry.name] = entry.fallback
         self.state.engines[entry.name] = entry.engine
-        self.num_loads += 1
         logger.info("model %s ready in %.2f s (%d bytes: weights %s, KV %s)", entry.name, entry.load_seconds,
                     entry.memory_bytes, entry.weight_bytes, entry.kv_cache_bytes)
 
@@ -298,17 +292,9 @@ class ModelRegistry:
         engines.clear()
         self.entries.pop(entry.name, None)
         await asyncio.to_thread(release_memory)  # gc, malloc_trim, empty_cache: RSS / device memory drop now
-        self.num_unloads += 1
         seconds = self.clock() - start
         self._observe("unload", entry.name, seconds, ok=True)
         logger.info("model %s unloaded in %.2f s (%d bytes freed)", entry.name, seconds, entry.memory_bytes)
-
-    async def stop_all(self) -> None:
-        """Shutdown: stop every engine, the last loaded first."""
-        for entry in reversed(list(self.entries.values())):
-            if entry.engine is not None:
-                await asyncio.to_thread(entry.engine.stop)
-                logger.info("model %s stopped", entry.name)
 
     def _after_change(self) -> None:
         heartbeat = self.state.heartbeat

@@ -52,10 +52,6 @@ class EventStream:
         self.write_timeout_s = 30.0
         self._request: web.BaseRequest | None = None
 
-    @property
-    def is_open(self) -> bool:
-        return self.response.prepared
-
     async def open(self, request: web.Request) -> None:
         self._request = request
         config = request.app.get(CONFIG_KEY)
