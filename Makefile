@@ -3,8 +3,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-slow lint bench bench-resilience models clean nginx loadtest loadtest-step baseline \
-	wheelhouse install-offline
+.PHONY: run test test-unit test-slow lint bench bench-resilience models clean nginx promtool loadtest loadtest-step \
+	baseline wheelhouse install-offline
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml | $(PY)
 # Offline install (deploy/README.md, "Offline install"): `make wheelhouse` where PyPI is reachable fills
 # wheelhouse/ with every wheel the venv needs (torch 2.13.0 CPU included: pip finds it where `pip install` does;
 # wheels only, so nothing has to be built without the network); copy the repo with it, then
-# `make install-offline` installs from it alone (--no-index). tests/deploy/test_offline_install.py, marked slow.
+# `make install-offline` installs from it alone (--no-index). tests/system/deploy/test_offline_install.py, marked slow.
 WHEELHOUSE ?= wheelhouse
 OFFLINE_PIP = $(PY) -m pip install -q --no-index --find-links $(WHEELHOUSE)
 
@@ -37,11 +37,21 @@ install-offline:
 nginx:
 	@command -v nginx >/dev/null 2>&1 || (apt-get update -q && apt-get install -y -q nginx)
 
+# promtool checks deploy/prometheus.yml and runs deploy/alerts_test.yml (tests/system/deploy/test_docker_files.py,
+# tests/system/deploy/test_grafana.py); Debian ships it in the prometheus package
+promtool:
+	@command -v promtool >/dev/null 2>&1 || (apt-get update -q && apt-get install -y -q --no-install-recommends prometheus)
+
 run: $(STAMP)
 	$(VENV)/bin/pagedserve serve
 
-test: $(STAMP) nginx
+# Three tiers (tests/README.md): unit (no model, no process: under a minute), integration (in-process apps over
+# tiny engines), system (real processes, nginx, Locust). `make test` runs all three.
+test: $(STAMP) nginx promtool
 	$(PY) -m pytest -q
+
+test-unit: $(STAMP)
+	$(PY) -m pytest -q tests/unit
 
 test-slow: $(STAMP) nginx
 	$(PY) -m pytest -q -m slow
@@ -61,13 +71,13 @@ bench: $(STAMP)
 # (a plain test run writes them to a temp dir and never touches tracked files)
 bench-resilience: $(STAMP) nginx
 	PAGEDSERVE_RESULTS_DIR=benchmarks/results $(PY) -m pytest -q -m 'slow or not slow' -s \
-		tests/resilience/test_chaos.py tests/deploy/test_failover.py tests/deploy/test_hostile.py \
-		tests/resilience/test_continuation_chaos.py
+		tests/system/resilience/test_chaos.py tests/system/deploy/test_failover.py tests/system/deploy/test_hostile.py \
+		tests/system/resilience/test_continuation_chaos.py
 
 # 10 minutes of varying load on a real server with no leak: the leak detector must raise no alarm
 .PHONY: test-leak-soak
 test-leak-soak: $(STAMP)
-	$(PY) -m pytest -q -s -m slow tests/resilience/test_leak_under_load.py
+	$(PY) -m pytest -q -s -m slow tests/system/resilience/test_leak_under_load.py
 
 models: $(STAMP)
 	$(PY) models/train.py

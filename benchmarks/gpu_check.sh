@@ -2,7 +2,7 @@
 # The CUDA check of issue 13, about 5 minutes on a GPU machine: the gpu-marked tests, offline throughput of the
 # engine on the SmolLM-135M shape in fp32 and bf16, greedy parity with HF transformers on CUDA (the FlexAttention
 # backend and chunked prefill on every own family and on the sliding window first, then the rest of
-# tests/engine/test_equivalence.py, the window and int8 / AWQ / GPTQ suites, as far as their time allows).
+# tests/integration/engine/test_equivalence.py, the window and int8 / AWQ / GPTQ suites, as far as their time allows).
 #   benchmarks/gpu_check.sh                      # PYTHON=/path/to/python (one with a CUDA torch) to override
 # The engine picks CUDA by itself (device auto) and with it the FlexAttention backend, compiled (the first
 # steps compile it; engine/executor/attention/flex_backend.py); HF references run on the CPU. Figures: benchmarks/results/
@@ -20,10 +20,10 @@ failed=()
 step() { local name=$1; shift; echo "gpu_check: step $name"; "$@" || failed+=("$name (exit $?)"); }
 step gpu-marked timeout 60 "$PY" -m pytest -q -p no:cacheprovider -m gpu $(grep -rl 'mark.gpu' tests)
 step offline timeout 150 "$PY" benchmarks/offline.py --systems pagedserve --dtypes float32,bfloat16 --tag gpu
-parity=(tests/engine/test_equivalence.py tests/engine/test_owned_model_window.py)
+parity=(tests/integration/engine/test_equivalence.py tests/integration/engine/test_owned_model_window.py)
 core='flex or (test_greedy_matches_transformers and chunked_prefill)'
 step parity-core timeout 120 "$PY" -m pytest -q -p no:cacheprovider -k "$core" "${parity[@]}"
 step parity-rest timeout 150 "$PY" -m pytest -q -p no:cacheprovider -k "not ($core)" "${parity[@]}" \
-  tests/engine/test_quantization.py
+  tests/integration/engine/test_quantization.py
 if ((${#failed[@]})); then printf 'gpu_check: FAILED %s\n' "${failed[@]}"; exit 1; fi
 echo "gpu_check: all steps passed"

@@ -16,7 +16,7 @@ echo "flake runs of $commit: $rounds rounds x 2 clones in $work"
 for c in A B; do
   [ -d $c ] || git clone -q "$src" $c
   git -C $c checkout -q "$commit"
-  make -s -C $c .venv/.installed nginx >install-$c.log 2>&1 || { echo "install failed in $c: $work/install-$c.log"; exit 2; }
+  make -s -C $c .venv/.installed nginx promtool >install-$c.log 2>&1 || { echo "install failed in $c: $work/install-$c.log"; exit 2; }
 done
 for round in $(seq 1 "$rounds"); do
   for c in A B; do

@@ -32,16 +32,16 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
     "Gemma2ForCausalLM": LlamaForCausalLM,
     "Gemma3ForCausalLM": LlamaForCausalLM,
-}  # its keys are the loader's OWN_ARCHITECTURES (tests/engine/test_config_and_loader.py)
+}  # its keys are the loader's OWN_ARCHITECTURES (tests/integration/engine/test_config_and_loader.py)
 # generic-backend architectures held to HF `generate` in `make test` (tiny presets of benchmarks/make_model.py,
-# tests/engine/test_equivalence.py and test_generic_backend.py); any other decoder-only one loads untested
+# tests/integration/engine/test_equivalence.py and test_generic_backend.py); any other decoder-only one loads untested
 TESTED_GENERIC = ("GPT2LMHeadModel", "GPTNeoXForCausalLM",
                   "Olmo2ForCausalLM", "GraniteForCausalLM", "StableLmForCausalLM", "Starcoder2ForCausalLM",
                   "SmolLM3ForCausalLM", "GptOssForCausalLM")
 
 
 def supported_models_markdown() -> str:
-    """docs/models.md's "Supported models" table, from MODEL_CLASSES and TESTED_GENERIC (tests/test_readme.py
+    """docs/models.md's "Supported models" table, from MODEL_CLASSES and TESTED_GENERIC (tests/system/test_readme.py
     holds the page to it)."""
     own_tests = "greedy = HF fp32 (chunked prefill, preemption, prefix cache, block sizes, flex), tensor parallel 2"
     generic_tests = "greedy = HF fp32 (chunked prefill, n = 2, prefix cache, preemption), bf16 logprobs"

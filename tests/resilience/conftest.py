@@ -1,8 +1,0 @@
-import pytest
-
-from tests.resilience.fakes import FakeClock
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
