@@ -17,7 +17,6 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
 
@@ -26,10 +25,15 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = tuple(CSRC / name for name in ("paged_attention.c", "int8_linear.c", "rms_norm.c", "rope.c", "silu_mul.c"))
+SOURCES = tuple(CSRC / name for name in ("paged_attention.c", "int8_linear.c", "rms_norm.c", "rope.c", "silu_mul.c",
+                                         "thread_pool.c"))
 HEADERS = (CSRC / "kernel_math.h",)
-# -fopenmp-simd: the simd pragmas only, no OpenMP runtime (torch brings its own); threads come from the caller
-CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c11"]
+# -fopenmp-simd: the simd pragmas only, no OpenMP runtime (torch brings its own); threads: csrc/thread_pool.c
+CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c11", "-pthread"]
+# each kernel's index in csrc/thread_pool.c's table, by the dtype it runs in
+KERNELS = {"paged_decode": {torch.float32: 0, torch.bfloat16: 1}, "int8_linear": 2, "int8_dequantize": 3,
+           "rms_norm": {torch.float32: 4, torch.bfloat16: 5}, "rope": {torch.float32: 6, torch.bfloat16: 7},
+           "silu_mul": {torch.float32: 8, torch.bfloat16: 9}}
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 # below this many elements an elementwise kernel (RMSNorm, RoPE, SiLU * up) runs on the calling thread alone: it is done
 # before a second thread would have woken (tens of microseconds on a VM with OpenMP's threads asleep)
@@ -77,39 +81,28 @@ def _library() -> ctypes.CDLL | None:
 
 
 class Threads:
-    """Runs a ctypes kernel over [0, work) split into `num_threads` ranges: the calling thread takes the
-    first, a pool the rest (ctypes releases the GIL while the C code runs)."""
+    """Runs a kernel over [0, work) split into `num_threads` ranges: the calling thread takes the first, the
+    C pool of csrc/thread_pool.c the rest; ctypes releases the GIL for the whole call, and no worker needs it."""
 
-    def __init__(self, num_threads: int) -> None:
+    def __init__(self, library: ctypes.CDLL, num_threads: int) -> None:
         self.num_threads = max(1, num_threads)
-        self._pool = self._new_pool()
-        # a forked child has none of the parent's threads: the old pool would take work and never run it
-        os.register_at_fork(after_in_child=self._renew_pool)
+        self._pool_run = library.pool_run
+        self._pool_run.argtypes = [ctypes.c_int, ctypes.POINTER(_i64), _i64, ctypes.c_float, _i64, _i64]
+        self._pool_run.restype = ctypes.c_int
 
-    def _new_pool(self) -> ThreadPoolExecutor | None:
-        return ThreadPoolExecutor(self.num_threads - 1, "pagedserve-kernel") if self.num_threads > 1 else None
+    def run(self, kernel: int, ints: tuple[int, ...], work: int, f: float = 0.0, num_threads: int | None = None) -> int:
+        """Kernel `kernel` (an index of thread_pool.c's table) with its integer and pointer arguments `ints`
+        and float argument `f` over every range; 0, or the first error code a range returned."""
+        return self._pool_run(kernel, (_i64 * len(ints))(*ints), len(ints), f, work, num_threads or self.num_threads)
 
-    def _renew_pool(self) -> None:
-        self._pool = self._new_pool()
-
-    def run(self, fn: Callable[..., int], shared: tuple, work: int) -> bool:
-        """fn(*shared, begin, end) over every range; True if every call returned 0."""
-        bounds = [work * i // self.num_threads for i in range(self.num_threads + 1)]
-        ranges = [(lo, hi) for lo, hi in zip(bounds, bounds[1:], strict=False) if hi > lo]
-        if not ranges:
-            return True
-        futures = [self._pool.submit(fn, *shared, lo, hi) for lo, hi in ranges[1:]] if self._pool else []
-        codes = [fn(*shared, *ranges[0])] + [f.result() for f in futures]
-        return not any(codes)
-
-    def run_sized(self, fn: Callable[..., int], shared: tuple, work: int, elements: int) -> bool:
-        """`run`, or fn over the whole of [0, work) on this thread when it touches under PARALLEL_ELEMENTS."""
-        return self.run(fn, shared, work) if elements >= PARALLEL_ELEMENTS else fn(*shared, 0, work) == 0
+    def run_sized(self, kernel: int, ints: tuple[int, ...], work: int, elements: int, f: float = 0.0) -> int:
+        """`run`, on this thread alone when the kernel touches under PARALLEL_ELEMENTS."""
+        return self.run(kernel, ints, work, f, None if elements >= PARALLEL_ELEMENTS else 1)
 
 
 @cache
 def _threads(num_threads: int) -> Threads:
-    return Threads(num_threads)
+    return Threads(_library(), num_threads)
 
 
 class DecodeKernel:
@@ -118,10 +111,7 @@ class DecodeKernel:
     DTYPES = (torch.float32, torch.bfloat16)
 
     def __init__(self, library: ctypes.CDLL, threads: Threads) -> None:
-        self._fns = {torch.float32: library.paged_decode_f32, torch.bfloat16: library.paged_decode_bf16}
-        for fn in self._fns.values():
-            fn.argtypes = [_ptr] * 6 + [_i64] * 6 + [ctypes.c_float, _i64, _i64]
-            fn.restype = ctypes.c_int
+        self._kernels = KERNELS["paged_decode"]
         self.threads = threads
         # 0: the portable kernel only; bit 1: an AVX-512 one for head_dim % 32 == 0; bit 2: its bf16 scores
         # on AVX512-BF16 (what the compiler targeted: this machine's CPU)
@@ -141,10 +131,10 @@ class DecodeKernel:
         out = torch.empty_like(q32)
         num_seqs, num_heads, head_dim = q.shape
         num_kv_heads, num_slots, _ = k_cache.shape
-        shared = (q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-                  context_lens.data_ptr(), out.data_ptr(), num_heads, num_kv_heads, head_dim, num_slots,
-                  block_size, block_tables.shape[1], scale)
-        if not self.threads.run(self._fns[k_cache.dtype], shared, num_seqs * num_kv_heads):
+        ints = (q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+                context_lens.data_ptr(), out.data_ptr(), num_heads, num_kv_heads, head_dim, num_slots, block_size,
+                block_tables.shape[1])
+        if self.threads.run(self._kernels[k_cache.dtype], ints, num_seqs * num_kv_heads, scale):
             raise MemoryError("paged_decode: out of memory for its scratch buffer")
         return out.to(q.dtype)
 
@@ -155,10 +145,6 @@ class Int8LinearKernel:
     `dequantize` writes q * scale as float32 (for a GEMM over many rows)."""
 
     def __init__(self, library: ctypes.CDLL, threads: Threads) -> None:
-        self._linear, self._dequantize = library.int8_linear_f32, library.int8_dequantize_f32
-        self._linear.argtypes = [_ptr] * 4 + [_i64] * 6
-        self._dequantize.argtypes = [_ptr] * 3 + [_i64] * 5
-        self._linear.restype = self._dequantize.restype = ctypes.c_int
         self.threads = threads
 
     @staticmethod
@@ -177,8 +163,8 @@ class Int8LinearKernel:
         x = x.contiguous()
         (m, k), n = x.shape, q.shape[0]
         y = torch.empty(m, n, dtype=torch.float32)
-        self.threads.run(self._linear, (x.data_ptr(), q.data_ptr(), scale.data_ptr(), y.data_ptr(), m, n, k,
-                                        group_size), n)
+        self.threads.run(KERNELS["int8_linear"], (x.data_ptr(), q.data_ptr(), scale.data_ptr(), y.data_ptr(), m, n, k,
+                                                  group_size), n)
         return y
 
     def dequantize(self, q: torch.Tensor, scale: torch.Tensor, group_size: int,
@@ -188,17 +174,9 @@ class Int8LinearKernel:
         w = torch.empty(q.shape, dtype=torch.float32) if out is None else out
         if w.shape != q.shape or w.dtype != torch.float32 or not w.is_contiguous():
             raise ValueError(f"out must be contiguous float32 {tuple(q.shape)}")
-        self.threads.run(self._dequantize, (q.data_ptr(), scale.data_ptr(), w.data_ptr(), *q.shape, group_size),
-                         q.shape[0])
+        self.threads.run(KERNELS["int8_dequantize"], (q.data_ptr(), scale.data_ptr(), w.data_ptr(), *q.shape,
+                                                      group_size), q.shape[0])
         return w
-
-
-def _by_dtype(library: ctypes.CDLL, name: str, argtypes: list) -> dict[torch.dtype, Callable[..., int]]:
-    """An elementwise kernel's `name`_f32 and `name`_bf16, typed (each returns 0, or an error code)."""
-    fns = {torch.float32: getattr(library, f"{name}_f32"), torch.bfloat16: getattr(library, f"{name}_bf16")}
-    for fn in fns.values():
-        fn.argtypes, fn.restype = argtypes, ctypes.c_int
-    return fns
 
 
 class RMSNormKernel:
@@ -206,12 +184,12 @@ class RMSNormKernel:
     residual add (engine/kernels/csrc/rms_norm.c); rows are split over threads only past PARALLEL_ELEMENTS."""
 
     def __init__(self, library: ctypes.CDLL, threads: Threads) -> None:
-        self._fns = _by_dtype(library, "rms_norm", [_ptr] * 5 + [_i64, ctypes.c_float, _i64, _i64])
+        self._kernels = KERNELS["rms_norm"]
         self.threads = threads
 
     def runs(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether this kernel can normalize x (rows of x's last dimension) by weight."""
-        return (x.device.type == "cpu" and x.dtype in self._fns and weight.dtype == x.dtype and x.is_contiguous()
+        return (x.device.type == "cpu" and x.dtype in self._kernels and weight.dtype == x.dtype and x.is_contiguous()
                 and weight.is_contiguous() and x.dim() >= 1 and x.shape[-1] == weight.numel() <= 16384)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -226,9 +204,9 @@ class RMSNormKernel:
         total = None if residual is None else torch.empty_like(x)
         dim = x.shape[-1]
         rows = x.numel() // dim
-        shared = (x.data_ptr(), 0 if residual is None else residual.data_ptr(), weight.data_ptr(),
-                  0 if total is None else total.data_ptr(), out.data_ptr(), dim, eps)
-        self.threads.run_sized(self._fns[x.dtype], shared, rows, x.numel())  # fails only on rows `runs` refuses
+        ints = (x.data_ptr(), 0 if residual is None else residual.data_ptr(), weight.data_ptr(),
+                0 if total is None else total.data_ptr(), out.data_ptr(), dim)
+        self.threads.run_sized(self._kernels[x.dtype], ints, rows, x.numel(), eps)  # fails only on rows `runs` refuses
         return out if total is None else (total, out)
 
 
@@ -238,12 +216,12 @@ class RopeKernel:
     only past PARALLEL_ELEMENTS."""
 
     def __init__(self, library: ctypes.CDLL, threads: Threads) -> None:
-        self._fns = _by_dtype(library, "rope", [_ptr] * 3 + [_i64] * 5)
+        self._kernels = KERNELS["rope"]
         self.threads = threads
 
     def runs(self, heads: torch.Tensor, cos: torch.Tensor) -> bool:
         """Whether this kernel can rotate heads [T, H, D] by cos/sin [T, 1, D / 2] (or [T, D / 2])."""
-        return (heads.device.type == "cpu" and heads.dtype in self._fns and cos.dtype == heads.dtype
+        return (heads.device.type == "cpu" and heads.dtype in self._kernels and cos.dtype == heads.dtype
                 and heads.dim() == 3 and heads.is_contiguous() and heads.shape[2] % 2 == 0
                 and cos.numel() == heads.shape[0] * heads.shape[2] // 2)
 
@@ -256,7 +234,7 @@ class RopeKernel:
         cos, sin = cos.contiguous(), sin.contiguous()
         tokens, num_heads, head_dim = heads.shape
         shared = (heads.data_ptr(), cos.data_ptr(), sin.data_ptr(), num_heads, rotated, head_dim)
-        self.threads.run_sized(self._fns[heads.dtype], shared, tokens, heads.numel())
+        self.threads.run_sized(self._kernels[heads.dtype], shared, tokens, heads.numel())
 
 
 class SiluMulKernel:
@@ -264,12 +242,12 @@ class SiluMulKernel:
     one pass (engine/kernels/csrc/silu_mul.c); rows are split over threads only past PARALLEL_ELEMENTS."""
 
     def __init__(self, library: ctypes.CDLL, threads: Threads) -> None:
-        self._fns = _by_dtype(library, "silu_mul", [_ptr] * 2 + [_i64] * 3)
+        self._kernels = KERNELS["silu_mul"]
         self.threads = threads
 
     def runs(self, x: torch.Tensor) -> bool:
         """Whether this kernel can read x [..., 2n]."""
-        return (x.device.type == "cpu" and x.dtype in self._fns and x.is_contiguous() and x.dim() >= 1
+        return (x.device.type == "cpu" and x.dtype in self._kernels and x.is_contiguous() and x.dim() >= 1
                 and x.shape[-1] % 2 == 0)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -279,7 +257,7 @@ class SiluMulKernel:
                              "last dimension")
         n = x.shape[-1] // 2
         out = x.new_empty(*x.shape[:-1], n)
-        self.threads.run_sized(self._fns[x.dtype], (x.data_ptr(), out.data_ptr(), n), out.numel() // max(n, 1),
+        self.threads.run_sized(self._kernels[x.dtype], (x.data_ptr(), out.data_ptr(), n), out.numel() // max(n, 1),
                                out.numel())
         return out
 

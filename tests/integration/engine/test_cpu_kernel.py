@@ -98,6 +98,46 @@ def test_kernel_works_in_a_forked_child():
     torch.testing.assert_close(torch.tensor(got), expected)
 
 
+def _pool_under_callers(queue) -> None:
+    """A fresh process: the pool grows 1 -> 2 -> 5 -> 8 threads while three Python threads call at once."""
+    import threading
+
+    gen = torch.Generator().manual_seed(1)
+    k_cache, v_cache = torch.randn(3, 256, 32, generator=gen), torch.randn(3, 256, 32, generator=gen)
+    tables = torch.arange(64).reshape(8, 8) % 16
+    args = (torch.randn(8, 6, 32, generator=gen), k_cache, v_cache, tables, torch.arange(8) * 15 + 3, 16, 0.2)
+    expected = cpu_kernel.load(1)(*args)
+    failures = []
+
+    def call(kernel) -> None:
+        for _ in range(200):
+            if not torch.equal(kernel(*args), expected):
+                failures.append("differs")
+
+    for num_threads in (2, 5, 8):
+        kernel = cpu_kernel.load(num_threads)
+        callers = [threading.Thread(target=call, args=(kernel,)) for _ in range(3)]
+        for caller in callers:
+            caller.start()
+        for caller in callers:
+            caller.join()
+    queue.put(failures)
+
+
+def test_the_pool_grows_and_takes_callers_in_turn_without_a_hang():
+    """Workers started for a job see it (a worker that missed its first job hung the caller once), and
+    callers on several threads take turns; every split gives the one-thread result bit for bit."""
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_pool_under_callers, args=(queue,))
+    child.start()
+    try:
+        assert queue.get(timeout=120) == []
+    finally:
+        child.join(timeout=10)
+        child.kill()
+
+
 def _anon_huge_kib(address: int) -> int:
     """AnonHugePages of the mapping of this process holding `address` (/proc/self/smaps)."""
     inside = False

@@ -241,7 +241,7 @@ def test_int8_matches_the_dequantized_fp32_model(random_model, tmp_path, preset)
 @needs_cc
 def test_int8_is_a_quarter_of_the_linear_bytes(random_model):
     src = random_model("tiny-llama")
-    full = LLM(src, dtype="float32", max_model_len=64).engine.model_runner
+    full = LLM(src, dtype="float32", max_model_len=64, linear_kernel="aten").engine.model_runner  # nn.Linear
     int8 = LLM(src, dtype="float32", max_model_len=64, quantization="int8").engine.model_runner
     linear = sum(m.weight.numel() for n, m in full.model.named_modules()
                  if n.startswith("layers.") and isinstance(m, torch.nn.Linear))
