@@ -8,7 +8,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
-# the bounds the HTTP edge (service/schemas.py) enforces too, with 400s naming the field
+# the bounds the HTTP edge (service/api/schemas.py) enforces too, with 400s naming the field
 INT64_MAX = 2**63 - 1  # what the engine's tensors can hold
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1  # seeds are hashed: signed and unsigned 64-bit both work
 MAX_NUM_STOP = 16  # stop strings per request: each is searched in the text tail at every step

@@ -32,7 +32,6 @@ from engine.client import EngineClient
 from engine.config import EngineConfig
 from resilience.admission import BulkheadConfig
 from service.access import access_middleware
-from service.admin import add_admin_routes
 from service.auth import KeyRing, auth_middleware
 from service.body import HANDLER_ARGS
 from service.config import ENGINE_OPTIONS, ServerConfig
@@ -48,12 +47,13 @@ from service.keys import (
     RouterFactory,
 )
 from service.metrics import Metrics
-from service.on_demand import on_demand_middleware
-from service.registry import ModelRegistry
+from service.models.admin import add_admin_routes
+from service.models.on_demand import on_demand_middleware
+from service.models.registry import ModelRegistry
+from service.models.supervision import supervision_ctx
 from service.router import make_router
 from service.routes import add_routes
 from service.state import ServerState
-from service.supervision import supervision_ctx
 from service.tracing import make_tracer
 
 logger = logging.getLogger(__name__)

@@ -12,9 +12,10 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from engine.client import EngineClient
+from service.api.completions import create_chat_completion, create_completion
+from service.api.schemas import MAX_MODEL_CHARS, parse_messages
 from service.auth import KeyRing, bearer_token, holds_any_key
-from service.body import read_json
-from service.completions import create_chat_completion, create_completion
+from service.body import JSON, read_json
 from service.errors import (
     AuthenticationError,
     InvalidRequestError,
@@ -24,9 +25,7 @@ from service.errors import (
 )
 from service.keys import CONFIG_KEY, METRICS_KEY, STATE_KEY
 from service.metrics import CONTENT_TYPE
-from service.protocol import JSON
-from service.schemas import MAX_MODEL_CHARS, parse_messages
-from service.supervision import warm_up
+from service.models.supervision import warm_up
 
 CORS_PATHS = ("/v1/", "/tokenize", "/detokenize")
 CORS_METHODS = "GET, POST, OPTIONS"

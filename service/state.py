@@ -24,7 +24,7 @@ class ServerState:
                  quarantine_s: float = 0.0) -> None:
         self.engines: dict[str, EngineClient] = {}  # served name -> engine, configuration order, loaded ones only
         self.router: ModelRouter | None = None  # built once every engine is loaded
-        # service.registry.ModelRegistry: loads and unloads models. Not named here: registry -> errors -> keys
+        # service.models.registry.ModelRegistry: loads and unloads models. Not named here: registry -> errors -> keys
         # -> state would close an import circle (tests/unit/test_layering.py counts type-only imports too)
         self.registry: Any | None = None
         self.health = HealthState(clock=time.monotonic, hang_timeout_s=hang_timeout_s, engines=self.engines,

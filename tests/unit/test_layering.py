@@ -52,6 +52,15 @@ def test_engine_has_no_module_outside_a_wing_but_the_root_seam():
     assert {p.name for p in (ROOT / "engine").iterdir() if p.is_dir() and p.name != "__pycache__"} == set(WINGS)
 
 
+def test_the_openai_surface_and_model_management_stay_apart():
+    """service/api/ (parse, generate, format) and service/models/ (registry, admin, supervision) each use
+    the server's root modules, never each other: the app (service/app.py, routes.py) wires them."""
+    wrong = [f"{_module_name(path)} imports {target}" for side, other in (("api", "models"), ("models", "api"))
+             for path in (ROOT / "service" / side).rglob("*.py") for target in _project_imports(path)
+             if target.startswith(f"service.{other}")]
+    assert wrong == []
+
+
 def test_engine_wings_import_only_downward():
     """The package's façade (engine/__init__.py, lazy) and type-only imports are exempt."""
     wrong = []

@@ -7,9 +7,9 @@ import threading
 
 from engine import AsyncEngine
 from engine.config import EngineConfig
-from service import on_demand
 from service.app import create_app
 from service.keys import STATE_KEY
+from service.models import on_demand
 from tests.harness import real_config, until
 
 PROMPT = {"model": "extra", "prompt": "def add(a, b):\n", "max_tokens": 3, "temperature": 0.0, "ignore_eos": True}

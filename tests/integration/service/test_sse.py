@@ -8,7 +8,7 @@ import time
 
 from engine.faults import Fault
 from resilience.router import ModelRouter
-from service.sse import DONE, SSE_HEADERS, encode_event
+from service.api.sse import DONE, SSE_HEADERS, encode_event
 from tests.harness import until
 
 

@@ -18,11 +18,11 @@ from aiohttp import web
 from engine.config import EngineConfig
 from service import errors
 from service.access import escape
+from service.api.sse import encode_event
+from service.body import parse_json
 from service.config import ModelSpec, ServerConfig
 from service.errors import FALLBACK_BODY, InvalidRequestError, error_middleware
 from service.keys import CONFIG_KEY
-from service.schemas import parse_json
-from service.sse import encode_event
 from tests.harness import API_KEY, TINY, require_models
 from tests.system.server import launch
 

@@ -4,8 +4,8 @@ import re
 
 import pytest
 
+from service.api.schemas import parse_chat, parse_completion, parse_messages, parse_prompts
 from service.errors import InvalidRequestError
-from service.schemas import parse_chat, parse_completion, parse_messages, parse_prompts
 
 
 def _refused(fn, body, param: str | None) -> None:

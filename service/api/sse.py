@@ -21,8 +21,8 @@ from collections.abc import Awaitable
 import orjson
 from aiohttp import web
 
+from service.body import JSON
 from service.keys import CONFIG_KEY
-from service.protocol import JSON
 
 SSE_HEADERS = {
     "Content-Type": "text/event-stream; charset=utf-8",

@@ -17,16 +17,16 @@ from aiohttp import web
 
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.structured.grammar import StructuredOutputError
-from service import protocol
-from service.body import read_json
-from service.constraints import ToolCalling
+from service.api import protocol
+from service.api.constraints import ToolCalling
+from service.api.generation import Generation, prepare
+from service.api.protocol import TokenText
+from service.api.schemas import parse_chat, parse_completion
+from service.api.sse import EventStream
+from service.body import JSON, read_json
 from service.errors import InvalidRequestError, UnavailableError, classify, error_body
-from service.generation import Generation, prepare
 from service.keys import RECORD_KEY, REQUEST_ID_KEY
-from service.protocol import JSON, TokenText
 from service.router import RoutedOutput
-from service.schemas import parse_chat, parse_completion
-from service.sse import EventStream
 
 logger = logging.getLogger(__name__)
 

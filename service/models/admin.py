@@ -13,12 +13,11 @@ from aiohttp import web
 
 from engine.client import EngineClient
 from engine.faults import Fault
-from service.body import read_json
+from service.body import JSON, read_json
 from service.config import ENGINE_OPTIONS, ConfigError, engine_config, parse_size
 from service.errors import InvalidRequestError, ModelNotFoundError
 from service.keys import CONFIG_KEY, STATE_KEY
-from service.model_files import resolve_model_path
-from service.protocol import JSON
+from service.models.model_files import resolve_model_path
 
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:+@-]{0,127}")  # a name a log line or a path cannot misread
 

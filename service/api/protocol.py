@@ -12,14 +12,12 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+
+from service.body import JSON
 
 # JSON has no -inf; vLLM clamps the same way
 MIN_LOGPROB = -9999.0
 TokenText = Callable[[int], str]
-# a JSON value: parsed from a request body (untrusted: whoever reads it checks its type), or built for a
-# response. service/'s one name for an untyped value; here, below schemas and constraints, so both can use it
-JSON = Any
 
 
 def new_id(prefix: str) -> str:

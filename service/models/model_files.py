@@ -4,8 +4,8 @@ from pathlib import Path
 
 from engine.errors import ModelValidationError
 from engine.executor.loader import ModelFiles, validate_model_dir
+from service.body import JSON
 from service.errors import InvalidRequestError
-from service.protocol import JSON
 
 
 def resolve_model_path(raw: JSON, models_root: Path) -> ModelFiles:

@@ -10,9 +10,9 @@ import re
 from dataclasses import dataclass
 
 from engine.sampling_params import StructuredOutputs
-from service import protocol
+from service.api import protocol
+from service.body import JSON
 from service.errors import InvalidRequestError
-from service.protocol import JSON
 
 TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")  # chat only
 MAX_NUM_TOOLS = 128

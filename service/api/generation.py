@@ -19,13 +19,13 @@ from aiohttp import web
 from engine.client import EngineClient
 from engine.errors import RequestFailedError
 from engine.sampling_params import SamplingParams
+from service.api.protocol import TokenText, new_id
+from service.api.schemas import ChatRequest, CompletionRequest
 from service.auth import key_owner
 from service.config import ServerConfig
 from service.errors import InvalidRequestError, ModelNotFoundError, UnavailableError, UnprocessableError
 from service.keys import CONFIG_KEY, METRICS_KEY, RECORD_KEY, REQUEST_ID_KEY, STATE_KEY
-from service.protocol import TokenText, new_id
 from service.router import GenerateRequest, RoutedOutput
-from service.schemas import ChatRequest, CompletionRequest
 from service.state import ServerState
 
 T = TypeVar("T")

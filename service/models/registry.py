@@ -26,11 +26,11 @@ from dataclasses import dataclass
 
 from engine.client import EngineClient
 from engine.config import EngineConfig
+from service.body import JSON
 from service.errors import InvalidRequestError, ServiceError
 from service.metrics import Metrics
-from service.protocol import JSON
+from service.models.supervision import release_memory, warm_up
 from service.state import ServerState
-from service.supervision import release_memory, warm_up
 
 logger = logging.getLogger(__name__)
 

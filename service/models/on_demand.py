@@ -13,12 +13,11 @@ from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
 from engine.config import EngineConfig
-from service.body import read_body
+from service.body import parse_json, read_body
 from service.errors import InvalidRequestError
 from service.keys import RECORD_KEY, STATE_KEY
-from service.model_files import resolve_model_path
-from service.registry import ModelEntry, ModelRegistry, ModelState
-from service.schemas import parse_json
+from service.models.model_files import resolve_model_path
+from service.models.registry import ModelEntry, ModelRegistry, ModelState
 
 logger = logging.getLogger(__name__)
 

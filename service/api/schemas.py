@@ -6,9 +6,7 @@ support (refused rather than silently ignored). `SamplingParams` validates the r
 
 from __future__ import annotations
 
-import json
 import math
-import re
 from dataclasses import dataclass, field
 
 from engine.executor.loader import SAMPLING_DEFAULTS
@@ -23,7 +21,7 @@ from engine.sampling_params import (
     SamplingParams,
     StructuredOutputs,
 )
-from service.constraints import (
+from service.api.constraints import (
     MAX_NUM_TOOLS,
     TOOL_FIELDS,
     ToolCalling,
@@ -31,8 +29,8 @@ from service.constraints import (
     parse_constraint,
     parse_tools,
 )
+from service.body import JSON
 from service.errors import InvalidRequestError
-from service.protocol import JSON
 
 INT32_MAX = 2**31 - 1
 MAX_NUM_PROMPTS = 64  # one engine request per prompt
@@ -40,13 +38,6 @@ MAX_NUM_CHOICES = 256  # prompts * n: sequences one HTTP request may start
 MAX_STOP_CHARS = 256  # each stop string is searched in the text tail at every step
 MAX_NUM_MESSAGES = 1024
 MAX_MODEL_CHARS = 256
-MAX_JSON_DEPTH = 32  # the deepest body we take is messages[i].content[j].text (depth 4)
-MAX_JSON_CONTAINERS = 16384  # arrays and objects; 1024 chat messages with text parts need ~4k
-MAX_SEARCH_ITEMS = 4096  # items searched one by one for the field that holds a lone surrogate
-_SURROGATE = re.compile("[\ud800-\udfff]")
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # may be preceded by an escaped backslash: a hint only
-_NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
-_BRACKETS = bytes.maketrans(b"{}", b"[]")
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # field -> value that means "not asked for"; anything else is refused with a clear 400
 UNSUPPORTED = {"suffix": None, "functions": None, "use_beam_search": False,
@@ -83,83 +74,6 @@ class ChatRequest:
     tools: list[dict[str, JSON]] = field(default_factory=list)  # definitions the chat template is given
     unset_sampling: frozenset[str] = frozenset()  # sampling fields the model's generation_config may set
     add_special_tokens: bool = False  # vLLM's default for chat: the template puts its own BOS
-
-
-def parse_json(raw: bytes) -> JSON:
-    """The JSON value of a request body: strict UTF-8, no NaN/Infinity, at most MAX_JSON_DEPTH deep, no
-    lone surrogate in any string (they cannot be encoded back to UTF-8: tokenizer, logs, the error body).
-    Every check runs at C speed over the whole body (a Python walk of a 4 MiB body of tiny lists takes
-    seconds); only a body that holds a lone surrogate is searched further, to name the field."""
-    if not raw:
-        raise InvalidRequestError("the request body is empty; send a JSON object")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise InvalidRequestError(f"the request body is not valid UTF-8 (byte {exc.start})") from exc
-    is_too_deep = _is_too_deep(raw)
-    try:  # after _is_too_deep's container count, at most MAX_JSON_CONTAINERS levels reach json.loads
-        body = json.loads(text, parse_constant=_reject_constant)
-    except RecursionError as exc:  # json.loads recurses once per level
-        raise InvalidRequestError(f"the JSON body is nested more than {MAX_JSON_DEPTH} levels deep") from exc
-    except ValueError as exc:
-        raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from exc
-    if is_too_deep:
-        raise InvalidRequestError(f"the JSON body is nested more than {MAX_JSON_DEPTH} levels deep")
-    if _SURROGATE_ESCAPE.search(raw) and not _encodes(body):  # valid UTF-8 bytes: only a \u escape makes one
-        path, what = _surrogate_path(body)
-        where = f" in {path}" if path else ""
-        raise InvalidRequestError(f"{what}{where} holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is "
-                                  "not valid Unicode text", param=_SURROGATE.sub("?", path) or None)
-    return body
-
-
-def _is_too_deep(raw: bytes) -> bool:
-    """Nesting measured on the bytes, with C-speed bytes operations only: strings dropped, brackets
-    kept (as [ and ]), then the innermost pairs peeled off once per level; anything left after
-    MAX_JSON_DEPTH peels is deeper, or not JSON (json.loads tells which). Too many containers is a
-    400 at once: a million tiny lists cost seconds of allocation and gc in json.loads."""
-    unescaped = raw.replace(b"\\\\", b"").replace(b'\\"', b"")  # left: quotes that open or close strings
-    brackets = b"".join(unescaped.split(b'"')[::2]).translate(_BRACKETS, _NOT_BRACKETS)
-    if len(brackets) > 2 * MAX_JSON_CONTAINERS:
-        raise InvalidRequestError(f"the JSON body holds more than {MAX_JSON_CONTAINERS} arrays and objects")
-    for _ in range(MAX_JSON_DEPTH):
-        if not brackets:
-            return False
-        brackets = brackets.replace(b"[]", b"")
-    return bool(brackets)
-
-
-def _encodes(value: JSON) -> bool:
-    if isinstance(value, str):
-        return not _SURROGATE.search(value)
-    if not isinstance(value, dict | list):
-        return True
-    try:
-        json.dumps(value, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _surrogate_path(value: JSON) -> tuple[str, str]:
-    """(path, "a string" | "a key" | "a value") of the first lone surrogate, descending one level at a
-    time; a container with more than MAX_SEARCH_ITEMS items is named as a whole."""
-    path = ""
-    while isinstance(value, dict | list) and len(value) <= MAX_SEARCH_ITEMS:
-        items = value.items() if isinstance(value, dict) else enumerate(value)
-        for key, item in items:
-            if isinstance(key, str) and not _encodes(key):
-                return path, "a key"
-            if not _encodes(item):
-                value, path = item, (f"{path}.{key}" if path else key) if isinstance(key, str) else f"{path}[{key}]"
-                break
-        else:
-            break
-    return path, "a string" if isinstance(value, str) else "a value"
-
-
-def _reject_constant(name: str) -> None:
-    raise ValueError(f"{name} is not a JSON number")
 
 
 def parse_completion(body: JSON) -> CompletionRequest:
