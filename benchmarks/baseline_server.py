@@ -111,16 +111,23 @@ class StaticBatcher:
         ids = torch.tensor([[self.pad_id] * (width - len(j.prompt_ids)) + j.prompt_ids for j in batch])
         mask = torch.tensor([[0] * (width - len(j.prompt_ids)) + [1] * len(j.prompt_ids) for j in batch])
         temperature, top_p = batch[0].sampling
-        sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature else \
-            {"do_sample": False}
+        sampling = (
+            {"do_sample": True, "temperature": temperature, "top_p": top_p}
+            if temperature
+            else {"do_sample": False}
+        )
         out = self.model.generate(
-            input_ids=ids.to(self.model.device), attention_mask=mask.to(self.model.device),
-            max_new_tokens=max(j.max_tokens for j in batch), pad_token_id=self.pad_id,
-            eos_token_id=sorted(self.eos_ids), **sampling)
+            input_ids=ids.to(self.model.device),
+            attention_mask=mask.to(self.model.device),
+            max_new_tokens=max(j.max_tokens for j in batch),
+            pad_token_id=self.pad_id,
+            eos_token_id=sorted(self.eos_ids),
+            **sampling,
+        )
         return [self._output(job, out[row, width:].tolist()) for row, job in enumerate(batch)]
 
     def _output(self, job: Job, new_ids: list[int]) -> Output:
-        ids = new_ids[:job.max_tokens]
+        ids = new_ids[: job.max_tokens]
         finish = "length"
         for i, token_id in enumerate(ids):
             if token_id in self.eos_ids:
@@ -129,7 +136,7 @@ class StaticBatcher:
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         for s in job.stop:
             if s in text:
-                text, finish = text[:text.index(s)], "stop"
+                text, finish = text[: text.index(s)], "stop"
         return Output(text, len(job.prompt_ids), len(ids), finish)
 
     def close(self) -> None:
@@ -171,8 +178,11 @@ async def openai_errors(request: web.Request, handler):
     try:
         return await handler(request)
     except RequestError as e:
-        return web.json_response({"error": {"message": str(e), "type": e.kind, "code": e.status}}, status=e.status,
-                                 headers={"Retry-After": "1"} if e.status == 503 else None)
+        return web.json_response(
+            {"error": {"message": str(e), "type": e.kind, "code": e.status}},
+            status=e.status,
+            headers={"Retry-After": "1"} if e.status == 503 else None,
+        )
 
 
 async def models(request: web.Request) -> web.Response:
@@ -231,11 +241,21 @@ def _job(request: web.Request, body: dict, prompt: str) -> Job:
     stop = [stop] if isinstance(stop, str) else stop
     prompt_ids = request.app[BATCHER].tokenizer(prompt, add_special_tokens=False)["input_ids"]
     if len(prompt_ids) + max_tokens > request.app[MAX_MODEL_LEN]:
-        raise RequestError(400, f"{len(prompt_ids)} prompt tokens + max_tokens {max_tokens} exceed the "
-                                f"model's {request.app[MAX_MODEL_LEN]}")
+        raise RequestError(
+            400,
+            f"{len(prompt_ids)} prompt tokens + max_tokens {max_tokens} exceed the "
+            f"model's {request.app[MAX_MODEL_LEN]}",
+        )
     future = asyncio.get_running_loop().create_future()
-    return Job(prompt_ids, max_tokens, float(temperature), float(top_p), list(stop),
-               asyncio.get_running_loop(), future)
+    return Job(
+        prompt_ids,
+        max_tokens,
+        float(temperature),
+        float(top_p),
+        list(stop),
+        asyncio.get_running_loop(),
+        future,
+    )
 
 
 async def _serve(request: web.Request, body: dict, prompt: str, is_chat: bool) -> web.StreamResponse:
@@ -246,28 +266,58 @@ async def _serve(request: web.Request, body: dict, prompt: str, is_chat: bool) -
         raise RequestError(503, "queue full", "overloaded") from e
     output = await job.future
     rid, name = f"{'chatcmpl' if is_chat else 'cmpl'}-{uuid.uuid4().hex}", request.app[MODEL_NAME]
-    usage = {"prompt_tokens": output.num_prompt_tokens, "completion_tokens": output.num_output_tokens,
-             "total_tokens": output.num_prompt_tokens + output.num_output_tokens}
+    usage = {
+        "prompt_tokens": output.num_prompt_tokens,
+        "completion_tokens": output.num_output_tokens,
+        "total_tokens": output.num_prompt_tokens + output.num_output_tokens,
+    }
     if not body.get("stream"):
         choice = {"index": 0, "finish_reason": output.finish_reason}
-        choice |= {"message": {"role": "assistant", "content": output.text}} if is_chat else \
-            {"text": output.text, "logprobs": None}
+        choice |= (
+            {"message": {"role": "assistant", "content": output.text}}
+            if is_chat
+            else {"text": output.text, "logprobs": None}
+        )
         obj = "chat.completion" if is_chat else "text_completion"
-        return web.json_response({"id": rid, "object": obj, "created": int(time.time()), "model": name,
-                                  "choices": [choice], "usage": usage})
+        return web.json_response(
+            {
+                "id": rid,
+                "object": obj,
+                "created": int(time.time()),
+                "model": name,
+                "choices": [choice],
+                "usage": usage,
+            }
+        )
     return await _stream(request, body, output, rid, usage, is_chat)
 
 
-async def _stream(request: web.Request, body: dict, output: Output, rid: str, usage: dict,
-                  is_chat: bool) -> web.StreamResponse:
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "X-Accel-Buffering": "no"})
-    head = {"id": rid, "object": "chat.completion.chunk" if is_chat else "text_completion",
-            "created": int(time.time()), "model": request.app[MODEL_NAME]}
+async def _stream(
+    request: web.Request, body: dict, output: Output, rid: str, usage: dict, is_chat: bool
+) -> web.StreamResponse:
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )
+    head = {
+        "id": rid,
+        "object": "chat.completion.chunk" if is_chat else "text_completion",
+        "created": int(time.time()),
+        "model": request.app[MODEL_NAME],
+    }
     delta = {"delta": {"role": "assistant", "content": output.text}} if is_chat else {"text": output.text}
-    chunks = [{**head, "choices": [{"index": 0, **delta, "finish_reason": None}]},
-              {**head, "choices": [{"index": 0, **({"delta": {}} if is_chat else {"text": ""}),
-                                    "finish_reason": output.finish_reason}]}]
+    chunks = [
+        {**head, "choices": [{"index": 0, **delta, "finish_reason": None}]},
+        {
+            **head,
+            "choices": [
+                {
+                    "index": 0,
+                    **({"delta": {}} if is_chat else {"text": ""}),
+                    "finish_reason": output.finish_reason,
+                }
+            ],
+        },
+    ]
     if (body.get("stream_options") or {}).get("include_usage"):
         chunks.append({**head, "choices": [], "usage": usage})
     try:
@@ -331,8 +381,15 @@ def main() -> None:
     max_model_len = int(getattr(model.config, "max_position_embeddings", 2048))
     batcher = StaticBatcher(model, tokenizer, args.max_batch, args.batch_wait_ms / 1000, args.max_queue)
     name = args.served_model_name or args.model.resolve().name
-    logger.info("serving %s (%s, %s) on %s:%d, static batches of up to %d", name, args.dtype, args.device,
-                args.host, args.port, args.max_batch)
+    logger.info(
+        "serving %s (%s, %s) on %s:%d, static batches of up to %d",
+        name,
+        args.dtype,
+        args.device,
+        args.host,
+        args.port,
+        args.max_batch,
+    )
     web.run_app(create_app(batcher, name, max_model_len), host=args.host, port=args.port, access_log=None)
 
 

@@ -37,18 +37,47 @@ print(json.dumps({"chosen": runner.linear_kernel, "choice": runner.linear_choice
 
 def start_once(model: str, dtype: str, threads: int) -> dict:
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
-    done = subprocess.run([sys.executable, "-c", LOAD, model, dtype, str(threads)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", LOAD, model, dtype, str(threads)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def offline(model: str, dtype: str, kernel: str, args: argparse.Namespace) -> float:
     """benchmarks/offline.py's pagedserve tok/s with `kernel` forced."""
     with tempfile.TemporaryDirectory() as out:
-        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "offline.py"), "--model", model, "--systems",
-                        "pagedserve", "--dtypes", dtype, "--linear-kernel", kernel, "--num-requests",
-                        str(args.num_requests), "--threads", str(args.threads), "--out-dir", out, "--tag", kernel],
-                       cwd=ROOT, check=True, timeout=3600, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "benchmarks" / "offline.py"),
+                "--model",
+                model,
+                "--systems",
+                "pagedserve",
+                "--dtypes",
+                dtype,
+                "--linear-kernel",
+                kernel,
+                "--num-requests",
+                str(args.num_requests),
+                "--threads",
+                str(args.threads),
+                "--out-dir",
+                out,
+                "--tag",
+                kernel,
+            ],
+            cwd=ROOT,
+            check=True,
+            timeout=3600,
+            stdout=subprocess.DEVNULL,
+        )
         result = json.loads(next(Path(out).glob("*.json")).read_text())
     short = {"float32": "fp32", "bfloat16": "bf16"}[dtype]
     return result["systems"][f"pagedserve {short}"]["output_tokens_per_s"]
@@ -70,11 +99,21 @@ def main() -> None:
     tok_s = {kernel: offline(args.model, args.dtype, kernel, args) for kernel in ("aten", "onednn")}
     counts = collections.Counter(s["chosen"] for s in starts)
     faster = max(tok_s, key=tok_s.get)
-    result = {"model": args.model, "dtype": args.dtype, "threads": args.threads, "starts": starts,
-              "choices": dict(counts), "offline_tokens_per_s": tok_s, "faster": faster,
-              "targets_met": {"same_choice_every_start": len(counts) == 1,
-                              "chose_the_faster": counts.get(faster, 0) == args.starts},
-              "loadavg_before": loadavg_before, "loadavg_after": os.getloadavg()}
+    result = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "threads": args.threads,
+        "starts": starts,
+        "choices": dict(counts),
+        "offline_tokens_per_s": tok_s,
+        "faster": faster,
+        "targets_met": {
+            "same_choice_every_start": len(counts) == 1,
+            "chose_the_faster": counts.get(faster, 0) == args.starts,
+        },
+        "loadavg_before": loadavg_before,
+        "loadavg_after": os.getloadavg(),
+    }
     name = f"choice_stability{'-' + args.tag if args.tag else ''}"
     (RESULTS_DIR / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
     fig, (left, right) = plots.new(1, 2, figsize=(9, 3.5))
@@ -83,8 +122,10 @@ def main() -> None:
     right.bar(list(tok_s), list(tok_s.values()))
     right.set_title("offline tok/s, kernel forced")
     plots.save(fig, RESULTS_DIR / f"{name}.png")
-    print(f"choice over {args.starts} starts: {dict(counts)}; offline tok/s {tok_s}: faster {faster} "
-          f"-> {RESULTS_DIR / name}.json")
+    print(
+        f"choice over {args.starts} starts: {dict(counts)}; offline tok/s {tok_s}: faster {faster} "
+        f"-> {RESULTS_DIR / name}.json"
+    )
 
 
 if __name__ == "__main__":

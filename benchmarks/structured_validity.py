@@ -29,49 +29,125 @@ from benchmarks import plots  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results" / "structured_validity.json"
 
 SCHEMAS = {
-    "person": {"type": "object", "properties": {
-        "name": {"type": "string"}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "email": {"type": "string"}}, "required": ["name", "age"]},
-    "enum_status": {"type": "object", "properties": {
-        "status": {"enum": ["ok", "degraded", "down"]}, "code": {"type": "integer"}},
-        "required": ["status", "code"], "additionalProperties": False},
-    "nested_order": {"type": "object", "properties": {
-        "id": {"type": "string"}, "customer": {"type": "object", "properties": {
-            "name": {"type": "string"}, "address": {"type": "object", "properties": {
-                "city": {"type": "string"}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-                "required": ["city", "zip"]}}, "required": ["name", "address"]},
-        "total": {"type": "number", "minimum": 0}}, "required": ["id", "customer", "total"]},
-    "array_of_items": {"type": "object", "properties": {"items": {"type": "array", "minItems": 1, "maxItems": 5,
-        "items": {"type": "object", "properties": {"sku": {"type": "string"}, "qty": {"type": "integer",
-                                                                                      "minimum": 1}},
-                  "required": ["sku", "qty"]}}}, "required": ["items"]},
-    "bounded_numbers": {"type": "object", "properties": {
-        "temperature": {"type": "number", "minimum": -50, "maximum": 60},
-        "humidity": {"type": "integer", "minimum": 0, "maximum": 100},
-        "wind": {"type": "number", "exclusiveMinimum": 0}}, "required": ["temperature", "humidity", "wind"]},
+    "person": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "age": {"type": "integer", "minimum": 0, "maximum": 150},
+            "email": {"type": "string"},
+        },
+        "required": ["name", "age"],
+    },
+    "enum_status": {
+        "type": "object",
+        "properties": {"status": {"enum": ["ok", "degraded", "down"]}, "code": {"type": "integer"}},
+        "required": ["status", "code"],
+        "additionalProperties": False,
+    },
+    "nested_order": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "string"},
+            "customer": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string"},
+                    "address": {
+                        "type": "object",
+                        "properties": {
+                            "city": {"type": "string"},
+                            "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+                        },
+                        "required": ["city", "zip"],
+                    },
+                },
+                "required": ["name", "address"],
+            },
+            "total": {"type": "number", "minimum": 0},
+        },
+        "required": ["id", "customer", "total"],
+    },
+    "array_of_items": {
+        "type": "object",
+        "properties": {
+            "items": {
+                "type": "array",
+                "minItems": 1,
+                "maxItems": 5,
+                "items": {
+                    "type": "object",
+                    "properties": {"sku": {"type": "string"}, "qty": {"type": "integer", "minimum": 1}},
+                    "required": ["sku", "qty"],
+                },
+            }
+        },
+        "required": ["items"],
+    },
+    "bounded_numbers": {
+        "type": "object",
+        "properties": {
+            "temperature": {"type": "number", "minimum": -50, "maximum": 60},
+            "humidity": {"type": "integer", "minimum": 0, "maximum": 100},
+            "wind": {"type": "number", "exclusiveMinimum": 0},
+        },
+        "required": ["temperature", "humidity", "wind"],
+    },
     "string_list": {"type": "array", "items": {"type": "string"}, "minItems": 2},
-    "tags_unique": {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": [
-        "python", "rust", "go", "c"]}, "maxItems": 4}, "score": {"type": "number"}},
-        "required": ["tags", "score"]},
-    "any_of": {"type": "object", "properties": {"value": {"anyOf": [{"type": "integer"}, {"type": "string"},
-                                                                     {"type": "null"}]}},
-               "required": ["value"]},
-    "booleans": {"type": "object", "properties": {"admin": {"type": "boolean"}, "active": {"type": "boolean"},
-                                                 "note": {"type": ["string", "null"]}},
-                 "required": ["admin", "active", "note"]},
-    "function_args": {"type": "object", "properties": {
-        "path": {"type": "string", "maxLength": 40}, "recursive": {"type": "boolean"},
-        "depth": {"type": "integer", "minimum": 1, "maximum": 10}}, "required": ["path"],
-        "additionalProperties": False},
-    "matrix": {"type": "object", "properties": {"rows": {"type": "array", "maxItems": 3, "items": {
-        "type": "array", "maxItems": 3, "items": {"type": "number"}}}}, "required": ["rows"]},
+    "tags_unique": {
+        "type": "object",
+        "properties": {
+            "tags": {"type": "array", "items": {"enum": ["python", "rust", "go", "c"]}, "maxItems": 4},
+            "score": {"type": "number"},
+        },
+        "required": ["tags", "score"],
+    },
+    "any_of": {
+        "type": "object",
+        "properties": {"value": {"anyOf": [{"type": "integer"}, {"type": "string"}, {"type": "null"}]}},
+        "required": ["value"],
+    },
+    "booleans": {
+        "type": "object",
+        "properties": {
+            "admin": {"type": "boolean"},
+            "active": {"type": "boolean"},
+            "note": {"type": ["string", "null"]},
+        },
+        "required": ["admin", "active", "note"],
+    },
+    "function_args": {
+        "type": "object",
+        "properties": {
+            "path": {"type": "string", "maxLength": 40},
+            "recursive": {"type": "boolean"},
+            "depth": {"type": "integer", "minimum": 1, "maximum": 10},
+        },
+        "required": ["path"],
+        "additionalProperties": False,
+    },
+    "matrix": {
+        "type": "object",
+        "properties": {
+            "rows": {
+                "type": "array",
+                "maxItems": 3,
+                "items": {"type": "array", "maxItems": 3, "items": {"type": "number"}},
+            }
+        },
+        "required": ["rows"],
+    },
     "free_object": {"type": "object"},
 }
 
 
 def prompt_for(name: str, schema: dict) -> list[dict]:
-    return [{"role": "user", "content": f"Reply with JSON only: a {name.replace('_', ' ')} matching this "
-                                        f"schema: {json.dumps(schema)}"}]
+    return [
+        {
+            "role": "user",
+            "content": f"Reply with JSON only: a {name.replace('_', ' ')} matching this "
+            f"schema: {json.dumps(schema)}",
+        }
+    ]
 
 
 def check(text: str, schema: dict, finish_reason: str) -> str:
@@ -113,12 +189,22 @@ def mask_cost(llm, sampling, batch: int, steps: int = 32) -> dict:
 
     # a budget far off: the mask's cost, not the closer's end game
     free = SamplingParams(temperature=sampling.temperature, max_tokens=8 * steps, ignore_eos=True, seed=0)
-    constrained = SamplingParams(temperature=sampling.temperature, max_tokens=8 * steps, seed=0,
-                                 structured_outputs=sampling.structured_outputs)
-    runs = [(timed(free), timed(constrained)) for _ in range(3)]  # alternated; the least of each: noise only adds
+    constrained = SamplingParams(
+        temperature=sampling.temperature,
+        max_tokens=8 * steps,
+        seed=0,
+        structured_outputs=sampling.structured_outputs,
+    )
+    runs = [
+        (timed(free), timed(constrained)) for _ in range(3)
+    ]  # alternated; the least of each: noise only adds
     t_free, t_constrained = min(r[0] for r in runs), min(r[1] for r in runs)
-    return {"batch": batch, "step_ms_free": round(t_free * 1e3, 2), "step_ms_constrained": round(t_constrained * 1e3, 2),
-            "ratio": round(t_constrained / t_free, 3)}
+    return {
+        "batch": batch,
+        "step_ms_free": round(t_free * 1e3, 2),
+        "step_ms_constrained": round(t_constrained * 1e3, 2),
+        "ratio": round(t_constrained / t_free, 3),
+    }
 
 
 def plot(result: dict, path: Path) -> None:
@@ -128,8 +214,10 @@ def plot(result: dict, path: Path) -> None:
     ax.barh(names, shares, color=["tab:green" if s == 100 else "tab:red" for s in shares])
     ax.set_xlim(0, 100)
     ax.set_xlabel("schema-valid replies (%)")
-    ax.set_title(f"{result['valid']}/{result['total']} valid, max_tokens {result['max_tokens']}, "
-                 f"temperature {result['temperature']}")
+    ax.set_title(
+        f"{result['valid']}/{result['total']} valid, max_tokens {result['max_tokens']}, "
+        f"temperature {result['temperature']}"
+    )
     ax.invert_yaxis()
     plots.save(fig, path)
 
@@ -150,8 +238,15 @@ def main() -> None:
     per_schema, tokens = {}, []
     started = time.monotonic()
     for name, schema in SCHEMAS.items():
-        params = [SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=seed,
-                                 structured_outputs=StructuredOutputs(json=schema)) for seed in range(args.samples)]
+        params = [
+            SamplingParams(
+                temperature=args.temperature,
+                max_tokens=args.max_tokens,
+                seed=seed,
+                structured_outputs=StructuredOutputs(json=schema),
+            )
+            for seed in range(args.samples)
+        ]
         outputs = llm.chat([prompt_for(name, schema)] * args.samples, params, use_tqdm=False)
         verdicts = {}
         for output in outputs:
@@ -161,25 +256,39 @@ def main() -> None:
             tokens.append(len(completion.token_ids))
             if verdict != "valid" and len(per_schema.get(name, {}).get("examples", [])) < 2:
                 per_schema.setdefault(name, {}).setdefault("examples", []).append(completion.text[-160:])
-        per_schema.setdefault(name, {}).update(valid=verdicts.get("valid", 0), total=args.samples, verdicts=verdicts)
+        per_schema.setdefault(name, {}).update(
+            valid=verdicts.get("valid", 0), total=args.samples, verdicts=verdicts
+        )
     seconds = time.monotonic() - started
     valid = sum(v["valid"] for v in per_schema.values())
     total = sum(v["total"] for v in per_schema.values())
-    cost_params = SamplingParams(temperature=args.temperature,
-                                 structured_outputs=StructuredOutputs(json=SCHEMAS["nested_order"]))
+    cost_params = SamplingParams(
+        temperature=args.temperature, structured_outputs=StructuredOutputs(json=SCHEMAS["nested_order"])
+    )
     costs = [mask_cost(llm, cost_params, batch) for batch in (1, 8, 32)]
-    result = {"model": args.model, "samples_per_schema": args.samples, "max_tokens": args.max_tokens,
-              "temperature": args.temperature, "valid": valid, "total": total, "schemas": per_schema,
-              "reply_tokens": {"mean": round(sum(tokens) / len(tokens), 1), "max": max(tokens)},
-              "generation_seconds": round(seconds, 1), "mask_cost": costs,
-              "loadavg_before": loadavg_before, "loadavg_after": os.getloadavg()}
+    result = {
+        "model": args.model,
+        "samples_per_schema": args.samples,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "valid": valid,
+        "total": total,
+        "schemas": per_schema,
+        "reply_tokens": {"mean": round(sum(tokens) / len(tokens), 1), "max": max(tokens)},
+        "generation_seconds": round(seconds, 1),
+        "mask_cost": costs,
+        "loadavg_before": loadavg_before,
+        "loadavg_after": os.getloadavg(),
+    }
     path = RESULTS.with_name(f"structured_validity{'-' + args.tag if args.tag else ''}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
     plot(result, path.with_suffix(".png"))
-    print(f"valid {valid}/{total} over {len(SCHEMAS)} schemas (max_tokens {args.max_tokens}, temperature "
-          f"{args.temperature}); mask cost x{', x'.join(str(c['ratio']) for c in costs)} at batch 1/8/32; "
-          f"load {loadavg_before[0]:.2f} -> {result['loadavg_after'][0]:.2f}")
+    print(
+        f"valid {valid}/{total} over {len(SCHEMAS)} schemas (max_tokens {args.max_tokens}, temperature "
+        f"{args.temperature}); mask cost x{', x'.join(str(c['ratio']) for c in costs)} at batch 1/8/32; "
+        f"load {loadavg_before[0]:.2f} -> {result['loadavg_after'][0]:.2f}"
+    )
     for name, v in per_schema.items():
         if v["valid"] < v["total"]:
             print(f"  {name}: {v['valid']}/{v['total']} {v['verdicts']} e.g. {v.get('examples', [])[:1]}")

@@ -56,23 +56,47 @@ STOP_SPARE_S = 120.0  # stopping a server, writing results: kept out of the run 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, default=MODELS / "pagedserve-coder-small", help="both sides serve it")
-    p.add_argument("--fallback", default=str(MODELS / "pagedserve-coder-tiny"),
-                   help="pagedserve's fallback model directory; '' for none")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                   help="both sides (bfloat16 checkpoints run 2-3x slower than float32 on most CPUs)")
+    p.add_argument(
+        "--model", type=Path, default=MODELS / "pagedserve-coder-small", help="both sides serve it"
+    )
+    p.add_argument(
+        "--fallback",
+        default=str(MODELS / "pagedserve-coder-tiny"),
+        help="pagedserve's fallback model directory; '' for none",
+    )
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16", "float16"),
+        help="both sides (bfloat16 checkpoints run 2-3x slower than float32 on most CPUs)",
+    )
     p.add_argument("--baseline-max-batch", type=int, default=32)
     p.add_argument("--pagedserve-args", default="", help="extra `pagedserve serve` flags, one string")
     p.add_argument("--fractions", default="0.5,0.8,1.0,1.2", help="rates, as fractions of the FIFO capacity")
-    p.add_argument("--overload", default="1.2", help="rates past pagedserve's own capacity, as multiples of it "
-                   "(comma-separated; '' or 0: none)")
-    p.add_argument("--baseline-from", type=Path, help="take the FIFO side (its capacity and runs) from this "
-                   "earlier result instead of measuring it again: the baseline does not change with our code")
+    p.add_argument(
+        "--overload",
+        default="1.2",
+        help="rates past pagedserve's own capacity, as multiples of it (comma-separated; '' or 0: none)",
+    )
+    p.add_argument(
+        "--baseline-from",
+        type=Path,
+        help="take the FIFO side (its capacity and runs) from this "
+        "earlier result instead of measuring it again: the baseline does not change with our code",
+    )
     p.add_argument("--duration", type=parse_duration, default=parse_duration("300s"), help="arrivals per run")
-    p.add_argument("--drain", type=parse_duration, default=parse_duration("120s"),
-                   help="after the arrivals, how long requests in flight get")
-    p.add_argument("--calibrate-duration", type=parse_duration, default=parse_duration("180s"),
-                   help="at least 4 static batches: its first quarter is left out as the ramp")
+    p.add_argument(
+        "--drain",
+        type=parse_duration,
+        default=parse_duration("120s"),
+        help="after the arrivals, how long requests in flight get",
+    )
+    p.add_argument(
+        "--calibrate-duration",
+        type=parse_duration,
+        default=parse_duration("180s"),
+        help="at least 4 static batches: its first quarter is left out as the ramp",
+    )
     p.add_argument("--calibrate-concurrency", type=int, default=64)
     p.add_argument("--long-output-tokens", type=int, default=256, help="max_tokens of a long completion")
     p.add_argument("--max-minutes", type=float, default=120.0, help="the whole benchmark stops before this")
@@ -93,10 +117,28 @@ def server_command(side: str, args: argparse.Namespace, port: int) -> list[str]:
     address = ["--host", "127.0.0.1", "--port", str(port)]
     if side == "pagedserve":
         fallback = ["--fallback", args.fallback] if args.fallback else []
-        return [str(Path(sys.executable).with_name("pagedserve")), "serve", *address, "--model", str(args.model),
-                *fallback, "--dtype", args.dtype, *args.pagedserve_args.split()]
-    return [sys.executable, str(REPO_ROOT / "benchmarks" / "baseline_server.py"), *address, "--model",
-            str(args.model), "--dtype", args.dtype, "--max-batch", str(args.baseline_max_batch)]
+        return [
+            str(Path(sys.executable).with_name("pagedserve")),
+            "serve",
+            *address,
+            "--model",
+            str(args.model),
+            *fallback,
+            "--dtype",
+            args.dtype,
+            *args.pagedserve_args.split(),
+        ]
+    return [
+        sys.executable,
+        str(REPO_ROOT / "benchmarks" / "baseline_server.py"),
+        *address,
+        "--model",
+        str(args.model),
+        "--dtype",
+        args.dtype,
+        "--max-batch",
+        str(args.baseline_max_batch),
+    ]
 
 
 def free_port() -> int:
@@ -109,8 +151,9 @@ def free_port() -> int:
 def running_server(cmd: list[str], port: int, log_path: Path):
     """The server process, ready (GET /health/ready is 200); SIGTERM, then SIGKILL, on the way out."""
     with log_path.open("wb") as log:
-        process = subprocess.Popen(cmd, cwd=REPO_ROOT, env=server_env(), stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
+        process = subprocess.Popen(
+            cmd, cwd=REPO_ROOT, env=server_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             wait_ready(process, f"http://127.0.0.1:{port}/health/ready", log_path)
             yield
@@ -149,30 +192,58 @@ def one_run(url: str, load: Load, out: Path, fraction: float, of: str) -> dict:
     before = os.getloadavg()
     rc, summary, records = run_load(url, load, out)
     timed = [r for r in records if r["status"] in (200, None)]
-    return {"label": f"{fraction:g}x {of}", "fraction": fraction, "of": of, "rate": round(load.rate, 4),
-            "locust_exit_code": rc,
-            **{k: summary[k] for k in ("model", "requests", "completed", "failures", "requests_per_s",
-                                       "output_tokens_per_s", "ttft_ms", "itl_ms", "e2e_ms", "shares",
-                                       "degraded_share", "in_flight", "errors")},
-            "load_average": {"before": [round(x, 2) for x in before], "after": [round(x, 2) for x in os.getloadavg()]},
-            "ttft_ms_all": sorted(round(r["ttft_ms"], 1) for r in timed if r["ttft_ms"] is not None),
-            "e2e_ms_all": sorted(round(r["e2e_ms"], 1) for r in timed)}
+    return {
+        "label": f"{fraction:g}x {of}",
+        "fraction": fraction,
+        "of": of,
+        "rate": round(load.rate, 4),
+        "locust_exit_code": rc,
+        **{
+            k: summary[k]
+            for k in (
+                "model",
+                "requests",
+                "completed",
+                "failures",
+                "requests_per_s",
+                "output_tokens_per_s",
+                "ttft_ms",
+                "itl_ms",
+                "e2e_ms",
+                "shares",
+                "degraded_share",
+                "in_flight",
+                "errors",
+            )
+        },
+        "load_average": {
+            "before": [round(x, 2) for x in before],
+            "after": [round(x, 2) for x in os.getloadavg()],
+        },
+        "ttft_ms_all": sorted(round(r["ttft_ms"], 1) for r in timed if r["ttft_ms"] is not None),
+        "e2e_ms_all": sorted(round(r["e2e_ms"], 1) for r in timed),
+    }
 
 
-def measure_side(side: str, args: argparse.Namespace, fifo_rps: float | None, deadline: float, work: Path) -> dict:
+def measure_side(
+    side: str, args: argparse.Namespace, fifo_rps: float | None, deadline: float, work: Path
+) -> dict:
     """Calibrate, then the runs at the fractions of the FIFO capacity (this side's, for the baseline)."""
     port, options = free_port(), {"seed": args.seed, "long_output_tokens": args.long_output_tokens}
     url, cmd = f"http://127.0.0.1:{port}", server_command(side, args, port)
     print(f"[{side}] $ {' '.join(cmd)}", flush=True)
     result: dict = {"command": " ".join(cmd), "runs": [], "skipped": []}
-    calibration = Load(args.calibrate_duration, args.calibrate_duration, closed_loop=args.calibrate_concurrency)
+    calibration = Load(
+        args.calibrate_duration, args.calibrate_duration, closed_loop=args.calibrate_concurrency
+    )
     if time.monotonic() + calibration.max_seconds + READY_TIMEOUT_S > deadline:
         result["skipped"].append({"label": "calibration", "why": "past --max-minutes"})
         return result
     try:
         with running_server(cmd, port, work / f"{side}.log"):
-            result["calibration"] = capacity(url, work / side / "calibrate", args.calibrate_concurrency,
-                                             args.calibrate_duration, **options)
+            result["calibration"] = capacity(
+                url, work / side / "calibrate", args.calibrate_concurrency, args.calibrate_duration, **options
+            )
             own_rps = result["calibration"]["capacity_rps"]
             plan = [(f, "FIFO", f * (fifo_rps or own_rps)) for f in args.fractions]
             if side == "pagedserve":
@@ -180,8 +251,9 @@ def measure_side(side: str, args: argparse.Namespace, fifo_rps: float | None, de
             for fraction, of, rate in plan:
                 load = Load(args.duration, args.drain, rate=rate, **options)
                 if time.monotonic() + load.max_seconds > deadline:
-                    result["skipped"].append({"label": f"{fraction:g}x {of}", "rate": round(rate, 4),
-                                              "why": "past --max-minutes"})
+                    result["skipped"].append(
+                        {"label": f"{fraction:g}x {of}", "rate": round(rate, 4), "why": "past --max-minutes"}
+                    )
                     continue
                 print(f"[{side}] {fraction:g}x {of} capacity: {rate:.3f} req/s", flush=True)
                 result["runs"].append(one_run(url, load, work / side / f"{fraction:g}x-{of}", fraction, of))
@@ -199,22 +271,43 @@ def compare(results: dict) -> list[dict]:
         base = theirs.get(ours["label"])
         if base is None:
             continue
-        ratios = {f"p99_{m}_ratio": _ratio(ours[f"{m}_ms"]["p99"], base[f"{m}_ms"]["p99"]) for m in ("ttft", "e2e")}
-        rows.append({"label": ours["label"], "rate": ours["rate"], **ratios,
-                     "in_flight_max": {"pagedserve": ours["in_flight"]["max"], "baseline": base["in_flight"]["max"]},
-                     "target_met": all(r is not None and 1 - r >= TARGET_REDUCTION for r in ratios.values())
-                     and ours["failures"] == 0})
+        ratios = {
+            f"p99_{m}_ratio": _ratio(ours[f"{m}_ms"]["p99"], base[f"{m}_ms"]["p99"]) for m in ("ttft", "e2e")
+        }
+        rows.append(
+            {
+                "label": ours["label"],
+                "rate": ours["rate"],
+                **ratios,
+                "in_flight_max": {
+                    "pagedserve": ours["in_flight"]["max"],
+                    "baseline": base["in_flight"]["max"],
+                },
+                "target_met": all(r is not None and 1 - r >= TARGET_REDUCTION for r in ratios.values())
+                and ours["failures"] == 0,
+            }
+        )
     return rows
 
 
 def overload(results: dict) -> dict:
     """What each side did in its runs past capacity: shed, degraded, or queued (in flight growing)."""
+
     def figures(run: dict) -> dict:
-        return {"label": run["label"], "rate": run["rate"], "shares": run["shares"],
-                "degraded_share": run["degraded_share"], "in_flight": run["in_flight"],
-                "p99_ttft_ms": run["ttft_ms"]["p99"], "p99_e2e_ms": run["e2e_ms"]["p99"]}
-    return {side: [figures(run) for run in results.get(side, {}).get("runs", []) if run["fraction"] > 1]
-            for side in SIDES}
+        return {
+            "label": run["label"],
+            "rate": run["rate"],
+            "shares": run["shares"],
+            "degraded_share": run["degraded_share"],
+            "in_flight": run["in_flight"],
+            "p99_ttft_ms": run["ttft_ms"]["p99"],
+            "p99_e2e_ms": run["e2e_ms"]["p99"],
+        }
+
+    return {
+        side: [figures(run) for run in results.get(side, {}).get("runs", []) if run["fraction"] > 1]
+        for side in SIDES
+    }
 
 
 def _ratio(ours: float | None, theirs: float | None) -> float | None:
@@ -228,8 +321,10 @@ def main() -> int:
     results: dict = {}
     with tempfile.TemporaryDirectory(prefix="tail-latency-") as tmp:
         if args.baseline_from:
-            results["baseline"] = {**json.loads(args.baseline_from.read_text())["baseline"],
-                                   "taken_from": str(args.baseline_from)}
+            results["baseline"] = {
+                **json.loads(args.baseline_from.read_text())["baseline"],
+                "taken_from": str(args.baseline_from),
+            }
         else:
             results["baseline"] = measure_side("baseline", args, None, deadline, Path(tmp))
         if "calibration" not in results["baseline"]:
@@ -237,21 +332,38 @@ def main() -> int:
         fifo_rps = results["baseline"]["calibration"]["capacity_rps"]
         results["pagedserve"] = measure_side("pagedserve", args, fifo_rps, deadline, Path(tmp))
     stem = "tail_latency" + (f"-{args.tag}" if args.tag else "")
-    report = {"workload": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-              "omp_wait_policy": server_env()["OMP_WAIT_POLICY"],
-              "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
-              "fifo_capacity_rps": results["baseline"]["calibration"]["capacity_rps"],
-              **results, "comparison": compare(results), "overload": overload(results)}
+    report = {
+        "workload": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "omp_wait_policy": server_env()["OMP_WAIT_POLICY"],
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+        },
+        "fifo_capacity_rps": results["baseline"]["calibration"]["capacity_rps"],
+        **results,
+        "comparison": compare(results),
+        "overload": overload(results),
+    }
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
     plot_cdf(report, args.out_dir / f"{stem}-cdf.png")
     plot_vs_rate(report, args.out_dir / f"{stem}-vs-rate.png")
-    line = "; ".join(f"{row['label']}: p99 ttft x{row['p99_ttft_ratio']}, p99 e2e x{row['p99_e2e_ratio']}, "
-                     f"in flight {row['in_flight_max']}" for row in report["comparison"])
-    past = "; ".join(f"{side} {o['label']}: shares {o['shares']}, degraded {o['degraded_share']}, in flight "
-                     f"+{o['in_flight']['growth_per_s']}/s" for side, runs in report["overload"].items() for o in runs)
-    print(f"FIFO capacity {report['fifo_capacity_rps']} req/s; {line}; past capacity: {past} -> "
-          f"{args.out_dir / stem}.json, -cdf.png, -vs-rate.png")
+    line = "; ".join(
+        f"{row['label']}: p99 ttft x{row['p99_ttft_ratio']}, p99 e2e x{row['p99_e2e_ratio']}, "
+        f"in flight {row['in_flight_max']}"
+        for row in report["comparison"]
+    )
+    past = "; ".join(
+        f"{side} {o['label']}: shares {o['shares']}, degraded {o['degraded_share']}, in flight "
+        f"+{o['in_flight']['growth_per_s']}/s"
+        for side, runs in report["overload"].items()
+        for o in runs
+    )
+    print(
+        f"FIFO capacity {report['fifo_capacity_rps']} req/s; {line}; past capacity: {past} -> "
+        f"{args.out_dir / stem}.json, -cdf.png, -vs-rate.png"
+    )
     return 0
 
 

@@ -12,8 +12,18 @@ from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 
 __all__ = [
-    "LLM", "AsyncEngine", "LLMEngine", "EngineConfig", "KVCacheLayout", "SamplingParams", "RequestOutput",
-    "CompletionOutput", "EngineError", "EngineDeadError", "EngineOverloadedError", "ModelValidationError",
+    "LLM",
+    "AsyncEngine",
+    "LLMEngine",
+    "EngineConfig",
+    "KVCacheLayout",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "EngineError",
+    "EngineDeadError",
+    "EngineOverloadedError",
+    "ModelValidationError",
     "RequestRejectedError",
 ]
 
@@ -22,11 +32,14 @@ def __getattr__(name: str):
     # torch and transformers load only when the heavy classes are asked for
     if name == "LLM":
         from engine.frontend.llm import LLM
+
         return LLM
     if name == "LLMEngine":
         from engine.frontend.llm_engine import LLMEngine
+
         return LLMEngine
     if name == "AsyncEngine":
         from engine.frontend.async_engine import AsyncEngine
+
         return AsyncEngine
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

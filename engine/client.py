@@ -28,14 +28,20 @@ class EngineClient(Protocol):
     tokenizer: Any  # a transformers tokenizer: decode() for streamed text, the chat template
     max_model_len: int
     vocab_size: int
-    sampling_defaults: dict[str, float | int]  # the model's generation_config.json, for requests that set none
+    sampling_defaults: dict[
+        str, float | int
+    ]  # the model's generation_config.json, for requests that set none
     dtype: str  # what the weights and KV pool are held in ("float32", "bfloat16", "float16")
     dtype_probe: DtypeProbe | None  # on CPU with --dtype auto: what was measured to choose it
-    quantization: str | None  # "int8", "awq", "gptq": the linear weights are int8 (engine/executor/layers/quantization.py)
+    quantization: (
+        str | None
+    )  # "int8", "awq", "gptq": the linear weights are int8 (engine/executor/layers/quantization.py)
     attention_backend: str  # "torch" or "flex": what --attention-backend (auto: by device) resolved to
     linear_kernel: str  # "onednn", "aten" or "int8": what --linear-kernel (auto: timed at load) resolved to
     linear_choice: dict | None  # with auto on CPU: what was timed to choose (onednn_linear.LinearChoice)
-    rank_pids: tuple[int, ...]  # processes of tensor-parallel ranks 1..N-1 (an SRE's to watch, a chaos test's to kill)
+    rank_pids: tuple[
+        int, ...
+    ]  # processes of tensor-parallel ranks 1..N-1 (an SRE's to watch, a chaos test's to kill)
     faults: FaultInjector
     dead_error: BaseException | None  # why the loop died (None: alive)
     last_progress_time: float  # time.monotonic() at the end of the loop's last iteration (idle ticks too)
@@ -57,10 +63,17 @@ class EngineClient(Protocol):
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None: ...
 
-    def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, priority: int = 0,
-                 prompt_token_ids: list[int] | None = None,
-                 group_id: str | None = None, add_special_tokens: bool = True,
-                 resume: tuple[ResumedChoice, ...] = ()) -> AsyncIterator[RequestOutput]: ...
+    def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+        prompt_token_ids: list[int] | None = None,
+        group_id: str | None = None,
+        add_special_tokens: bool = True,
+        resume: tuple[ResumedChoice, ...] = (),
+    ) -> AsyncIterator[RequestOutput]: ...
 
     def abort(self, request_id: str) -> None: ...
 

@@ -16,7 +16,13 @@ MODEL_IMPLS = ("auto", "own", "generic")  # vLLM's --model-impl: auto | vllm | t
 # max_num_seqs sequences (10^9 hung a load, its thread burning a core after the client left)
 MAX_NUM_SEQS = 16_384
 MAX_NUM_TOKENS = 1 << 20  # max_num_batched_tokens, max_num_waiting
-DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
+DTYPE_ALIASES = {
+    "fp32": "float32",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "float": "float32",
+}
 
 
 @dataclass(frozen=True)
@@ -25,7 +31,9 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"
     block_size: int | str = 16  # tokens per KV block, or "auto" (8 under 16 GiB of device memory)
-    kv_cache_memory: int | None = None  # bytes for the KV pool (all ranks together); None = derived from the device
+    kv_cache_memory: int | None = (
+        None  # bytes for the KV pool (all ranks together); None = derived from the device
+    )
     gpu_memory_utilization: float = 0.9  # fraction of device memory on CUDA
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
@@ -39,7 +47,9 @@ class EngineConfig:
     aging_seconds: float = 5.0  # hybrid: a waiting request gains one priority level per this many seconds
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
-    quantization: str | None = None  # "int8" (at load), "awq" / "gptq" (the checkpoint's); engine/executor/layers/quantization.py
+    quantization: str | None = (
+        None  # "int8" (at load), "awq" / "gptq" (the checkpoint's); engine/executor/layers/quantization.py
+    )
     # "torch" (engine/executor/attention/torch_backend.py: C decode kernel + SDPA), "flex" (engine/executor/attention/flex_backend.py); auto: flex on CUDA
     attention_backend: str = "auto"
     # CPU float linear layers (engine/executor/layers/onednn_linear.py): aten; onednn; auto, the faster one, measured at load
@@ -67,49 +77,93 @@ class EngineConfig:
         _check(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
         if self.block_size != "auto":
             bs = self.block_size
-            _check(isinstance(bs, int) and 1 <= bs <= 256 and bs & (bs - 1) == 0,
-                   f"block_size must be a power of two in 1..256 or 'auto', got {bs!r}")
-        _check(self.kv_cache_memory is None or self.kv_cache_memory > 0,
-               f"kv_cache_memory must be positive bytes, got {self.kv_cache_memory}")
-        _check(0 < self.gpu_memory_utilization <= 1,
-               f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        _check(1 <= self.max_num_seqs <= MAX_NUM_SEQS, f"max_num_seqs must be in 1..{MAX_NUM_SEQS}, got {self.max_num_seqs}")
-        _check(1 <= self.max_num_batched_tokens <= MAX_NUM_TOKENS,
-               f"max_num_batched_tokens must be in 1..{MAX_NUM_TOKENS}, got {self.max_num_batched_tokens}")
-        _check(self.max_model_len is None or self.max_model_len >= 2,
-               f"max_model_len must be at least 2, got {self.max_model_len}")
-        _check(1 <= self.max_num_waiting <= MAX_NUM_TOKENS,
-               f"max_num_waiting must be in 1..{MAX_NUM_TOKENS}, got {self.max_num_waiting}")
-        _check(self.scheduler_policy in POLICIES,
-               f"scheduler_policy must be one of {POLICIES}, got {self.scheduler_policy!r}")
-        _check(self.preemption_mode in PREEMPTION_MODES,
-               f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+            _check(
+                isinstance(bs, int) and 1 <= bs <= 256 and bs & (bs - 1) == 0,
+                f"block_size must be a power of two in 1..256 or 'auto', got {bs!r}",
+            )
+        _check(
+            self.kv_cache_memory is None or self.kv_cache_memory > 0,
+            f"kv_cache_memory must be positive bytes, got {self.kv_cache_memory}",
+        )
+        _check(
+            0 < self.gpu_memory_utilization <= 1,
+            f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
+        )
+        _check(
+            1 <= self.max_num_seqs <= MAX_NUM_SEQS,
+            f"max_num_seqs must be in 1..{MAX_NUM_SEQS}, got {self.max_num_seqs}",
+        )
+        _check(
+            1 <= self.max_num_batched_tokens <= MAX_NUM_TOKENS,
+            f"max_num_batched_tokens must be in 1..{MAX_NUM_TOKENS}, got {self.max_num_batched_tokens}",
+        )
+        _check(
+            self.max_model_len is None or self.max_model_len >= 2,
+            f"max_model_len must be at least 2, got {self.max_model_len}",
+        )
+        _check(
+            1 <= self.max_num_waiting <= MAX_NUM_TOKENS,
+            f"max_num_waiting must be in 1..{MAX_NUM_TOKENS}, got {self.max_num_waiting}",
+        )
+        _check(
+            self.scheduler_policy in POLICIES,
+            f"scheduler_policy must be one of {POLICIES}, got {self.scheduler_policy!r}",
+        )
+        _check(
+            self.preemption_mode in PREEMPTION_MODES,
+            f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}",
+        )
         _check(self.swap_space >= 0, f"swap_space must be non-negative GiB, got {self.swap_space}")
         _check(self.aging_seconds > 0, f"aging_seconds must be positive, got {self.aging_seconds}")
-        _check(self.chat_template is None or (isinstance(self.chat_template, str) and bool(self.chat_template.strip())),
-               "chat_template must be non-empty jinja text")
-        _check(self.quantization in (None, *QUANTIZATIONS),
-               f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
-        _check(self.attention_backend in ATTENTION_BACKENDS,
-               f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
-        _check(self.linear_kernel in LINEAR_KERNELS,
-               f"linear_kernel must be one of {LINEAR_KERNELS}, got {self.linear_kernel!r}")
-        _check(self.model_impl in MODEL_IMPLS, f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
+        _check(
+            self.chat_template is None
+            or (isinstance(self.chat_template, str) and bool(self.chat_template.strip())),
+            "chat_template must be non-empty jinja text",
+        )
+        _check(
+            self.quantization in (None, *QUANTIZATIONS),
+            f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}",
+        )
+        _check(
+            self.attention_backend in ATTENTION_BACKENDS,
+            f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}",
+        )
+        _check(
+            self.linear_kernel in LINEAR_KERNELS,
+            f"linear_kernel must be one of {LINEAR_KERNELS}, got {self.linear_kernel!r}",
+        )
+        _check(
+            self.model_impl in MODEL_IMPLS,
+            f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}",
+        )
         tp = self.tensor_parallel_size
-        _check(isinstance(tp, int) and tp >= 1, f"tensor_parallel_size must be a positive integer, got {tp!r}")
-        _check(tp == 1 or not self.engine_process, "engine_process runs one engine process; it cannot split it "
-               "over tensor_parallel_size ranks (each rank is a process already)")
-        _check(tp == 1 or (self.quantization is None and self.linear_kernel != "onednn" and not self.compile),
-               "tensor_parallel_size > 1 runs float weights on aten linear layers, uncompiled: leave "
-               "quantization, linear_kernel and compile at their defaults")
-        _check(not (self.compile and self.linear_kernel == "onednn"),
-               "compile runs aten's linear layers (inductor cannot lower the reordered oneDNN weights): "
-               "drop linear_kernel 'onednn' or compile")
+        _check(
+            isinstance(tp, int) and tp >= 1, f"tensor_parallel_size must be a positive integer, got {tp!r}"
+        )
+        _check(
+            tp == 1 or not self.engine_process,
+            "engine_process runs one engine process; it cannot split it "
+            "over tensor_parallel_size ranks (each rank is a process already)",
+        )
+        _check(
+            tp == 1 or (self.quantization is None and self.linear_kernel != "onednn" and not self.compile),
+            "tensor_parallel_size > 1 runs float weights on aten linear layers, uncompiled: leave "
+            "quantization, linear_kernel and compile at their defaults",
+        )
+        _check(
+            not (self.compile and self.linear_kernel == "onednn"),
+            "compile runs aten's linear layers (inductor cannot lower the reordered oneDNN weights): "
+            "drop linear_kernel 'onednn' or compile",
+        )
         si = self.stream_interval
-        _check(isinstance(si, int) and not isinstance(si, bool) and 1 <= si <= 1024,
-               f"stream_interval must be an integer in 1..1024, got {si!r}")
-        _check(self.max_prefill_tokens is None or self.max_prefill_tokens >= 1,
-               f"max_prefill_tokens must be at least 1, got {self.max_prefill_tokens}")
+        _check(
+            isinstance(si, int) and not isinstance(si, bool) and 1 <= si <= 1024,
+            f"stream_interval must be an integer in 1..1024, got {si!r}",
+        )
+        _check(
+            self.max_prefill_tokens is None or self.max_prefill_tokens >= 1,
+            f"max_prefill_tokens must be at least 1, got {self.max_prefill_tokens}",
+        )
 
     @property
     def model_path(self) -> Path:

@@ -38,12 +38,16 @@ class Fault:
         if self.seconds is not None and not (math.isfinite(self.seconds) and self.seconds > 0):
             raise ValueError(f"seconds must be a positive finite number, got {self.seconds}")
         if not 0 <= self.bytes_per_step <= MAX_LEAK_BYTES_PER_STEP:
-            raise ValueError(f"bytes_per_step must be in [0, {MAX_LEAK_BYTES_PER_STEP}], got {self.bytes_per_step}")
+            raise ValueError(
+                f"bytes_per_step must be in [0, {MAX_LEAK_BYTES_PER_STEP}], got {self.bytes_per_step}"
+            )
         if not 0 <= self.delay_ms <= MAX_DELAY_MS:  # also refuses NaN and inf
             raise ValueError(f"delay_ms must be in [0, {MAX_DELAY_MS:g}], got {self.delay_ms}")
         if self.kind == "leak" and not self.bytes_per_step:
             raise ValueError("a leak fault needs bytes_per_step")
-        if self.marker is not None and not isinstance(self.marker, str):  # matched against prompt text on the loop
+        if self.marker is not None and not isinstance(
+            self.marker, str
+        ):  # matched against prompt text on the loop
             raise ValueError(f"marker must be a string, got {type(self.marker).__name__}")
         if (self.kind == "poison") != bool(self.marker):
             raise ValueError("a poison fault needs a non-empty marker, and only a poison fault takes one")

@@ -17,7 +17,9 @@ MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI
 MAX_PRIORITY = 2**31  # |priority|: the scheduler sorts on it as a float
-MAX_STRUCTURED_CHARS = 32768  # a schema, regex or grammar (or all choices): compiled per request, cached by text
+MAX_STRUCTURED_CHARS = (
+    32768  # a schema, regex or grammar (or all choices): compiled per request, cached by text
+)
 MAX_NUM_CHOICES = 256
 
 
@@ -41,21 +43,35 @@ class StructuredOutputs:
         self._validate()
 
     def _validate(self) -> None:
-        kinds = [self.json is not None, self.regex is not None, self.choice is not None, self.grammar is not None,
-                 self.json_object is True]
+        kinds = [
+            self.json is not None,
+            self.regex is not None,
+            self.choice is not None,
+            self.grammar is not None,
+            self.json_object is True,
+        ]
         if sum(kinds) != 1 or not isinstance(self.json_object, bool):
-            raise ValueError("structured_outputs must set exactly one of json, regex, choice, grammar, json_object")
+            raise ValueError(
+                "structured_outputs must set exactly one of json, regex, choice, grammar, json_object"
+            )
         if self.json is not None:
             _check_schema(self.json)
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, str) and value):
                 raise ValueError(f"structured_outputs {name} must be a non-empty string")
-        if self.choice is not None and not (isinstance(self.choice, tuple) and 0 < len(self.choice) <= MAX_NUM_CHOICES
-                                            and all(isinstance(c, str) and c for c in self.choice)):
-            raise ValueError(f"structured_outputs choice must be a list of 1 to {MAX_NUM_CHOICES} non-empty strings")
+        if self.choice is not None and not (
+            isinstance(self.choice, tuple)
+            and 0 < len(self.choice) <= MAX_NUM_CHOICES
+            and all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError(
+                f"structured_outputs choice must be a list of 1 to {MAX_NUM_CHOICES} non-empty strings"
+            )
         if self.size > MAX_STRUCTURED_CHARS:
-            raise ValueError(f"structured_outputs must be at most {MAX_STRUCTURED_CHARS} characters, got {self.size}")
+            raise ValueError(
+                f"structured_outputs must be at most {MAX_STRUCTURED_CHARS} characters, got {self.size}"
+            )
 
     @property
     def kind(self) -> str:
@@ -72,8 +88,10 @@ class StructuredOutputs:
 
 def _check_schema(text: object) -> None:
     if not isinstance(text, str) or len(text) > MAX_STRUCTURED_CHARS:
-        raise ValueError(f"structured_outputs json must be a JSON schema (an object) of at most "
-                         f"{MAX_STRUCTURED_CHARS} characters")
+        raise ValueError(
+            f"structured_outputs json must be a JSON schema (an object) of at most "
+            f"{MAX_STRUCTURED_CHARS} characters"
+        )
     try:
         schema = json.loads(text)
     except (ValueError, RecursionError) as exc:
@@ -103,8 +121,12 @@ class SamplingParams:
     # request's prompt is computed, never read from the prefix cache
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
-    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, in [-100, 100]
-    structured_outputs: StructuredOutputs | None = None  # the output must match it (engine/structured/grammar.py)
+    logit_bias: dict[int, float] = field(
+        default_factory=dict
+    )  # token id -> added to its logit, in [-100, 100]
+    structured_outputs: StructuredOutputs | None = (
+        None  # the output must match it (engine/structured/grammar.py)
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -123,27 +145,64 @@ class SamplingParams:
             (self.temperature >= 0, f"temperature must be non-negative, got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
-            (0 < self.repetition_penalty <= 2, f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}"),
-            (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
-            (-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            (
+                0 < self.repetition_penalty <= 2,
+                f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}",
+            ),
+            (
+                -2 <= self.presence_penalty <= 2,
+                f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
+            ),
+            (
+                -2 <= self.frequency_penalty <= 2,
+                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+            ),
             (self.min_tokens >= 0, f"min_tokens must be non-negative, got {self.min_tokens}"),
-            (self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
-            (self.max_tokens is None or self.min_tokens <= self.max_tokens,
-             f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
-            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
-             f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"),
-            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
-             f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"),
+            (
+                self.max_tokens is None or self.max_tokens >= 1,
+                f"max_tokens must be at least 1, got {self.max_tokens}",
+            ),
+            (
+                self.max_tokens is None or self.min_tokens <= self.max_tokens,
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+            ),
+            (
+                self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+                f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
+            ),
+            (
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}",
+            ),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
-            (len(self.stop) <= MAX_NUM_STOP, f"stop must hold at most {MAX_NUM_STOP} strings, got {len(self.stop)}"),
-            (len(self.stop_token_ids) <= MAX_NUM_STOP_TOKEN_IDS,
-             f"stop_token_ids must hold at most {MAX_NUM_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}"),
-            (all(0 <= t <= INT64_MAX for t in self.stop_token_ids), "stop_token_ids must be non-negative token ids"),
-            (len(self.logit_bias) <= MAX_LOGIT_BIAS,
-             f"logit_bias must hold at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}"),
-            (all(0 <= t <= INT64_MAX for t in self.logit_bias), "logit_bias keys must be non-negative token ids"),
-            (all(-100 <= b <= 100 for b in self.logit_bias.values()), "logit_bias values must be in [-100, 100]"),
-            (self.seed is None or MIN_SEED <= self.seed <= MAX_SEED, f"seed must be in [-2**63, 2**64), got {self.seed}"),
+            (
+                len(self.stop) <= MAX_NUM_STOP,
+                f"stop must hold at most {MAX_NUM_STOP} strings, got {len(self.stop)}",
+            ),
+            (
+                len(self.stop_token_ids) <= MAX_NUM_STOP_TOKEN_IDS,
+                f"stop_token_ids must hold at most {MAX_NUM_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}",
+            ),
+            (
+                all(0 <= t <= INT64_MAX for t in self.stop_token_ids),
+                "stop_token_ids must be non-negative token ids",
+            ),
+            (
+                len(self.logit_bias) <= MAX_LOGIT_BIAS,
+                f"logit_bias must hold at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}",
+            ),
+            (
+                all(0 <= t <= INT64_MAX for t in self.logit_bias),
+                "logit_bias keys must be non-negative token ids",
+            ),
+            (
+                all(-100 <= b <= 100 for b in self.logit_bias.values()),
+                "logit_bias values must be in [-100, 100]",
+            ),
+            (
+                self.seed is None or MIN_SEED <= self.seed <= MAX_SEED,
+                f"seed must be in [-2**63, 2**64), got {self.seed}",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -157,8 +216,14 @@ class SamplingParams:
                 raise ValueError(f"{name} must be an integer, got {type(value).__name__}")
             if value is not None and name != "seed" and not -INT64_MAX <= value <= INT64_MAX:
                 raise ValueError(f"{name} must fit in 64 bits, got {value}")
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                     "frequency_penalty"):
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
@@ -166,8 +231,10 @@ class SamplingParams:
             raise ValueError("stop_token_ids must be integers")
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.logit_bias):
             raise ValueError("logit_bias keys must be integer token ids")
-        if not all(isinstance(b, int | float) and not isinstance(b, bool) and math.isfinite(b)
-                   for b in self.logit_bias.values()):
+        if not all(
+            isinstance(b, int | float) and not isinstance(b, bool) and math.isfinite(b)
+            for b in self.logit_bias.values()
+        ):
             raise ValueError("logit_bias values must be finite numbers")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
             raise ValueError("structured_outputs must be a StructuredOutputs")

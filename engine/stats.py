@@ -4,12 +4,46 @@ import bisect
 from dataclasses import dataclass
 
 # tokens per step: vLLM's iteration_tokens_total buckets
-ITERATION_TOKEN_BUCKETS = (1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0,
-                           16384.0)
+ITERATION_TOKEN_BUCKETS = (
+    1.0,
+    8.0,
+    16.0,
+    32.0,
+    64.0,
+    128.0,
+    256.0,
+    512.0,
+    1024.0,
+    2048.0,
+    4096.0,
+    8192.0,
+    16384.0,
+)
 # seconds per request: vLLM's request latency buckets, with finer ones below 0.3 s (tiny models on a
 # CPU finish there) and trimmed past 480 s
-SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                   60.0, 120.0, 240.0, 480.0)
+SECONDS_BUCKETS = (
+    0.01,
+    0.05,
+    0.1,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+)
 
 
 @dataclass(frozen=True)
@@ -32,7 +66,7 @@ class Distribution:
 
     def observe(self, value: float) -> "Distribution":
         i = bisect.bisect_left(self.bounds, value)  # the first bound >= value: Prometheus' `le`
-        counts = self.counts[:i] + (self.counts[i] + 1,) + self.counts[i + 1:]
+        counts = self.counts[:i] + (self.counts[i] + 1,) + self.counts[i + 1 :]
         return Distribution(self.bounds, counts, self.total + value)
 
 
@@ -47,8 +81,11 @@ class PhaseTimes:
     inference: Distribution = Distribution(SECONDS_BUCKETS)
 
     def observe(self, scheduled: float, first_token: float, last_token: float) -> "PhaseTimes":
-        return PhaseTimes(self.prefill.observe(first_token - scheduled), self.decode.observe(last_token - first_token),
-                          self.inference.observe(last_token - scheduled))
+        return PhaseTimes(
+            self.prefill.observe(first_token - scheduled),
+            self.decode.observe(last_token - first_token),
+            self.inference.observe(last_token - scheduled),
+        )
 
 
 @dataclass(frozen=True)
@@ -92,5 +129,7 @@ class EngineStats:
     def queue_delay_s(self, now: float, max_priority: int | None = None) -> float:
         """How long the longest-queued sequence (of priority <= `max_priority`, or any) has waited at
         `now` (time.monotonic()); 0 when none waits."""
-        queued = [since for priority, since in self.queue_heads if max_priority is None or priority <= max_priority]
+        queued = [
+            since for priority, since in self.queue_heads if max_priority is None or priority <= max_priority
+        ]
         return max(0.0, now - min(queued)) if queued else 0.0

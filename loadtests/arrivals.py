@@ -47,11 +47,17 @@ def percentile(values: list[float], q: float) -> float | None:
 
 def latency(values: list[float]) -> dict:
     """count, mean, p50/p90/p99/p99.9 and max, in ms rounded to 0.1."""
+
     def r(x: float | None) -> float | None:
         return None if x is None else round(x, 1)
+
     stats = {f"p{q * 100:g}": r(percentile(values, q)) for q in QUANTILES}
-    return {"count": len(values), "mean": r(sum(values) / len(values) if values else None), **stats,
-            "max": r(max(values, default=None))}
+    return {
+        "count": len(values),
+        "mean": r(sum(values) / len(values) if values else None),
+        **stats,
+        "max": r(max(values, default=None)),
+    }
 
 
 def growth_per_s(series: list[tuple[float, int]], window_s: float) -> float | None:
@@ -73,13 +79,18 @@ def throughput(records: list[dict], start_s: float, end_s: float) -> float:
     return len(done) / (end_s - start_s)
 
 
-def little_rate(records: list[dict], series: list[tuple[float, int]], start_s: float, end_s: float) -> float | None:
+def little_rate(
+    records: list[dict], series: list[tuple[float, int]], start_s: float, end_s: float
+) -> float | None:
     """Requests/s by Little's law, in flight / time in the system, over requests sent in [start_s, end_s):
     smooth where answers come in batches (a static batch of 32 every 25 s), since every request's own
     latency counts. Unfinished ones count at their age, which can only raise the rate."""
     in_flight = [n for t, n in series if start_s <= t < end_s]
-    timed = [r["e2e_ms"] / 1000 for r in records
-             if start_s <= r["start_s"] < end_s and r["status"] in (200, None) and r["e2e_ms"] is not None]
+    timed = [
+        r["e2e_ms"] / 1000
+        for r in records
+        if start_s <= r["start_s"] < end_s and r["status"] in (200, None) and r["e2e_ms"] is not None
+    ]
     if not in_flight or not timed or not sum(timed):
         return None
     return (sum(in_flight) / len(in_flight)) / (sum(timed) / len(timed))
@@ -99,6 +110,7 @@ def summarize_records(records: list[dict], series: list[tuple[float, int]], wind
 
     def share(n: int) -> float | None:
         return round(n / num, 4) if num else None
+
     return {
         "requests": num,
         "completed": len(ok),
@@ -110,15 +122,25 @@ def summarize_records(records: list[dict], series: list[tuple[float, int]], wind
         "ttft_ms": latency([r["ttft_ms"] for r in timed if r["ttft_ms"] is not None]),
         "itl_ms": latency([gap for r in ok for gap in r["itl_ms"]]),
         "e2e_ms": latency([r["e2e_ms"] for r in timed]),
-        "shares": {"ok": share(len(ok)), **{str(s): share(n) for s, n in shed.items()},
-                   "unfinished": share(len(unfinished)),
-                   "other_errors": share(failed - len(unfinished) - sum(shed.values()))},
+        "shares": {
+            "ok": share(len(ok)),
+            **{str(s): share(n) for s, n in shed.items()},
+            "unfinished": share(len(unfinished)),
+            "other_errors": share(failed - len(unfinished) - sum(shed.values())),
+        },
         "degraded_share": round(sum(r["degraded"] for r in ok) / len(ok), 4) if ok else None,
-        "in_flight": {"max": max((n for _, n in series), default=0),
-                      "mean": round(sum(n for _, n in series) / len(series), 2) if series else 0,
-                      "final": series[-1][1] if series else 0, "growth_per_s": growth_per_s(series, window_s)},
-        "per_kind": {kind: {"requests": sum(r["kind"] == kind for r in records),
-                            "e2e_ms": latency([r["e2e_ms"] for r in timed if r["kind"] == kind])}
-                     for kind in sorted({r["kind"] for r in records})},
+        "in_flight": {
+            "max": max((n for _, n in series), default=0),
+            "mean": round(sum(n for _, n in series) / len(series), 2) if series else 0,
+            "final": series[-1][1] if series else 0,
+            "growth_per_s": growth_per_s(series, window_s),
+        },
+        "per_kind": {
+            kind: {
+                "requests": sum(r["kind"] == kind for r in records),
+                "e2e_ms": latency([r["e2e_ms"] for r in timed if r["kind"] == kind]),
+            }
+            for kind in sorted({r["kind"] for r in records})
+        },
         "errors": sorted({r["error"] for r in records if r["error"]})[:20],
     }

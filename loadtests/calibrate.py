@@ -41,7 +41,9 @@ class Load:
         if (self.rate is None) == (self.closed_loop is None):
             raise ValueError(f"give one of rate and closed_loop, got {self.rate} and {self.closed_loop}")
         if self.seconds <= 0 or self.drain_s < 0:
-            raise ValueError(f"seconds must be positive and drain_s not negative, got {self.seconds}, {self.drain_s}")
+            raise ValueError(
+                f"seconds must be positive and drain_s not negative, got {self.seconds}, {self.drain_s}"
+            )
 
     @property
     def max_seconds(self) -> float:
@@ -50,14 +52,49 @@ class Load:
 
 
 def locust_command(host: str, load: Load, out: Path, extra: list[str] = ()) -> list[str]:
-    mode = ["--arrival-rate", f"{load.rate:.4f}"] if load.rate is not None else ["--closed-loop", str(load.closed_loop)]
-    return [sys.executable, "-m", "locust", "-f", str(OPEN_LOOP), "--headless", "--host", host,
-            "--users", "1", "--spawn-rate", "1", "--run-time", f"{int(load.max_seconds)}s", "--only-summary",
-            "--csv", str(out / "locust"), "--html", str(out / "report.html"), *mode,
-            "--arrival-seconds", str(load.seconds), "--drain-seconds", str(load.drain_s), "--seed", str(load.seed),
-            "--long-output-tokens", str(load.long_output_tokens), "--max-in-flight", str(load.max_in_flight),
-            "--summary-json", str(out / "summary.json"), "--records-json", str(out / "requests.json"),
-            *(["--model", load.model] if load.model else []), *extra]
+    mode = (
+        ["--arrival-rate", f"{load.rate:.4f}"]
+        if load.rate is not None
+        else ["--closed-loop", str(load.closed_loop)]
+    )
+    return [
+        sys.executable,
+        "-m",
+        "locust",
+        "-f",
+        str(OPEN_LOOP),
+        "--headless",
+        "--host",
+        host,
+        "--users",
+        "1",
+        "--spawn-rate",
+        "1",
+        "--run-time",
+        f"{int(load.max_seconds)}s",
+        "--only-summary",
+        "--csv",
+        str(out / "locust"),
+        "--html",
+        str(out / "report.html"),
+        *mode,
+        "--arrival-seconds",
+        str(load.seconds),
+        "--drain-seconds",
+        str(load.drain_s),
+        "--seed",
+        str(load.seed),
+        "--long-output-tokens",
+        str(load.long_output_tokens),
+        "--max-in-flight",
+        str(load.max_in_flight),
+        "--summary-json",
+        str(out / "summary.json"),
+        "--records-json",
+        str(out / "requests.json"),
+        *(["--model", load.model] if load.model else []),
+        *extra,
+    ]
 
 
 def run_load(host: str, load: Load, out: Path, extra: list[str] = ()) -> tuple[int, dict, list[dict]]:
@@ -79,17 +116,31 @@ def capacity(host: str, out: Path, concurrency: int, seconds: float, **load_opti
         raise RuntimeError(f"calibration at {concurrency} in flight had errors: {summary['errors']}")
     rps = little_rate(records, summary["in_flight_series"], seconds * RAMP_SHARE, seconds)
     if not rps:
-        raise RuntimeError(f"no request sent after the first {seconds * RAMP_SHARE:.0f} s at {concurrency} in flight "
-                           "(answers slower than that): calibrate for longer")
-    return {"capacity_rps": round(rps, 4), "answered_rps": round(throughput(records, seconds * RAMP_SHARE, seconds), 4),
-            "concurrency": concurrency, "seconds": seconds, "locust_exit_code": rc,
-            "degraded_share": summary["degraded_share"], "ttft_ms": summary["ttft_ms"], "e2e_ms": summary["e2e_ms"]}
+        raise RuntimeError(
+            f"no request sent after the first {seconds * RAMP_SHARE:.0f} s at {concurrency} in flight "
+            "(answers slower than that): calibrate for longer"
+        )
+    return {
+        "capacity_rps": round(rps, 4),
+        "answered_rps": round(throughput(records, seconds * RAMP_SHARE, seconds), 4),
+        "concurrency": concurrency,
+        "seconds": seconds,
+        "locust_exit_code": rc,
+        "degraded_share": summary["degraded_share"],
+        "ttft_ms": summary["ttft_ms"],
+        "e2e_ms": summary["e2e_ms"],
+    }
 
 
 def unloaded(host: str, out: Path, seconds: float, **load_options) -> dict:
     """The workload one request at a time: its latencies are the floor the gates scale."""
-    _rc, summary, _records = run_load(host, Load(seconds, drain_s=seconds, closed_loop=1, **load_options), out)
+    _rc, summary, _records = run_load(
+        host, Load(seconds, drain_s=seconds, closed_loop=1, **load_options), out
+    )
     if summary["failures"] or not summary["completed"]:
         raise RuntimeError(f"unloaded run: {summary['completed']} answered, errors {summary['errors']}")
-    return {"seconds": seconds, "requests": summary["completed"],
-            **{name: summary[name] for name in ("ttft_ms", "itl_ms", "e2e_ms")}}
+    return {
+        "seconds": seconds,
+        "requests": summary["completed"],
+        **{name: summary[name] for name in ("ttft_ms", "itl_ms", "e2e_ms")},
+    }

@@ -29,15 +29,53 @@ logger = logging.getLogger(__name__)
 
 KINDS = ("chat-stream", "completion", "long-prompt", "shared-system")
 NUM_PREPARED = 512  # requests prepared per kind, then reused in order
-WORDS = ("def", "return", "self", "value", "items", "index", "result", "config", "path", "data", "name",
-         "count", "for", "in", "if", "else", "None", "True", "len", "range", "append", "key", "dict", "list",
-         "open", "line", "import", "json", "error", "raise", "while", "yield", "class", "args", "total")
+WORDS = (
+    "def",
+    "return",
+    "self",
+    "value",
+    "items",
+    "index",
+    "result",
+    "config",
+    "path",
+    "data",
+    "name",
+    "count",
+    "for",
+    "in",
+    "if",
+    "else",
+    "None",
+    "True",
+    "len",
+    "range",
+    "append",
+    "key",
+    "dict",
+    "list",
+    "open",
+    "line",
+    "import",
+    "json",
+    "error",
+    "raise",
+    "while",
+    "yield",
+    "class",
+    "args",
+    "total",
+)
 
 
 @events.init_command_line_parser.add_listener
 def _add_arguments(parser) -> None:
-    parser.add_argument("--model", env_var="PAGEDSERVE_MODEL", default="",
-                        help="model name to ask for; default: the first one of GET /v1/models")
+    parser.add_argument(
+        "--model",
+        env_var="PAGEDSERVE_MODEL",
+        default="",
+        help="model name to ask for; default: the first one of GET /v1/models",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompt and output length draws")
     parser.add_argument("--min-output-tokens", type=int, default=16)
     parser.add_argument("--max-output-tokens", type=int, default=64)
@@ -88,16 +126,23 @@ def prepare_requests(seed: int, min_out: int, max_out: int, long_words: int) -> 
         sampling = {"temperature": 0.0, "min_tokens": 1}  # every answer has a first token to time
         stream = {"stream": True, "stream_options": {"include_usage": True}}
         chat = [{"role": "user", "content": "Continue this code:\n" + _code(rng, _short_words(rng))}]
-        out["chat-stream"].append({"messages": chat, "max_tokens": rng.randint(min_out, max_out), **sampling, **stream})
-        out["completion"].append({"prompt": _code(rng, _short_words(rng)), "max_tokens": rng.randint(min_out, max_out),
-                                  **sampling})
+        out["chat-stream"].append(
+            {"messages": chat, "max_tokens": rng.randint(min_out, max_out), **sampling, **stream}
+        )
+        out["completion"].append(
+            {"prompt": _code(rng, _short_words(rng)), "max_tokens": rng.randint(min_out, max_out), **sampling}
+        )
         long_prompt = _code(rng, int(long_words * rng.uniform(0.75, 1.25)))
-        out["long-prompt"].append({"prompt": long_prompt, "max_tokens": rng.randint(min_out, max_out),
-                                   **sampling, **stream})
-        shared = [{"role": "system", "content": system},
-                  {"role": "user", "content": _code(rng, rng.randint(8, 40))}]
-        out["shared-system"].append({"messages": shared, "max_tokens": rng.randint(min_out, max_out),
-                                     **sampling, **stream})
+        out["long-prompt"].append(
+            {"prompt": long_prompt, "max_tokens": rng.randint(min_out, max_out), **sampling, **stream}
+        )
+        shared = [
+            {"role": "system", "content": system},
+            {"role": "user", "content": _code(rng, rng.randint(8, 40))},
+        ]
+        out["shared-system"].append(
+            {"messages": shared, "max_tokens": rng.randint(min_out, max_out), **sampling, **stream}
+        )
     return out
 
 
@@ -107,8 +152,10 @@ def _on_init(environment, **_kwargs) -> None:
     if o is None:
         return
     if not 1 <= o.min_output_tokens <= o.max_output_tokens:
-        raise ValueError(f"need 1 <= --min-output-tokens <= --max-output-tokens, got "
-                         f"{o.min_output_tokens} and {o.max_output_tokens}")
+        raise ValueError(
+            f"need 1 <= --min-output-tokens <= --max-output-tokens, got "
+            f"{o.min_output_tokens} and {o.max_output_tokens}"
+        )
     if any(cls.__module__ == __name__ for cls in environment.user_classes):  # open_loop.py's user needs none
         RUN.requests = prepare_requests(o.seed, o.min_output_tokens, o.max_output_tokens, o.long_prompt_words)
     RUN.model = o.model
@@ -144,21 +191,30 @@ class _OpenAIUser(FastHttpUser):
     connection_timeout = 10.0
 
     def _fire(self, request_type: str, kind: str, ms: float, length: int = 0) -> None:
-        self.environment.events.request.fire(request_type=request_type, name=kind, response_time=ms,
-                                             response_length=length, exception=None, context={})
+        self.environment.events.request.fire(
+            request_type=request_type,
+            name=kind,
+            response_time=ms,
+            response_length=length,
+            exception=None,
+            context={},
+        )
 
     def stream(self, kind: str, path: str) -> None:
         body = RUN.next_body(kind)
         start = time.perf_counter()
         headers = {"Accept": "text/event-stream", "Accept-Encoding": "identity"}
-        with self.client.request("POST", path, name=kind, json=body, headers=headers, stream=True,
-                                 catch_response=True) as response:
+        with self.client.request(
+            "POST", path, name=kind, json=body, headers=headers, stream=True, catch_response=True
+        ) as response:
             if response.status_code != 200:
                 response.failure(f"HTTP {response.status_code}: {(response.text or '')[:200]}")
                 return
             try:
                 delta_times, num_tokens = _read_sse(response)
-            except Exception as e:  # whatever broke the stream (parse error, reset, timeout) fails this request
+            except (
+                Exception
+            ) as e:  # whatever broke the stream (parse error, reset, timeout) fails this request
                 response.failure(f"broken stream: {type(e).__name__}: {e}")
                 return
             if not delta_times:
@@ -255,15 +311,20 @@ def _latency(entry: StatsEntry) -> dict:
     """ms; Locust buckets times to about two significant digits above 100 ms."""
     if entry.num_requests == 0:
         return {"count": 0, "mean": None, "p50": None, "p90": None, "p99": None, "max": None}
-    return {"count": entry.num_requests, "mean": round(entry.avg_response_time, 2),
-            **{f"p{int(q * 100)}": entry.get_response_time_percentile(q) for q in (0.5, 0.9, 0.99)},
-            "max": round(entry.max_response_time, 2)}
+    return {
+        "count": entry.num_requests,
+        "mean": round(entry.avg_response_time, 2),
+        **{f"p{int(q * 100)}": entry.get_response_time_percentile(q) for q in (0.5, 0.9, 0.99)},
+        "max": round(entry.max_response_time, 2),
+    }
 
 
 def summarize(environment) -> dict:
     stats, o = environment.stats, environment.parsed_options
     requests, e2e = _merged(stats, "POST"), _merged(stats, "E2E")
-    elapsed = max((stats.total.last_request_timestamp or stats.total.start_time) - stats.total.start_time, 1e-9)
+    elapsed = max(
+        (stats.total.last_request_timestamp or stats.total.start_time) - stats.total.start_time, 1e-9
+    )
     return {
         "host": environment.host,
         "model": RUN.model,
@@ -279,14 +340,25 @@ def summarize(environment) -> dict:
         "ttft_ms": _latency(_merged(stats, "TTFT")),
         "itl_ms": _latency(_merged(stats, "ITL")),
         "e2e_ms": _latency(e2e),
-        "per_kind": {kind: {"requests": _merged(stats, "POST", (kind,)).num_requests,
-                            "failures": _merged(stats, "POST", (kind,)).num_failures,
-                            "ttft_ms": _latency(_merged(stats, "TTFT", (kind,))),
-                            "e2e_ms": _latency(_merged(stats, "E2E", (kind,)))} for kind in KINDS},
-        "errors": [{"name": e.name, "error": str(e.error), "occurrences": e.occurrences}
-                   for e in sorted(stats.errors.values(), key=lambda e: -e.occurrences)[:20]],
-        "workload": {"seed": o.seed, "min_output_tokens": o.min_output_tokens,
-                     "max_output_tokens": o.max_output_tokens, "long_prompt_words": o.long_prompt_words},
+        "per_kind": {
+            kind: {
+                "requests": _merged(stats, "POST", (kind,)).num_requests,
+                "failures": _merged(stats, "POST", (kind,)).num_failures,
+                "ttft_ms": _latency(_merged(stats, "TTFT", (kind,))),
+                "e2e_ms": _latency(_merged(stats, "E2E", (kind,))),
+            }
+            for kind in KINDS
+        },
+        "errors": [
+            {"name": e.name, "error": str(e.error), "occurrences": e.occurrences}
+            for e in sorted(stats.errors.values(), key=lambda e: -e.occurrences)[:20]
+        ],
+        "workload": {
+            "seed": o.seed,
+            "min_output_tokens": o.min_output_tokens,
+            "max_output_tokens": o.max_output_tokens,
+            "long_prompt_words": o.long_prompt_words,
+        },
     }
 
 

@@ -28,18 +28,27 @@ from locustfile import RUN, _code, _OpenAIUser, _read_sse, _short_words
 from loadtests.arrivals import MIX, draw_kinds, poisson_offsets, summarize_records
 
 SAMPLE_EVERY_S = 0.5  # in-flight sampling period
-PATHS = {"chat-short": "/v1/chat/completions", "shared-system": "/v1/chat/completions",
-         "long-completion": "/v1/completions"}
+PATHS = {
+    "chat-short": "/v1/chat/completions",
+    "shared-system": "/v1/chat/completions",
+    "long-completion": "/v1/completions",
+}
 
 
 @events.init_command_line_parser.add_listener
 def _add_arguments(parser) -> None:
     parser.add_argument("--arrival-rate", type=float, default=0.0, help="Poisson arrivals per second")
-    parser.add_argument("--closed-loop", type=int, default=0, help="instead: N requests in flight back to back")
+    parser.add_argument(
+        "--closed-loop", type=int, default=0, help="instead: N requests in flight back to back"
+    )
     parser.add_argument("--arrival-seconds", type=float, default=60.0, help="how long new requests start")
     parser.add_argument("--drain-seconds", type=float, default=60.0, help="then how long those in flight get")
-    parser.add_argument("--max-in-flight", type=int, default=512,
-                        help="client cap (connections); an arrival beyond it is dropped and counted as an error")
+    parser.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=512,
+        help="client cap (connections); an arrival beyond it is dropped and counted as an error",
+    )
     parser.add_argument("--long-output-tokens", type=int, default=256, help="max_tokens of a long completion")
     parser.add_argument("--records-json", default="", help="write every request's record (JSON) here")
 
@@ -51,13 +60,23 @@ def mix_bodies(seed: int, min_out: int, max_out: int, long_out: int) -> Iterator
     for kind in draw_kinds(seed):
         # min_tokens 1: an answer that is <|im_end|> at once has no first token to time (a chat-trained model
         # gives some greedily); counted as an error, it failed make test-slow's gates
-        body = {"kind": kind, "temperature": 0.0, "min_tokens": 1, "stream": True,
-                "stream_options": {"include_usage": True}}
+        body = {
+            "kind": kind,
+            "temperature": 0.0,
+            "min_tokens": 1,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         if kind == "long-completion":
-            body |= {"prompt": _code(rng, _short_words(rng)), "max_tokens": rng.randint(long_out // 2, long_out)}
+            body |= {
+                "prompt": _code(rng, _short_words(rng)),
+                "max_tokens": rng.randint(long_out // 2, long_out),
+            }
         else:
-            turn = {"role": "user", "content": _code(rng, rng.randint(8, 40) if kind == "shared-system"
-                                                     else _short_words(rng))}
+            turn = {
+                "role": "user",
+                "content": _code(rng, rng.randint(8, 40) if kind == "shared-system" else _short_words(rng)),
+            }
             prefix = [{"role": "system", "content": system}] if kind == "shared-system" else []
             body |= {"messages": [*prefix, turn], "max_tokens": rng.randint(min_out, max_out)}
         yield body
@@ -108,7 +127,9 @@ class OpenLoopUser(_OpenAIUser):
         for offset, body in zip(offsets, bodies):  # noqa: B905 (bodies is endless)
             gevent.sleep(max(0.0, start + offset - time.perf_counter()))  # absolute times: no drift
             if len(group) >= o.max_in_flight:
-                OPEN.records.append(_record(body["kind"], offset) | {"status": 0, "error": "dropped at the cap"})
+                OPEN.records.append(
+                    _record(body["kind"], offset) | {"status": 0, "error": "dropped at the cap"}
+                )
                 continue
             group.spawn(self._one, body, start)
 
@@ -127,15 +148,18 @@ class OpenLoopUser(_OpenAIUser):
         OPEN.records.append(record)
         payload = {"model": RUN.model, **{k: v for k, v in body.items() if k != "kind"}}
         headers = {"Accept": "text/event-stream", "Accept-Encoding": "identity"}
-        with self.client.request("POST", PATHS[kind], name=kind, json=payload, headers=headers, stream=True,
-                                 catch_response=True) as response:
+        with self.client.request(
+            "POST", PATHS[kind], name=kind, json=payload, headers=headers, stream=True, catch_response=True
+        ) as response:
             if response.status_code != 200:
                 _finish(record, status=response.status_code, error=f"HTTP {response.status_code}")
                 response.failure(f"HTTP {response.status_code}: {(response.text or '')[:200]}")
                 return
             try:
                 delta_times, num_tokens = _read_sse(response, record["delta_times"])
-            except Exception as e:  # whatever broke the stream (parse error, reset, timeout) fails this request
+            except (
+                Exception
+            ) as e:  # whatever broke the stream (parse error, reset, timeout) fails this request
                 _finish(record, status=0, error=f"broken stream: {type(e).__name__}")
                 response.failure(f"broken stream: {type(e).__name__}: {e}")
                 return
@@ -143,9 +167,15 @@ class OpenLoopUser(_OpenAIUser):
                 _finish(record, status=0, error="stream ended without any token")
                 response.failure("stream ended without any token")
                 return
-        _finish(record, status=200, ttft_ms=(delta_times[0] - sent) * 1000, e2e_ms=(time.perf_counter() - sent) * 1000,
-                itl_ms=[(b - a) * 1000 for a, b in itertools.pairwise(delta_times)], output_tokens=num_tokens,
-                degraded=(response.headers or {}).get("x-pagedserve-degraded") == "1")
+        _finish(
+            record,
+            status=200,
+            ttft_ms=(delta_times[0] - sent) * 1000,
+            e2e_ms=(time.perf_counter() - sent) * 1000,
+            itl_ms=[(b - a) * 1000 for a, b in itertools.pairwise(delta_times)],
+            output_tokens=num_tokens,
+            degraded=(response.headers or {}).get("x-pagedserve-degraded") == "1",
+        )
         self._fire("TTFT", kind, record["ttft_ms"])
         self._fire("E2E", kind, record["e2e_ms"], num_tokens)
 
@@ -157,19 +187,39 @@ def _finish(record: dict, **fields) -> None:
 
 def _record(kind: str, start_s: float) -> dict:
     """One request; status None while it is in flight (and if the run ends first), 0 without an answer."""
-    return {"kind": kind, "start_s": round(start_s, 4), "status": None, "error": None, "ttft_ms": None,
-            "e2e_ms": None, "itl_ms": [], "output_tokens": 0, "degraded": False}
+    return {
+        "kind": kind,
+        "start_s": round(start_s, 4),
+        "status": None,
+        "error": None,
+        "ttft_ms": None,
+        "e2e_ms": None,
+        "itl_ms": [],
+        "output_tokens": 0,
+        "degraded": False,
+    }
 
 
 def summarize(environment) -> dict:
     o = environment.parsed_options
-    return {"host": environment.host, "model": RUN.model, "mode": "open" if not o.closed_loop else "closed",
-            "arrival_rate": o.arrival_rate or None, "closed_loop": o.closed_loop or None,
-            "window_s": OPEN.window_s, "users": max(n for _, n in OPEN.series) if OPEN.series else 0,
-            **summarize_records(OPEN.records, OPEN.series, OPEN.window_s or o.arrival_seconds),
-            "in_flight_series": OPEN.series,
-            "workload": {"mix": MIX, "seed": o.seed, "min_output_tokens": o.min_output_tokens,
-                         "max_output_tokens": o.max_output_tokens, "long_output_tokens": o.long_output_tokens}}
+    return {
+        "host": environment.host,
+        "model": RUN.model,
+        "mode": "open" if not o.closed_loop else "closed",
+        "arrival_rate": o.arrival_rate or None,
+        "closed_loop": o.closed_loop or None,
+        "window_s": OPEN.window_s,
+        "users": max(n for _, n in OPEN.series) if OPEN.series else 0,
+        **summarize_records(OPEN.records, OPEN.series, OPEN.window_s or o.arrival_seconds),
+        "in_flight_series": OPEN.series,
+        "workload": {
+            "mix": MIX,
+            "seed": o.seed,
+            "min_output_tokens": o.min_output_tokens,
+            "max_output_tokens": o.max_output_tokens,
+            "long_output_tokens": o.long_output_tokens,
+        },
+    }
 
 
 @events.init.add_listener
@@ -178,7 +228,9 @@ def _on_init(environment, **_kwargs) -> None:
     if o is None:
         return
     if (o.arrival_rate > 0) == (o.closed_loop > 0):
-        raise ValueError(f"give one of --arrival-rate and --closed-loop, got {o.arrival_rate} and {o.closed_loop}")
+        raise ValueError(
+            f"give one of --arrival-rate and --closed-loop, got {o.arrival_rate} and {o.closed_loop}"
+        )
     OpenLoopUser.concurrency = max(o.max_in_flight, o.closed_loop)
     RUN.summarize = summarize
 

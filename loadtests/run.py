@@ -48,8 +48,14 @@ def parse_duration(text: str) -> int:
     return total
 
 
-def check_gates(summary: dict, p99_ttft_ms: float | None, p99_itl_ms: float | None,
-                p99_e2e_ms: float | None, max_error_rate: float | None, min_requests: int) -> list[str]:
+def check_gates(
+    summary: dict,
+    p99_ttft_ms: float | None,
+    p99_itl_ms: float | None,
+    p99_e2e_ms: float | None,
+    max_error_rate: float | None,
+    min_requests: int,
+) -> list[str]:
     """One line per missed gate; empty when the run passes."""
     missed = []
     if summary["requests"] < min_requests:
@@ -64,7 +70,9 @@ def check_gates(summary: dict, p99_ttft_ms: float | None, p99_itl_ms: float | No
     return missed
 
 
-def e2e_limit_ms(p99_e2e_ms: float | None, multiple: float | None, unloaded_p99_ms: float | None) -> float | None:
+def e2e_limit_ms(
+    p99_e2e_ms: float | None, multiple: float | None, unloaded_p99_ms: float | None
+) -> float | None:
     """The p99 end-to-end gate: the tighter of a fixed limit and `multiple` x the unloaded p99."""
     scaled = None if multiple is None or unloaded_p99_ms is None else multiple * unloaded_p99_ms
     limits = [x for x in (p99_e2e_ms, scaled) if x is not None]
@@ -73,11 +81,33 @@ def e2e_limit_ms(p99_e2e_ms: float | None, multiple: float | None, unloaded_p99_
 
 def locust_command(args: argparse.Namespace, out: Path, locust_args: list[str]) -> list[str]:
     files = f"{LOCUSTFILE},{STEP_SHAPE}" if args.shape == "step" else str(LOCUSTFILE)
-    cmd = [sys.executable, "-m", "locust", "-f", files, "--headless", "--host", args.host,
-           "--run-time", f"{args.duration}s", "--stop-timeout", str(args.stop_timeout),
-           "--csv", str(out / "locust"), "--html", str(out / "report.html"), "--only-summary",
-           "--summary-json", str(out / "summary.json"), "--seed", str(args.seed),
-           "--min-output-tokens", str(args.min_output_tokens), "--max-output-tokens", str(args.max_output_tokens)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "locust",
+        "-f",
+        files,
+        "--headless",
+        "--host",
+        args.host,
+        "--run-time",
+        f"{args.duration}s",
+        "--stop-timeout",
+        str(args.stop_timeout),
+        "--csv",
+        str(out / "locust"),
+        "--html",
+        str(out / "report.html"),
+        "--only-summary",
+        "--summary-json",
+        str(out / "summary.json"),
+        "--seed",
+        str(args.seed),
+        "--min-output-tokens",
+        str(args.min_output_tokens),
+        "--max-output-tokens",
+        str(args.max_output_tokens),
+    ]
     if args.shape == "fixed":
         cmd += ["--users", str(args.users), "--spawn-rate", str(args.spawn_rate or args.users)]
     if args.model:
@@ -86,15 +116,21 @@ def locust_command(args: argparse.Namespace, out: Path, locust_args: list[str]) 
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    locust_args = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[:argv.index("--")] if "--" in argv else argv
+    locust_args = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", required=True, help="base URL, e.g. http://127.0.0.1:8080")
     p.add_argument("--users", type=int, default=64, help="concurrent users of the fixed run")
-    p.add_argument("--spawn-rate", type=float, default=None, help="users started per second (default: all in 1 s)")
+    p.add_argument(
+        "--spawn-rate", type=float, default=None, help="users started per second (default: all in 1 s)"
+    )
     p.add_argument("--duration", type=parse_duration, default=parse_duration("60s"), help="e.g. 60s, 5m")
-    p.add_argument("--shape", choices=("fixed", "step"), default="fixed",
-                   help="fixed: --users throughout; step: 16 -> 32 -> 64 -> 96 users, a quarter of --duration each")
+    p.add_argument(
+        "--shape",
+        choices=("fixed", "step"),
+        default="fixed",
+        help="fixed: --users throughout; step: 16 -> 32 -> 64 -> 96 users, a quarter of --duration each",
+    )
     p.add_argument("--model", default="", help="default: the first model of GET /v1/models")
     p.add_argument("--p99-ttft-ms", type=float, default=None)
     p.add_argument("--p99-itl-ms", type=float, default=None)
@@ -111,19 +147,30 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     o.add_argument("--rate", type=float, default=None, help="arrivals per second")
     o.add_argument("--rate-fraction", type=float, default=None, help="instead: this fraction of the capacity")
     o.add_argument("--capacity", type=float, default=None, help="requests/s; skips the calibration run")
-    o.add_argument("--calibrate-concurrency", type=int, default=64, help="requests in flight while calibrating")
+    o.add_argument(
+        "--calibrate-concurrency", type=int, default=64, help="requests in flight while calibrating"
+    )
     o.add_argument("--calibrate-duration", type=parse_duration, default=parse_duration("60s"))
-    o.add_argument("--p99-e2e-multiple", type=float, default=None, help="p99 e2e gate, x the unloaded p99 e2e")
+    o.add_argument(
+        "--p99-e2e-multiple", type=float, default=None, help="p99 e2e gate, x the unloaded p99 e2e"
+    )
     o.add_argument("--unloaded-duration", type=parse_duration, default=parse_duration("30s"))
-    o.add_argument("--drain", type=parse_duration, default=parse_duration("60s"),
-                   help="after --duration, how long requests in flight get (then they count as failures)")
+    o.add_argument(
+        "--drain",
+        type=parse_duration,
+        default=parse_duration("60s"),
+        help="after --duration, how long requests in flight get (then they count as failures)",
+    )
     o.add_argument("--long-output-tokens", type=int, default=256)
     args = p.parse_args(argv)
     if args.users < 1:
         p.error(f"--users must be at least 1, got {args.users}")
     if args.open_loop and (args.rate is None) == (args.rate_fraction is None):
         p.error("--open-loop needs one of --rate and --rate-fraction")
-    if any(x is not None and x <= 0 for x in (args.rate, args.rate_fraction, args.capacity, args.p99_e2e_multiple)):
+    if any(
+        x is not None and x <= 0
+        for x in (args.rate, args.rate_fraction, args.capacity, args.p99_e2e_multiple)
+    ):
         p.error("--rate, --rate-fraction, --capacity and --p99-e2e-multiple must be positive")
     return args, locust_args
 
@@ -137,17 +184,22 @@ def open_loop(args: argparse.Namespace, out: Path, locust_args: list[str]) -> tu
     rate = args.rate
     if rate is None:
         if args.capacity is None:
-            calibration["capacity"] = capacity(args.host, out / "calibrate", args.calibrate_concurrency,
-                                               args.calibrate_duration, **options)
+            calibration["capacity"] = capacity(
+                args.host, out / "calibrate", args.calibrate_concurrency, args.calibrate_duration, **options
+            )
         capacity_rps = args.capacity or calibration["capacity"]["capacity_rps"]
         rate = args.rate_fraction * capacity_rps
         calibration |= {"capacity_rps": capacity_rps, "rate_fraction": args.rate_fraction}
     calibration["rate"] = round(rate, 4)
-    rc, summary, _records = run_load(args.host, Load(args.duration, args.drain, rate=rate, **options), out / "run",
-                                     locust_args)
+    rc, summary, _records = run_load(
+        args.host, Load(args.duration, args.drain, rate=rate, **options), out / "run", locust_args
+    )
     unloaded_p99 = calibration.get("unloaded", {}).get("e2e_ms", {}).get("p99")
-    summary |= {"calibration": calibration, "locust_exit_code": rc,
-                "p99_e2e_limit_ms": e2e_limit_ms(args.p99_e2e_ms, args.p99_e2e_multiple, unloaded_p99)}
+    summary |= {
+        "calibration": calibration,
+        "locust_exit_code": rc,
+        "p99_e2e_limit_ms": e2e_limit_ms(args.p99_e2e_ms, args.p99_e2e_multiple, unloaded_p99),
+    }
     return out / "run" / "summary.json", summary
 
 
@@ -179,21 +231,30 @@ def main(argv: list[str] | None = None) -> int:
     if done is None:
         return 2
     summary_path, summary = done
-    gates = {"p99_ttft_ms": args.p99_ttft_ms, "p99_itl_ms": args.p99_itl_ms, "p99_e2e_ms": summary["p99_e2e_limit_ms"],
-             "max_error_rate": args.max_error_rate, "min_requests": args.min_requests}
+    gates = {
+        "p99_ttft_ms": args.p99_ttft_ms,
+        "p99_itl_ms": args.p99_itl_ms,
+        "p99_e2e_ms": summary["p99_e2e_limit_ms"],
+        "max_error_rate": args.max_error_rate,
+        "min_requests": args.min_requests,
+    }
     missed = check_gates(summary, **gates)
     summary.update(gates=gates, gate_failures=missed, passed=not missed)
     summary_path.write_text(json.dumps(summary, indent=2) + "\n")
-    print(f"{'PASSED' if not missed else 'FAILED'}: {summary['requests']} requests, "
-          f"{summary['requests_per_s']} req/s, {summary['output_tokens_per_s']} tok/s, "
-          f"p99 ttft {summary['ttft_ms']['p99']} ms, p99 itl {summary['itl_ms']['p99']} ms, "
-          f"p99 e2e {summary['e2e_ms']['p99']} ms, error rate {summary['error_rate']} -> {summary_path}")
+    print(
+        f"{'PASSED' if not missed else 'FAILED'}: {summary['requests']} requests, "
+        f"{summary['requests_per_s']} req/s, {summary['output_tokens_per_s']} tok/s, "
+        f"p99 ttft {summary['ttft_ms']['p99']} ms, p99 itl {summary['itl_ms']['p99']} ms, "
+        f"p99 e2e {summary['e2e_ms']['p99']} ms, error rate {summary['error_rate']} -> {summary_path}"
+    )
     if args.open_loop:
         c = summary["calibration"]
-        print(f"  open loop at {c['rate']} req/s ({c.get('rate_fraction', '-')} x capacity {c.get('capacity_rps', '-')}"
-              f" req/s), in flight max {summary['in_flight']['max']}, growth {summary['in_flight']['growth_per_s']}/s;"
-              f" unloaded p99 e2e {c.get('unloaded', {}).get('e2e_ms', {}).get('p99', '-')} ms, "
-              f"gate {summary['p99_e2e_limit_ms']} ms")
+        print(
+            f"  open loop at {c['rate']} req/s ({c.get('rate_fraction', '-')} x capacity {c.get('capacity_rps', '-')}"
+            f" req/s), in flight max {summary['in_flight']['max']}, growth {summary['in_flight']['growth_per_s']}/s;"
+            f" unloaded p99 e2e {c.get('unloaded', {}).get('e2e_ms', {}).get('p99', '-')} ms, "
+            f"gate {summary['p99_e2e_limit_ms']} ms"
+        )
     for line in missed:
         print(f"  missed: {line}")
     return 0 if not missed else 1

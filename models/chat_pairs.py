@@ -14,13 +14,36 @@ import textwrap
 MAX_ANSWER_CHARS = 300
 MAX_PAIRS_PER_FILE = 20  # tkinter alone would give 400 look-alike `self.tk.call(self._w, ...)` methods
 # first words of docstrings that describe rather than command ("The ...", "Helper for ...")
-NOT_VERBS = {"a", "an", "the", "this", "these", "if", "in", "for", "helper", "internal", "private", "like",
-             "same", "used", "called", "given", "when", "see", "deprecated", "utility", "function", "method",
-             "note", "wrapper"}
+NOT_VERBS = {
+    "a",
+    "an",
+    "the",
+    "this",
+    "these",
+    "if",
+    "in",
+    "for",
+    "helper",
+    "internal",
+    "private",
+    "like",
+    "same",
+    "used",
+    "called",
+    "given",
+    "when",
+    "see",
+    "deprecated",
+    "utility",
+    "function",
+    "method",
+    "note",
+    "wrapper",
+}
 
 
 def third_person(verb: str) -> str:
-    """"Return" -> "returns", "Fetch" -> "fetches", "Copy" -> "copies"; a word already ending in s is kept."""
+    """ "Return" -> "returns", "Fetch" -> "fetches", "Copy" -> "copies"; a word already ending in s is kept."""
     word = verb.lower()
     if word.endswith("s") and not word.endswith("ss"):
         return word
@@ -53,7 +76,7 @@ def function_pairs(source: str) -> list[tuple[str, str]]:
         if words[0].lower() in NOT_VERBS:
             continue
         doc_node = node.body[0]
-        kept = lines[node.lineno - 1:doc_node.lineno - 1] + lines[doc_node.end_lineno:node.end_lineno]
+        kept = lines[node.lineno - 1 : doc_node.lineno - 1] + lines[doc_node.end_lineno : node.end_lineno]
         answer = textwrap.dedent("\n".join(kept)).rstrip()
         if len(answer) > MAX_ANSWER_CHARS:
             continue

@@ -61,11 +61,23 @@ CHAT_SAMPLES = 10
 # name -> LlamaConfig shape; saved as models/pagedserve-coder-{name}. Param counts include the tied embedding.
 ARCHS = {
     # 11.0 M params
-    "small": dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=2,
-                  intermediate_size=1024, tie_word_embeddings=True),
+    "small": dict(
+        hidden_size=384,
+        num_hidden_layers=6,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        intermediate_size=1024,
+        tie_word_embeddings=True,
+    ),
     # 2.4 M params
-    "tiny": dict(hidden_size=192, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=512, tie_word_embeddings=True),
+    "tiny": dict(
+        hidden_size=192,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=512,
+        tie_word_embeddings=True,
+    ),
 }
 
 
@@ -78,8 +90,12 @@ def parse_args() -> argparse.Namespace:
     # small batches: this run is data-starved (< 1M tokens), where more updates per token win
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--chat-rows", type=int, default=2, help="rows of each batch drawn from the chat stream")
-    p.add_argument("--temperature", type=float, default=0.3,
-                   help="the shipped default sampling temperature (generation_config.json), also the chat check's")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.3,
+        help="the shipped default sampling temperature (generation_config.json), also the chat check's",
+    )
     p.add_argument("--small-steps", type=int, default=1100)
     p.add_argument("--small-seconds", type=float, default=1080.0, help="wall-clock cap on training")
     # half the tiny model's at twice its width (measured: at 3e-3 it did worse per token than the tiny one)
@@ -175,15 +191,22 @@ def chat_stream(tokenizer: PreTrainedTokenizerFast, pairs: list[tuple[str, str]]
     """Each pair as the serving chat template renders it (the request with the generation prompt, as a
     server encodes it, then the answer and <|im_end|>); only the answers are scored, and windows begin
     where a conversation does."""
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": request}], add_generation_prompt=True,
-                                             tokenize=False) for request, _ in pairs]
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": request}], add_generation_prompt=True, tokenize=False
+        )
+        for request, _ in pairs
+    ]
     answers = [answer + "<|im_end|>\n" for _, answer in pairs]
     encode_all = tokenizer.backend_tokenizer.encode_batch
     ids: list[int] = []
     labels: list[int] = []
     starts: list[int] = []
-    for prompt, answer in zip(encode_all(prompts, add_special_tokens=False), encode_all(answers, add_special_tokens=False),
-                              strict=True):
+    for prompt, answer in zip(
+        encode_all(prompts, add_special_tokens=False),
+        encode_all(answers, add_special_tokens=False),
+        strict=True,
+    ):
         starts.append(len(ids))
         answer_ids = [*answer.ids, tokenizer.eos_token_id]
         ids += prompt.ids + answer_ids
@@ -191,7 +214,9 @@ def chat_stream(tokenizer: PreTrainedTokenizerFast, pairs: list[tuple[str, str]]
     return Stream(torch.tensor(ids), torch.tensor(labels), torch.tensor(starts))
 
 
-def windows(stream: Stream, rows: int, seq_len: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def windows(
+    stream: Stream, rows: int, seq_len: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """rows random windows of seq_len + 1 tokens: (ids, labels), each [rows, seq_len + 1]."""
     last = len(stream.ids) - seq_len - 1
     if stream.starts is None:
@@ -203,13 +228,23 @@ def windows(stream: Stream, rows: int, seq_len: int, gen: torch.Generator) -> tu
     return stream.ids[at], stream.labels[at]
 
 
-def train(model: LlamaForCausalLM, code: Stream, chat: Stream, args: argparse.Namespace,
-          max_steps: int, max_seconds: float, peak_lr: float) -> dict:
+def train(
+    model: LlamaForCausalLM,
+    code: Stream,
+    chat: Stream,
+    args: argparse.Namespace,
+    max_steps: int,
+    max_seconds: float,
+    peak_lr: float,
+) -> dict:
     model.train()
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]  # norms: weight decay would shrink them
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=peak_lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=peak_lr,
+        betas=(0.9, 0.95),
+    )
     gen = torch.Generator().manual_seed(args.seed)
     start, step, loss = time.monotonic(), 0, torch.tensor(float("nan"))
     while step < max_steps:
@@ -221,7 +256,9 @@ def train(model: LlamaForCausalLM, code: Stream, chat: Stream, args: argparse.Na
         for group in opt.param_groups:
             group["lr"] = lr_at(progress, peak_lr)
         (code_ids, code_labels), (chat_ids, chat_labels) = (
-            windows(code, args.batch_size - args.chat_rows, args.seq_len, gen), windows(chat, args.chat_rows, args.seq_len, gen))
+            windows(code, args.batch_size - args.chat_rows, args.seq_len, gen),
+            windows(chat, args.chat_rows, args.seq_len, gen),
+        )
         scored, count = lm_loss(model, torch.cat([code_ids, chat_ids]), torch.cat([code_labels, chat_labels]))
         loss = scored / count
         opt.zero_grad(set_to_none=True)
@@ -230,19 +267,30 @@ def train(model: LlamaForCausalLM, code: Stream, chat: Stream, args: argparse.Na
         opt.step()
         step += 1
         if step % 50 == 0:
-            print(f"  step {step} loss {loss.item():.3f} lr {opt.param_groups[0]['lr']:.2e} "
-                  f"{time.monotonic() - start:.0f}s", flush=True)
+            print(
+                f"  step {step} loss {loss.item():.3f} lr {opt.param_groups[0]['lr']:.2e} "
+                f"{time.monotonic() - start:.0f}s",
+                flush=True,
+            )
     seconds = time.monotonic() - start
-    return {"steps": step, "max_steps": max_steps, "max_seconds": max_seconds, "train_seconds": round(seconds, 1), "final_train_loss": round(loss.item(), 4),
-            "train_tokens": step * args.batch_size * args.seq_len,
-            "stopped_by": "steps" if step >= max_steps else "time"}
+    return {
+        "steps": step,
+        "max_steps": max_steps,
+        "max_seconds": max_seconds,
+        "train_seconds": round(seconds, 1),
+        "final_train_loss": round(loss.item(), 4),
+        "train_tokens": step * args.batch_size * args.seq_len,
+        "stopped_by": "steps" if step >= max_steps else "time",
+    }
 
 
 def lm_loss(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
     """(summed next-token cross-entropy, number of scored tokens) over [batch, seq_len + 1] windows."""
     logits = model(input_ids=ids[:, :-1]).logits  # [batch, seq_len, vocab]
     targets = labels[:, 1:].flatten()
-    total = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets, ignore_index=IGNORE, reduction="sum")
+    total = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1).float(), targets, ignore_index=IGNORE, reduction="sum"
+    )
     return total, int((targets != IGNORE).sum())
 
 
@@ -255,7 +303,9 @@ def val_loss(model: torch.nn.Module, stream: Stream, seq_len: int, num_windows: 
     nats apart on the same model).
     """
     model.eval()
-    ids, labels = (t.unfold(0, seq_len + 1, seq_len) for t in (stream.ids, stream.labels))  # [windows, seq_len + 1]
+    ids, labels = (
+        t.unfold(0, seq_len + 1, seq_len) for t in (stream.ids, stream.labels)
+    )  # [windows, seq_len + 1]
     chosen = torch.linspace(0, len(ids) - 1, min(num_windows, len(ids))).long()
     total, count = 0.0, 0
     for chunk_ids, chunk_labels in zip(ids[chosen].split(16), labels[chosen].split(16), strict=True):
@@ -265,29 +315,50 @@ def val_loss(model: torch.nn.Module, stream: Stream, seq_len: int, num_windows: 
 
 
 @torch.no_grad()
-def greedy_sample(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, max_new_tokens: int = 80) -> str:
+def greedy_sample(
+    model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, max_new_tokens: int = 80
+) -> str:
     ids = tokenizer(SAMPLE_PROMPT, return_tensors="pt").input_ids
-    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    out = model.generate(
+        ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+    )
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
 
 @torch.no_grad()
-def chat_check(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, temperature: float,
-               max_new_tokens: int = 160) -> dict:
+def chat_check(
+    model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, temperature: float, max_new_tokens: int = 160
+) -> dict:
     """CHAT_SAMPLES seeded answers to CHAT_PROMPT: how many parse with ast.parse and define a function."""
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": CHAT_PROMPT}], add_generation_prompt=True,
-                                        return_tensors="pt", return_dict=True)["input_ids"]
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": CHAT_PROMPT}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )["input_ids"]
     answers, parsed = [], 0
     for seed in range(CHAT_SAMPLES):
         torch.manual_seed(seed)
-        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature,
-                             top_p=1.0, top_k=0, eos_token_id=model.generation_config.eos_token_id,
-                             pad_token_id=tokenizer.pad_token_id)
-        answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        out = model.generate(
+            ids,
+            max_new_tokens=max_new_tokens,
+            do_sample=True,
+            temperature=temperature,
+            top_p=1.0,
+            top_k=0,
+            eos_token_id=model.generation_config.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        answer = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
         answers.append(answer)
         parsed += defines_function(answer)
-    return {"prompt": CHAT_PROMPT, "temperature": temperature, "samples": CHAT_SAMPLES, "parsed": parsed,
-            "first_answer": answers[0]}
+    return {
+        "prompt": CHAT_PROMPT,
+        "temperature": temperature,
+        "samples": CHAT_SAMPLES,
+        "parsed": parsed,
+        "first_answer": answers[0],
+    }
 
 
 def save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, out: Path, temperature: float) -> None:
@@ -301,8 +372,12 @@ def save_generation_config(tokenizer: PreTrainedTokenizerFast, out: Path, temper
     """Stop at <|endoftext|> or <|im_end|>; sample at `temperature` (a server's default for requests that
     name none, as vLLM reads generation_config.json): at OpenAI's 1.0 models this small ramble."""
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    GenerationConfig(eos_token_id=[tokenizer.eos_token_id, im_end], pad_token_id=tokenizer.pad_token_id,
-                     do_sample=True, temperature=temperature).save_pretrained(out)
+    GenerationConfig(
+        eos_token_id=[tokenizer.eos_token_id, im_end],
+        pad_token_id=tokenizer.pad_token_id,
+        do_sample=True,
+        temperature=temperature,
+    ).save_pretrained(out)
 
 
 def run_one(name: str, tokenizer, streams: dict[str, Stream], args, corpus_info: dict) -> dict:
@@ -316,21 +391,31 @@ def run_one(name: str, tokenizer, streams: dict[str, Stream], args, corpus_info:
     # score what was shipped: the bf16 weights, reloaded from disk and upcast
     shipped = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     report = {
-        "architecture": "LlamaForCausalLM", "params": params, **stats,
+        "architecture": "LlamaForCausalLM",
+        "params": params,
+        **stats,
         "val_loss": round(val_loss(shipped, streams["code_val"], args.seq_len, args.val_windows), 4),
         "chat_val_loss": round(val_loss(shipped, streams["chat_val"], args.seq_len, args.val_windows), 4),
-        "uniform_baseline": round(math.log(len(tokenizer)), 4), "vocab_size": len(tokenizer),
-        "seq_len": args.seq_len, "batch_size": args.batch_size, "peak_lr": lr, "seed": args.seed,
-        "val_tokens_scored": min(args.val_windows, (len(streams["code_val"].ids) - 1) // args.seq_len) * args.seq_len,
+        "uniform_baseline": round(math.log(len(tokenizer)), 4),
+        "vocab_size": len(tokenizer),
+        "seq_len": args.seq_len,
+        "batch_size": args.batch_size,
+        "peak_lr": lr,
+        "seed": args.seed,
+        "val_tokens_scored": min(args.val_windows, (len(streams["code_val"].ids) - 1) // args.seq_len)
+        * args.seq_len,
         "chat_rows_per_batch": args.chat_rows,
         **corpus_info,
         "sample": {"prompt": SAMPLE_PROMPT, "continuation": greedy_sample(shipped, tokenizer)},
         "chat_check": chat_check(shipped, tokenizer, args.temperature),
     }
     (out / "training.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(f"{name}: val_loss {report['val_loss']} chat {report['chat_val_loss']} "
-          f"(uniform {report['uniform_baseline']}), chat answers parsed {report['chat_check']['parsed']}/{CHAT_SAMPLES}, "
-          f"{report['train_tokens']} tokens in {report['train_seconds']} s", flush=True)
+    print(
+        f"{name}: val_loss {report['val_loss']} chat {report['chat_val_loss']} "
+        f"(uniform {report['uniform_baseline']}), chat answers parsed {report['chat_check']['parsed']}/{CHAT_SAMPLES}, "
+        f"{report['train_tokens']} tokens in {report['train_seconds']} s",
+        flush=True,
+    )
     return report
 
 
@@ -342,14 +427,25 @@ def main() -> None:
     train_pairs = [pair for text in train_texts for pair in function_pairs(text)]
     val_pairs = [pair for text in val_texts for pair in function_pairs(text)]
     tokenizer = train_tokenizer(train_texts + [request for request, _ in train_pairs], args.vocab_size)
-    streams = {"code_train": code_stream(tokenizer, train_texts), "code_val": code_stream(tokenizer, val_texts),
-               "chat_train": chat_stream(tokenizer, train_pairs), "chat_val": chat_stream(tokenizer, val_pairs)}
-    corpus_info = {"corpus": "python stdlib .py sources (tests excluded), every 20th file held out; chat pairs "
-                             "'Write a function that <docstring line>' -> the function, from the same files",
-                   "chat_pairs_train": len(train_pairs), "chat_pairs_val": len(val_pairs),
-                   **{f"{name}_tokens": len(stream.ids) for name, stream in streams.items()}}
-    print(f"tokenizer: {len(tokenizer)} tokens; " + ", ".join(f"{k} {v}" for k, v in corpus_info.items() if k != "corpus")
-          + f" ({time.monotonic() - t0:.0f} s)", flush=True)
+    streams = {
+        "code_train": code_stream(tokenizer, train_texts),
+        "code_val": code_stream(tokenizer, val_texts),
+        "chat_train": chat_stream(tokenizer, train_pairs),
+        "chat_val": chat_stream(tokenizer, val_pairs),
+    }
+    corpus_info = {
+        "corpus": "python stdlib .py sources (tests excluded), every 20th file held out; chat pairs "
+        "'Write a function that <docstring line>' -> the function, from the same files",
+        "chat_pairs_train": len(train_pairs),
+        "chat_pairs_val": len(val_pairs),
+        **{f"{name}_tokens": len(stream.ids) for name, stream in streams.items()},
+    }
+    print(
+        f"tokenizer: {len(tokenizer)} tokens; "
+        + ", ".join(f"{k} {v}" for k, v in corpus_info.items() if k != "corpus")
+        + f" ({time.monotonic() - t0:.0f} s)",
+        flush=True,
+    )
     # the tokenizer is deterministic, so a model retrained alone still shares it with the other
     names = [n for n in ARCHS if n in args.models.split(",")]
     reports = {name: run_one(name, tokenizer, streams, args, corpus_info) for name in names}

@@ -34,7 +34,12 @@ from resilience.errors import AdmissionRejected, QueueDelayExceeded
 
 logger = logging.getLogger(__name__)
 
-REJECTION_REASONS = ("max_num_seqs", "max_num_tokens", "queue_delay", "owner_share")  # the keys of Bulkhead.num_rejected
+REJECTION_REASONS = (
+    "max_num_seqs",
+    "max_num_tokens",
+    "queue_delay",
+    "owner_share",
+)  # the keys of Bulkhead.num_rejected
 _HOLD_EWMA_WEIGHT = 0.2  # weight of the newest hold time in the running average
 
 
@@ -60,15 +65,23 @@ class BulkheadConfig:
         if self.max_queue_delay_s is not None and not self.max_queue_delay_s > 0:
             raise ValueError(f"max_queue_delay_s must be > 0 (None: off), got {self.max_queue_delay_s}")
         if not 0 < self.min_retry_after_s <= self.max_retry_after_s:
-            raise ValueError("need 0 < min_retry_after_s <= max_retry_after_s, "
-                             f"got {self.min_retry_after_s}, {self.max_retry_after_s}")
+            raise ValueError(
+                "need 0 < min_retry_after_s <= max_retry_after_s, "
+                f"got {self.min_retry_after_s}, {self.max_retry_after_s}"
+            )
 
 
 class Permit:
     """One admitted request's share of the bulkhead; `release()` is idempotent."""
 
-    def __init__(self, bulkhead: "Bulkhead", num_tokens: int, num_seqs: int, acquired_at: float,
-                 owner: str | None = None) -> None:
+    def __init__(
+        self,
+        bulkhead: "Bulkhead",
+        num_tokens: int,
+        num_seqs: int,
+        acquired_at: float,
+        owner: str | None = None,
+    ) -> None:
         self._bulkhead = bulkhead
         self.num_tokens = num_tokens
         self.num_seqs = num_seqs
@@ -84,21 +97,30 @@ class Permit:
     def __enter__(self) -> "Permit":
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.release()
 
     async def __aenter__(self) -> "Permit":
         return self
 
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.release()
 
 
 class Bulkhead:
-    def __init__(self, model: str, config: BulkheadConfig | None = None, *, clock: Clock,
-                 engine_capacity: int | None = None, engine_seats: int | None = None) -> None:
+    def __init__(
+        self,
+        model: str,
+        config: BulkheadConfig | None = None,
+        *,
+        clock: Clock,
+        engine_capacity: int | None = None,
+        engine_seats: int | None = None,
+    ) -> None:
         """`engine_capacity`: sequences the engine holds (running + waiting), the default bound;
         `engine_seats`: those it runs at once (max_num_seqs), which an owner's share is of."""
         self.model = model
@@ -106,7 +128,9 @@ class Bulkhead:
         self.max_num_seqs = self.config.max_num_seqs or engine_capacity  # None: unbounded
         share = self.config.max_owner_share
         # None: unbounded; at least one seat, so every owner can be served
-        self.max_owner_seqs = None if share is None or engine_seats is None else max(1, int(share * engine_seats))
+        self.max_owner_seqs = (
+            None if share is None or engine_seats is None else max(1, int(share * engine_seats))
+        )
         self.num_seqs_by_owner: Counter[str] = Counter()
         self._clock = clock
         self.num_seqs = 0
@@ -120,18 +144,25 @@ class Bulkhead:
     def check_fits(self, num_tokens: int, num_seqs: int = 1, owner: str | None = None) -> None:
         """RequestRejectedError (a 4xx) for what can never be admitted, even into an empty bulkhead."""
         if self.max_num_seqs is not None and num_seqs > self.max_num_seqs:
-            raise RequestRejectedError(f"the request needs {num_seqs} sequences (prompts x n); model "
-                                       f"{self.model!r} admits at most {self.max_num_seqs} at a time")
+            raise RequestRejectedError(
+                f"the request needs {num_seqs} sequences (prompts x n); model "
+                f"{self.model!r} admits at most {self.max_num_seqs} at a time"
+            )
         if owner is not None and self.max_owner_seqs is not None and num_seqs > self.max_owner_seqs:
-            raise RequestRejectedError(f"the request needs {num_seqs} sequences (prompts x n); one API key may "
-                                       f"hold at most {self.max_owner_seqs} of the seats of model {self.model!r}")
+            raise RequestRejectedError(
+                f"the request needs {num_seqs} sequences (prompts x n); one API key may "
+                f"hold at most {self.max_owner_seqs} of the seats of model {self.model!r}"
+            )
         limit = self.config.max_num_tokens
         if limit is not None and num_tokens > limit:
-            raise RequestRejectedError(f"the request needs {num_tokens} tokens (prompt + n x max_tokens); "
-                                       f"model {self.model!r} admits at most {limit} at a time")
+            raise RequestRejectedError(
+                f"the request needs {num_tokens} tokens (prompt + n x max_tokens); "
+                f"model {self.model!r} admits at most {limit} at a time"
+            )
 
-    def try_acquire(self, num_tokens: int, num_seqs: int = 1, queue_delay_s: float = 0.0,
-                    owner: str | None = None) -> Permit:
+    def try_acquire(
+        self, num_tokens: int, num_seqs: int = 1, queue_delay_s: float = 0.0, owner: str | None = None
+    ) -> Permit:
         """Admit a request of `num_seqs` sequences and `num_tokens` (prompt + n x max_tokens) or
         raise AdmissionRejected at once (RequestRejectedError when it could never fit);
         `queue_delay_s`: the engine's (`EngineClient.queue_delay_s`), QueueDelayExceeded above the target;
@@ -143,7 +174,9 @@ class Bulkhead:
         if max_delay_s is not None and queue_delay_s > max_delay_s:
             self.num_rejected["queue_delay"] += 1
             # by then the queue's head has waited as long again: about what is queued now has been served
-            retry_after_s = min(max(queue_delay_s, self.config.min_retry_after_s), self.config.max_retry_after_s)
+            retry_after_s = min(
+                max(queue_delay_s, self.config.min_retry_after_s), self.config.max_retry_after_s
+            )
             raise QueueDelayExceeded(self.model, queue_delay_s, max_delay_s, retry_after_s)
         reason, refusal = self._refusal(num_tokens, num_seqs, owner)
         if reason is not None:
@@ -160,12 +193,16 @@ class Bulkhead:
         hold_s = self._mean_hold_s if self._mean_hold_s is not None else self.config.min_retry_after_s
         return min(max(hold_s, self.config.min_retry_after_s), self.config.max_retry_after_s)
 
-    def _refusal(self, num_tokens: int, num_seqs: int, owner: str | None = None) -> tuple[str, str] | tuple[None, None]:
+    def _refusal(
+        self, num_tokens: int, num_seqs: int, owner: str | None = None
+    ) -> tuple[str, str] | tuple[None, None]:
         """(the bound that refuses, why) or (None, None)."""
         held = self.num_seqs_by_owner[owner] if owner is not None else 0
         if owner is not None and self.max_owner_seqs is not None and held + num_seqs > self.max_owner_seqs:
-            return "owner_share", (f"this API key holds {held} sequences; {held} + {num_seqs} exceed its share, "
-                                   f"{self.max_owner_seqs}")
+            return "owner_share", (
+                f"this API key holds {held} sequences; {held} + {num_seqs} exceed its share, "
+                f"{self.max_owner_seqs}"
+            )
         if self.max_num_seqs is not None and self.num_seqs + num_seqs > self.max_num_seqs:
             return "max_num_seqs", f"{self.num_seqs} + {num_seqs} sequences exceed {self.max_num_seqs}"
         limit = self.config.max_num_tokens
@@ -181,5 +218,8 @@ class Bulkhead:
             if not self.num_seqs_by_owner[permit.owner]:
                 del self.num_seqs_by_owner[permit.owner]
         hold_s = self._clock() - permit.acquired_at
-        self._mean_hold_s = hold_s if self._mean_hold_s is None else \
-            (1 - _HOLD_EWMA_WEIGHT) * self._mean_hold_s + _HOLD_EWMA_WEIGHT * hold_s
+        self._mean_hold_s = (
+            hold_s
+            if self._mean_hold_s is None
+            else (1 - _HOLD_EWMA_WEIGHT) * self._mean_hold_s + _HOLD_EWMA_WEIGHT * hold_s
+        )

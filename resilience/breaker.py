@@ -36,11 +36,20 @@ from resilience.errors import BreakerOpenError
 logger = logging.getLogger(__name__)
 
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
-_STATE_NAMES = {pybreaker.STATE_CLOSED: CLOSED, pybreaker.STATE_OPEN: OPEN, pybreaker.STATE_HALF_OPEN: HALF_OPEN}
+_STATE_NAMES = {
+    pybreaker.STATE_CLOSED: CLOSED,
+    pybreaker.STATE_OPEN: OPEN,
+    pybreaker.STATE_HALF_OPEN: HALF_OPEN,
+}
 # what the client caused: a cancelled or dropped request, a request the engine rejects (ValueError
 # family, e.g. engine.errors.RequestRejectedError). GeneratorExit: the consumer closed the stream.
 IGNORED_EXCEPTIONS: tuple[type[BaseException], ...] = (
-    asyncio.CancelledError, GeneratorExit, ConnectionResetError, BrokenPipeError, ValueError)
+    asyncio.CancelledError,
+    GeneratorExit,
+    ConnectionResetError,
+    BrokenPipeError,
+    ValueError,
+)
 PROBE_RETRY_AFTER_S = 1.0  # hint for callers refused while a half-open probe is in flight
 
 StateListener = Callable[[str, str, str], None]  # (model, old_state, new_state)
@@ -143,8 +152,10 @@ class _Window:
 
     def is_tripped(self, config: BreakerConfig) -> bool:
         num_calls = len(self._outcomes)
-        return num_calls >= config.min_calls and (self.num_failed >= config.failure_rate_threshold * num_calls
-                                                  or self.num_slow >= config.slow_call_rate_threshold * num_calls)
+        return num_calls >= config.min_calls and (
+            self.num_failed >= config.failure_rate_threshold * num_calls
+            or self.num_slow >= config.slow_call_rate_threshold * num_calls
+        )
 
     def clear(self) -> None:
         self._outcomes.clear()
@@ -160,15 +171,26 @@ class _Relay(pybreaker.CircuitBreakerListener):
     def __init__(self, on_change: Callable[[str, str], None]) -> None:
         self._on_change = on_change
 
-    def state_change(self, cb: pybreaker.CircuitBreaker, old_state: pybreaker.CircuitBreakerState | None,
-                     new_state: pybreaker.CircuitBreakerState) -> None:
+    def state_change(
+        self,
+        cb: pybreaker.CircuitBreaker,
+        old_state: pybreaker.CircuitBreakerState | None,
+        new_state: pybreaker.CircuitBreakerState,
+    ) -> None:
         old = _STATE_NAMES[old_state.name] if old_state is not None else CLOSED
         self._on_change(old, _STATE_NAMES[new_state.name])
 
 
 class ModelBreaker:
-    def __init__(self, model: str, config: BreakerConfig | None = None, *, clock: Clock,
-                 rng: random.Random | None = None, listeners: Sequence[StateListener] = ()) -> None:
+    def __init__(
+        self,
+        model: str,
+        config: BreakerConfig | None = None,
+        *,
+        clock: Clock,
+        rng: random.Random | None = None,
+        listeners: Sequence[StateListener] = (),
+    ) -> None:
         self.model = model
         self.config = config or BreakerConfig()
         self._clock = clock
@@ -183,9 +205,14 @@ class ModelBreaker:
         # every error reported to it is a failure (the ignored ones are never reported), so no exclude;
         # throw_new_error_on_trip=False: the caller sees the engine's error, never CircuitBreakerError
         self._cb = pybreaker.CircuitBreaker(
-            fail_max=self.config.min_calls, reset_timeout=self.config.open_s,
-            success_threshold=self.config.success_threshold, listeners=[_Relay(self._on_state_change)],
-            state_storage=self._storage, name=model, throw_new_error_on_trip=False)
+            fail_max=self.config.min_calls,
+            reset_timeout=self.config.open_s,
+            success_threshold=self.config.success_threshold,
+            listeners=[_Relay(self._on_state_change)],
+            state_storage=self._storage,
+            name=model,
+            throw_new_error_on_trip=False,
+        )
 
     @property
     def circuit(self) -> pybreaker.CircuitBreaker:
@@ -200,7 +227,7 @@ class ModelBreaker:
 
     @property
     def state(self) -> str:
-        """"closed" | "open" | "half_open". An open breaker whose period is over half-opens now, as
+        """ "closed" | "open" | "half_open". An open breaker whose period is over half-opens now, as
         pybreaker would at the next call, so health and metrics see it without waiting for one."""
         if self._cb.current_state == pybreaker.STATE_OPEN and self._open_left_s() <= 0:
             self._cb.half_open()
@@ -285,7 +312,7 @@ class ModelBreaker:
 
     def _open_period_s(self) -> float:
         exponent = min(self._num_failed_probes, 64)
-        nominal = min(self.config.max_open_s, self.config.open_s * self.config.backoff_factor ** exponent)
+        nominal = min(self.config.max_open_s, self.config.open_s * self.config.backoff_factor**exponent)
         return nominal * self._rng.uniform(1 - self.config.jitter, 1)
 
     def _on_state_change(self, old: str, new: str) -> None:
@@ -304,7 +331,9 @@ class ModelBreaker:
         why = "probe succeeded" if new == CLOSED else "open period over; letting one probe through"
         if new == OPEN:
             is_tripped = self._window.is_tripped(self.config) or self._cb.fail_counter >= self._cb.fail_max
-            why = "probe failed" if old == HALF_OPEN else str(self._window) if is_tripped else "opened by hand"
+            why = (
+                "probe failed" if old == HALF_OPEN else str(self._window) if is_tripped else "opened by hand"
+            )
             self._num_failed_probes = self._num_failed_probes + 1 if old == HALF_OPEN else 0
             self._cb.reset_timeout = period = self._open_period_s()  # read by pybreaker's open state
             why = f"{why}; open for {period:.1f} s"

@@ -37,9 +37,15 @@ class Deadlines:
     """The timers of one stream. `total_deadline` and `first_item_deadline` are times on `clock`
     (absolute, not durations); `alive_at` returns when the producer last made progress of any kind."""
 
-    def __init__(self, stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S, total_deadline: float | None = None, *,
-                 first_item_deadline: float | None = None, clock: Clock = time.monotonic,
-                 alive_at: Callable[[], float] | None = None) -> None:
+    def __init__(
+        self,
+        stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
+        total_deadline: float | None = None,
+        *,
+        first_item_deadline: float | None = None,
+        clock: Clock = time.monotonic,
+        alive_at: Callable[[], float] | None = None,
+    ) -> None:
         if not stall_timeout_s > 0:
             raise ValueError(f"stall_timeout_s must be > 0, got {stall_timeout_s}")
         self.stall_timeout_s = stall_timeout_s

@@ -50,8 +50,9 @@ class QueueDelayExceeded(AdmissionRejected):
     would likely miss its first-token deadline. The router degrades it to the next model."""
 
     def __init__(self, model: str, delay_s: float, max_delay_s: float, retry_after_s: float) -> None:
-        super().__init__(model, f"its queue has held a request {delay_s:.1f} s (target {max_delay_s:g} s)",
-                         retry_after_s)
+        super().__init__(
+            model, f"its queue has held a request {delay_s:.1f} s (target {max_delay_s:g} s)", retry_after_s
+        )
         self.delay_s = delay_s
 
 

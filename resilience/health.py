@@ -35,9 +35,15 @@ LIFECYCLE_CODES = {"draining": "model_unloading", "unloading": "model_unloading"
 
 
 class HealthState:
-    def __init__(self, *, clock: Clock, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
-                 engines: Mapping[str, EngineClient] | None = None,
-                 model_states: Callable[[], Mapping[str, str]] = dict, required: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        *,
+        clock: Clock,
+        hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
+        engines: Mapping[str, EngineClient] | None = None,
+        model_states: Callable[[], Mapping[str, str]] = dict,
+        required: Sequence[str] = (),
+    ) -> None:
         if not hang_timeout_s > 0:
             raise ValueError(f"hang_timeout_s must be > 0, got {hang_timeout_s}")
         self.hang_timeout_s = hang_timeout_s
@@ -52,7 +58,9 @@ class HealthState:
         self.is_draining = False
         self.leak: str | None = None
         self.num_leaks = 0
-        self.last_recycle: dict[str, int | None] | None = None  # memory baseline/before/after the last recycle
+        self.last_recycle: dict[str, int | None] | None = (
+            None  # memory baseline/before/after the last recycle
+        )
         self.rebuilding: dict[str, str] = {}  # model -> why its engine is being rebuilt
         self.dead_reason: str | None = None
         self.probe_error: str | None = None
@@ -129,11 +137,19 @@ class HealthState:
         status = "dead" if live else "not_ready" if ready else "degraded" if degraded else "ready"
         sample = self.heartbeat.last_sample if self.heartbeat is not None else None
         return {
-            "status": status, "live": not live, "ready": not live and not ready,
-            "degraded": status == "degraded", "reasons": live + ready + degraded,
-            "loading": self.is_loading, "draining": self.is_draining, "leak": self.leak,
-            "num_leaks": self.num_leaks, "last_recycle": self.last_recycle, "rebuilding": sorted(self.rebuilding),
-            "models": self._models(), "breakers": self._breakers(),
+            "status": status,
+            "live": not live,
+            "ready": not live and not ready,
+            "degraded": status == "degraded",
+            "reasons": live + ready + degraded,
+            "loading": self.is_loading,
+            "draining": self.is_draining,
+            "leak": self.leak,
+            "num_leaks": self.num_leaks,
+            "last_recycle": self.last_recycle,
+            "rebuilding": sorted(self.rebuilding),
+            "models": self._models(),
+            "breakers": self._breakers(),
             "engines": {name: self._engine_report(engine) for name, engine in self.engines.items()},
             "memory": sample.to_dict() if sample is not None else None,
         }
@@ -158,8 +174,11 @@ class HealthState:
         if self.leak is not None:
             reasons.append(f"memory leak suspected: {self.leak}")
         reasons += [f"rebuilding engine of {name!r}: {why}" for name, why in sorted(self.rebuilding.items())]
-        reasons += [f"engine of {name!r} died: {engine.dead_error!r}" for name, engine in list(self.engines.items())
-                    if engine.is_dead and name not in self.rebuilding]
+        reasons += [
+            f"engine of {name!r} died: {engine.dead_error!r}"
+            for name, engine in list(self.engines.items())
+            if engine.is_dead and name not in self.rebuilding
+        ]
         if not self.engines:
             reasons.append("no model loaded")
         known = self.model_states()
@@ -169,7 +188,9 @@ class HealthState:
         return reasons
 
     def _degraded_reasons(self) -> list[str]:
-        reasons = [f"breaker of {name!r} is {state}" for name, state in self._breakers().items() if state != CLOSED]
+        reasons = [
+            f"breaker of {name!r} is {state}" for name, state in self._breakers().items() if state != CLOSED
+        ]
         if self.probe_error is not None:
             reasons.append(f"memory probe failing: {self.probe_error}")
         return reasons
@@ -188,13 +209,21 @@ class HealthState:
         if self.router is None:
             return {}
         known = self.model_states()
-        return {name: breaker.state for name, breaker in sorted(self.router.breakers.items()) if name in known}
+        return {
+            name: breaker.state for name, breaker in sorted(self.router.breakers.items()) if name in known
+        }
 
     def _engine_report(self, engine: EngineClient) -> dict[str, object]:
         probe = engine.dtype_probe
-        return {"is_dead": engine.is_dead, "seconds_since_progress": round(self._clock() - engine.last_progress_time, 3),
-                "queue_delay_s": round(engine.queue_delay_s(), 3),
-                "dtype": engine.dtype, "dtype_probe": probe.to_dict() if probe is not None else None,
-                "quantization": engine.quantization, "attention_backend": engine.attention_backend,
-                "linear_kernel": engine.linear_kernel, "linear_choice": engine.linear_choice,
-                "tensor_parallel_pids": list(engine.rank_pids)}
+        return {
+            "is_dead": engine.is_dead,
+            "seconds_since_progress": round(self._clock() - engine.last_progress_time, 3),
+            "queue_delay_s": round(engine.queue_delay_s(), 3),
+            "dtype": engine.dtype,
+            "dtype_probe": probe.to_dict() if probe is not None else None,
+            "quantization": engine.quantization,
+            "attention_backend": engine.attention_backend,
+            "linear_kernel": engine.linear_kernel,
+            "linear_choice": engine.linear_choice,
+            "tensor_parallel_pids": list(engine.rank_pids),
+        }

@@ -45,11 +45,18 @@ def engine_load(engines: Iterable[Any]) -> float:
 
 
 class Heartbeat:
-    def __init__(self, probe: Probe, detector: LeakDetector, *, clock: Clock,
-                 interval_s: float = DEFAULT_INTERVAL_S, probe_timeout_s: float | None = None,
-                 load: Callable[[], float] = lambda: 0.0,
-                 on_leak: Callable[[LeakReport], None] | None = None,
-                 on_probe_error: Callable[[BaseException], None] | None = None) -> None:
+    def __init__(
+        self,
+        probe: Probe,
+        detector: LeakDetector,
+        *,
+        clock: Clock,
+        interval_s: float = DEFAULT_INTERVAL_S,
+        probe_timeout_s: float | None = None,
+        load: Callable[[], float] = lambda: 0.0,
+        on_leak: Callable[[LeakReport], None] | None = None,
+        on_probe_error: Callable[[BaseException], None] | None = None,
+    ) -> None:
         if not interval_s > 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
         self.interval_s = interval_s

@@ -62,9 +62,13 @@ class LeakDetectorConfig:
         if not self.window_s > 0:
             raise ValueError(f"window_s must be > 0, got {self.window_s}")
         if self.min_samples < 3:
-            raise ValueError(f"min_samples must be >= 3 (a line and a step fit any 2), got {self.min_samples}")
+            raise ValueError(
+                f"min_samples must be >= 3 (a line and a step fit any 2), got {self.min_samples}"
+            )
         if self.max_samples < self.min_samples:
-            raise ValueError(f"max_samples must be >= min_samples ({self.min_samples}), got {self.max_samples}")
+            raise ValueError(
+                f"max_samples must be >= min_samples ({self.min_samples}), got {self.max_samples}"
+            )
 
 
 @dataclass(frozen=True)
@@ -79,9 +83,11 @@ class LeakReport:
 
     def describe(self) -> str:
         at = "idle" if self.load == 0 else f"busy ({self.load:.0%} of sequence slots)"
-        return (f"{self.device}: +{self.growth_bytes / MIB:.0f} MiB over {self.span_s:.0f} s of {at} "
-                f"samples ({self.slope_bytes_per_s * 3600 / MIB:.0f} MiB/h, {self.num_samples} samples; "
-                f"allocator cache {self.cache_growth_bytes / MIB:+.0f} MiB apart)")
+        return (
+            f"{self.device}: +{self.growth_bytes / MIB:.0f} MiB over {self.span_s:.0f} s of {at} "
+            f"samples ({self.slope_bytes_per_s * 3600 / MIB:.0f} MiB/h, {self.num_samples} samples; "
+            f"allocator cache {self.cache_growth_bytes / MIB:+.0f} MiB apart)"
+        )
 
 
 @dataclass(frozen=True)
@@ -133,8 +139,10 @@ class LeakDetector:
         slopes = _suffix_slopes([p.time for p in points], [float(p.footprint_bytes) for p in points])
         for start in range(len(points) - self.config.min_samples + 1):
             span_s = points[-1].time - points[start].time
-            if slopes[start] < self.config.min_slope_bytes_per_s \
-                    or slopes[start] * span_s < self.config.min_growth_bytes:
+            if (
+                slopes[start] < self.config.min_slope_bytes_per_s
+                or slopes[start] * span_s < self.config.min_growth_bytes
+            ):
                 continue  # the cheap tests first: O(n) for all runs, the shape test only for these
             report = self._judge(points[start:])
             if report is not None:
@@ -160,8 +168,9 @@ class LeakDetector:
         if line_sse >= _best_step_sse(values):
             return None
         cache_slope, _ = _fit_line(times, [float(p.cache_bytes) for p in points])
-        return LeakReport(self._device, slope, slope * span_s, span_s, len(points), cache_slope * span_s,
-                          points[-1].load)
+        return LeakReport(
+            self._device, slope, slope * span_s, span_s, len(points), cache_slope * span_s, points[-1].load
+        )
 
 
 def _suffix_slopes(times: list[float], values: list[float]) -> list[float]:

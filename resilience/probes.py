@@ -46,9 +46,14 @@ class MemorySample:
         for name, value in asdict(self).items():
             if isinstance(value, int) and value < 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
-        if self.allocated_bytes is not None and self.reserved_bytes is not None \
-                and self.reserved_bytes < self.allocated_bytes:
-            raise ValueError(f"reserved_bytes ({self.reserved_bytes}) < allocated_bytes ({self.allocated_bytes})")
+        if (
+            self.allocated_bytes is not None
+            and self.reserved_bytes is not None
+            and self.reserved_bytes < self.allocated_bytes
+        ):
+            raise ValueError(
+                f"reserved_bytes ({self.reserved_bytes}) < allocated_bytes ({self.allocated_bytes})"
+            )
 
     @property
     def cache_bytes(self) -> int:
@@ -83,7 +88,9 @@ def read_kib_field(text: str, field: str) -> int | None:
 
 
 class CpuMemoryProbe:
-    def __init__(self, proc_dir: Path = Path("/proc/self"), torch_getter: TorchGetter = imported_torch) -> None:
+    def __init__(
+        self, proc_dir: Path = Path("/proc/self"), torch_getter: TorchGetter = imported_torch
+    ) -> None:
         self._proc_dir = proc_dir
         self._torch_getter = torch_getter
 
@@ -98,8 +105,14 @@ class CpuMemoryProbe:
             raise ProbeError(f"no VmRSS in {self._proc_dir / 'status'}")
         rss += sum(self._children_rss(self._proc_dir))
         allocated, reserved = _torch_host_figures(self._torch_getter())
-        return MemorySample("cpu", used_bytes=rss, allocated_bytes=allocated, reserved_bytes=reserved,
-                            rss_bytes=rss, pss_bytes=self._read_pss())
+        return MemorySample(
+            "cpu",
+            used_bytes=rss,
+            allocated_bytes=allocated,
+            reserved_bytes=reserved,
+            rss_bytes=rss,
+            pss_bytes=self._read_pss(),
+        )
 
     def _children_rss(self, proc_dir: Path) -> Iterator[int]:
         """VmRSS of every descendant of the process at proc_dir (one that exits meanwhile counts 0)."""
@@ -141,8 +154,14 @@ def _torch_host_figures(torch: ModuleType | None) -> tuple[int | None, int | Non
 class CudaMemoryProbe:
     """Needs `nvml.nvmlInit()` done (make_probe does it); `close()` undoes it."""
 
-    def __init__(self, nvml: ModuleType, device_index: int = 0, *, pid: int | None = None,
-                 torch_getter: TorchGetter = imported_torch) -> None:
+    def __init__(
+        self,
+        nvml: ModuleType,
+        device_index: int = 0,
+        *,
+        pid: int | None = None,
+        torch_getter: TorchGetter = imported_torch,
+    ) -> None:
         self._nvml = nvml
         self.device_index = device_index
         self._pid = pid if pid is not None else os.getpid()
@@ -157,9 +176,14 @@ class CudaMemoryProbe:
             is_fatal = type(exc).__name__ in _FATAL_NVML_ERRORS
             raise ProbeError(f"NVML on cuda:{self.device_index}: {exc}", is_fatal=is_fatal) from exc
         allocated, reserved = self._torch_figures()
-        return MemorySample(f"cuda:{self.device_index}", used_bytes=own if own is not None else memory.used,
-                            allocated_bytes=allocated, reserved_bytes=reserved,
-                            device_used_bytes=memory.used, device_total_bytes=memory.total)
+        return MemorySample(
+            f"cuda:{self.device_index}",
+            used_bytes=own if own is not None else memory.used,
+            allocated_bytes=allocated,
+            reserved_bytes=reserved,
+            device_used_bytes=memory.used,
+            device_total_bytes=memory.total,
+        )
 
     def close(self) -> None:
         self._nvml.nvmlShutdown()

@@ -34,7 +34,11 @@ from resilience.errors import RetryLater
 logger = logging.getLogger(__name__)
 
 # never worth a retry: refused fast on purpose (open breaker, full bulkhead) or cancelled by the client
-NEVER_RETRY: tuple[type[BaseException], ...] = (RetryLater, pybreaker.CircuitBreakerError, asyncio.CancelledError)
+NEVER_RETRY: tuple[type[BaseException], ...] = (
+    RetryLater,
+    pybreaker.CircuitBreakerError,
+    asyncio.CancelledError,
+)
 DEFAULT_RETRY_ON: tuple[type[BaseException], ...] = (EngineOverloadedError, ConnectionError)
 
 
@@ -107,13 +111,20 @@ class RetryConfig:
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
         if not 0 < self.initial_wait_s <= self.max_wait_s:
-            raise ValueError(f"need 0 < initial_wait_s <= max_wait_s, got {self.initial_wait_s}, {self.max_wait_s}")
+            raise ValueError(
+                f"need 0 < initial_wait_s <= max_wait_s, got {self.initial_wait_s}, {self.max_wait_s}"
+            )
 
 
-def retry_policy(config: RetryConfig | None = None, *, budget: RetryBudget | None = None,
-                 deadline: float | None = None, clock: Clock = time.monotonic,
-                 is_call_permitted: Callable[[], bool] | None = None,
-                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> AsyncRetrying:
+def retry_policy(
+    config: RetryConfig | None = None,
+    *,
+    budget: RetryBudget | None = None,
+    deadline: float | None = None,
+    clock: Clock = time.monotonic,
+    is_call_permitted: Callable[[], bool] | None = None,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+) -> AsyncRetrying:
     """A fresh tenacity policy for one operation. `deadline` is a time on `clock`;
     `is_call_permitted` is e.g. `breaker.is_call_permitted`. The first attempt records a request on
     `budget`; each retry withdraws one from it, checked last so a retry stopped otherwise costs none."""
@@ -126,11 +137,14 @@ def retry_policy(config: RetryConfig | None = None, *, budget: RetryBudget | Non
     if budget is not None:
         stops.append(lambda state: not budget.try_spend())
     return AsyncRetrying(
-        sleep=sleep, stop=stop_any(*stops), reraise=True,
+        sleep=sleep,
+        stop=stop_any(*stops),
+        reraise=True,
         wait=wait_random_exponential(multiplier=config.initial_wait_s, max=config.max_wait_s),
         retry=retry_if_exception(lambda exc: _is_retryable(exc, config.retry_on)),
         before=_record_first_attempt(budget),
-        before_sleep=before_sleep_log(logger, logging.WARNING))
+        before_sleep=before_sleep_log(logger, logging.WARNING),
+    )
 
 
 def _is_retryable(exc: BaseException, retry_on: tuple[type[BaseException], ...]) -> bool:

@@ -119,14 +119,20 @@ class RoutedOutput:
 class RouterConfig:
     first_token_timeout_s: float = 10.0  # no first token this long after arrival: slow, next model
     stall_timeout_s: float = 10.0  # no item while the engine loop makes no progress this long: a failure
-    breaker: BreakerConfig = field(default_factory=lambda: BreakerConfig(
-        # overload is not sickness, and a poison request is the request's fault, not the model's
-        ignored=IGNORED_EXCEPTIONS + (EngineOverloadedError, RequestFailedError)))
+    breaker: BreakerConfig = field(
+        default_factory=lambda: BreakerConfig(
+            # overload is not sickness, and a poison request is the request's fault, not the model's
+            ignored=IGNORED_EXCEPTIONS + (EngineOverloadedError, RequestFailedError)
+        )
+    )
     bulkhead: BulkheadConfig = field(default_factory=BulkheadConfig)
     retry_budget: RetryBudgetConfig = field(default_factory=RetryBudgetConfig)
     # one resubmit to the same model after a transient engine error, before any byte went out
-    retry: RetryConfig = field(default_factory=lambda: RetryConfig(
-        max_attempts=2, initial_wait_s=0.05, max_wait_s=0.05, retry_on=(EngineStepError,)))
+    retry: RetryConfig = field(
+        default_factory=lambda: RetryConfig(
+            max_attempts=2, initial_wait_s=0.05, max_wait_s=0.05, retry_on=(EngineStepError,)
+        )
+    )
     max_continuations: int = 2  # streams continued after an engine fault, per request (0: none)
 
     def __post_init__(self) -> None:
@@ -136,8 +142,14 @@ class RouterConfig:
 
 
 class ModelRouter:
-    def __init__(self, engines: Mapping[str, EngineClient], fallbacks: Mapping[str, str | None],
-                 config: RouterConfig | None = None, *, clock: Clock = time.monotonic) -> None:
+    def __init__(
+        self,
+        engines: Mapping[str, EngineClient],
+        fallbacks: Mapping[str, str | None],
+        config: RouterConfig | None = None,
+        *,
+        clock: Clock = time.monotonic,
+    ) -> None:
         self.engines = engines  # served name -> engine; may change at run time
         self.fallbacks = fallbacks
         self.config = config or RouterConfig()
@@ -148,8 +160,12 @@ class ModelRouter:
         # counters for metrics, per served model
         self.num_engine_requests: Counter[str] = Counter()  # submissions, retries included
         self.num_retries: Counter[str] = Counter()  # resubmits to the same model after a transient error
-        self.num_slow_calls: Counter[str] = Counter()  # first token after its deadline (or none), or a later gap as long
-        self.num_late_in_queue: Counter[str] = Counter()  # as late, but behind a full batch: not counted on the breaker
+        self.num_slow_calls: Counter[str] = (
+            Counter()
+        )  # first token after its deadline (or none), or a later gap as long
+        self.num_late_in_queue: Counter[str] = (
+            Counter()
+        )  # as late, but behind a full batch: not counted on the breaker
         self.num_deadline_hits: Counter[tuple[str, str]] = Counter()  # (model, one of DEADLINE_KINDS)
         self.num_failovers = 0
         self.num_continuations: Counter[tuple[str, str, str]] = Counter()  # (from model, reason, to model)
@@ -164,8 +180,9 @@ class ModelRouter:
             engine = self.engines.get(model)  # the engine's own capacity bounds it
             seats = engine.config.max_num_seqs if engine is not None else None
             capacity = seats + engine.config.max_num_waiting if engine is not None else None
-            self.bulkheads[model] = Bulkhead(model, self.config.bulkhead, clock=self.clock,
-                                             engine_capacity=capacity, engine_seats=seats)
+            self.bulkheads[model] = Bulkhead(
+                model, self.config.bulkhead, clock=self.clock, engine_capacity=capacity, engine_seats=seats
+            )
         return self.bulkheads[model]
 
     def ladder(self, model: str) -> list[str]:
@@ -199,7 +216,7 @@ class ModelRouter:
             if last_error is not None and not self._may_fail_over(req, last_error):
                 break
             # the last model that can serve has no first-token deadline: moving on would only fail
-            has_next = any(self._is_available(later) for later in ladder[index + 1:])
+            has_next = any(self._is_available(later) for later in ladder[index + 1 :])
             try:
                 call = await self._start(name, req, window_from + self.config.first_token_timeout_s, has_next)
             except QueueDelayExceeded as exc:  # shed before any work: the first-token window stays
@@ -207,7 +224,9 @@ class ModelRouter:
                 last_error = exc
                 continue
             except FAILOVER_ERRORS as exc:
-                logger.warning("request %s: no first token from model %s (%r); next model", req.request_id, name, exc)
+                logger.warning(
+                    "request %s: no first token from model %s (%r); next model", req.request_id, name, exc
+                )
                 last_error = exc
                 window_from = self.clock()
                 continue
@@ -236,18 +255,26 @@ class ModelRouter:
                     if moved is None:
                         raise
                     self.num_continuations[(name, reason, moved[0])] += 1
-                    logger.warning("request %s: %r on model %s after %d tokens; continued on %s", req.request_id,
-                                   exc, name, delivered.num_tokens, moved[0])
+                    logger.warning(
+                        "request %s: %r on model %s after %d tokens; continued on %s",
+                        req.request_id,
+                        exc,
+                        name,
+                        delivered.num_tokens,
+                        moved[0],
+                    )
                     (name, call), continued = moved, reason
         cause = f" (last failure: {last_error})" if last_error else ""
-        raise NoModelAvailable(f"no model of {ladder} can serve now{cause}",
-                               self._retry_after_s(req.model)) from last_error
+        raise NoModelAvailable(
+            f"no model of {ladder} can serve now{cause}", self._retry_after_s(req.model)
+        ) from last_error
 
     def _may_continue(self, delivered: "_Delivered") -> bool:
         return delivered.continuations < self.config.max_continuations and not delivered.is_done
 
-    async def _continue(self, req: GenerateRequest, ladder: list[str], failed: str, reason: str,
-                        delivered: "_Delivered") -> tuple[str, "_Call"] | None:
+    async def _continue(
+        self, req: GenerateRequest, ladder: list[str], failed: str, reason: str, delivered: "_Delivered"
+    ) -> tuple[str, "_Call"] | None:
         """A call on the model that takes the rest of the stream (None: none can): the failed model once
         its engine is rebuilt, if it died, waited for up to first_token_timeout_s; else, or after that, the
         next model of the ladder with the same tokenizer (the ladder as the request found it: an unloaded
@@ -263,15 +290,30 @@ class ModelRouter:
             waits = reason == "engine_dead" and self.clock() < wait_until  # for the failed model's rebuild
             order = [failed] if waits else others
             for name in order:
-                if not self._is_available(name) or not self._same_tokenizer(old_tokenizer, self.engines[name]):
+                if not self._is_available(name) or not self._same_tokenizer(
+                    old_tokenizer, self.engines[name]
+                ):
                     continue
                 has_next = any(self._is_available(m) for m in others if m != name)
-                call = _Call(self, name, req, self.clock() + self.config.first_token_timeout_s, has_next,
-                             resume=delivered.resume())
+                call = _Call(
+                    self,
+                    name,
+                    req,
+                    self.clock() + self.config.first_token_timeout_s,
+                    has_next,
+                    resume=delivered.resume(),
+                )
                 try:
-                    await call.open(f"{req.request_id}-cont{delivered.continuations}", is_retry=False,
-                                    prompt_token_ids=delivered.prompt_token_ids)
-                except (*FAILOVER_ERRORS, RetryLater, RequestRejectedError) as exc:  # rejected: a shorter context
+                    await call.open(
+                        f"{req.request_id}-cont{delivered.continuations}",
+                        is_retry=False,
+                        prompt_token_ids=delivered.prompt_token_ids,
+                    )
+                except (
+                    *FAILOVER_ERRORS,
+                    RetryLater,
+                    RequestRejectedError,
+                ) as exc:  # rejected: a shorter context
                     logger.warning("request %s: continuation on %s failed (%r)", req.request_id, name, exc)
                     continue
                 return name, call
@@ -296,25 +338,35 @@ class ModelRouter:
         self.num_failovers += 1
         return True
 
-    async def _start(self, name: str, req: GenerateRequest, first_token_deadline: float, has_next: bool) -> "_Call":
+    async def _start(
+        self, name: str, req: GenerateRequest, first_token_deadline: float, has_next: bool
+    ) -> "_Call":
         """One model of the ladder, up to its first output: tenacity resubmits once after a transient
         engine error, only before the first output (never once bytes may have gone out), within the retry
         budget and deadlines."""
         breaker = self.breaker(name)
         deadlines = [d for d in (req.deadline, first_token_deadline if has_next else None) if d is not None]
         # the budget is asked last, so a retry stopped by the attempt count or a deadline costs none
-        policy = retry_policy(self.config.retry, deadline=min(deadlines, default=None), clock=self.clock,
-                              is_call_permitted=lambda: breaker.is_call_permitted() and self.retry_budget.try_spend())
+        policy = retry_policy(
+            self.config.retry,
+            deadline=min(deadlines, default=None),
+            clock=self.clock,
+            is_call_permitted=lambda: breaker.is_call_permitted() and self.retry_budget.try_spend(),
+        )
         error: BaseException | None = None
         async for attempt in policy:
             with attempt:
                 number = attempt.retry_state.attempt_number
                 if error is not None:
-                    logger.warning("request %s: resubmitting to model %s after %r", req.request_id, name, error)
+                    logger.warning(
+                        "request %s: resubmitting to model %s after %r", req.request_id, name, error
+                    )
                 call = _Call(self, name, req, first_token_deadline, has_next)
                 try:
-                    await call.open(req.request_id if number == 1 else f"{req.request_id}-retry{number - 1}",
-                                    is_retry=number > 1)
+                    await call.open(
+                        req.request_id if number == 1 else f"{req.request_id}-retry{number - 1}",
+                        is_retry=number > 1,
+                    )
                 except RetryLater:
                     if error is None:
                         raise
@@ -353,19 +405,29 @@ class ModelRouter:
         return max(min(waits, default=NO_MODEL_RETRY_AFTER_S), 1.0)
 
 
-
 class _Call:
     """One engine request on one model: its bulkhead slot, breaker call, engine stream and deadlines,
     held from `open` (which reads the first output) until the router leaves `async with`."""
 
-    def __init__(self, router: ModelRouter, name: str, req: GenerateRequest, first_token_deadline: float,
-                 has_next: bool, resume: tuple[ResumedChoice, ...] = ()) -> None:
+    def __init__(
+        self,
+        router: ModelRouter,
+        name: str,
+        req: GenerateRequest,
+        first_token_deadline: float,
+        has_next: bool,
+        resume: tuple[ResumedChoice, ...] = (),
+    ) -> None:
         self.router, self.name, self.req, self.resume = router, name, req, resume
         self.engine = router.engines[name]
         self.first_token_deadline = first_token_deadline
-        self.deadlines = Deadlines(router.config.stall_timeout_s, req.deadline,
-                                   first_item_deadline=first_token_deadline if has_next else None,
-                                   clock=router.clock, alive_at=lambda: self.engine.last_progress_time)
+        self.deadlines = Deadlines(
+            router.config.stall_timeout_s,
+            req.deadline,
+            first_item_deadline=first_token_deadline if has_next else None,
+            clock=router.clock,
+            alive_at=lambda: self.engine.last_progress_time,
+        )
         self.slow_after = first_token_deadline  # an output later than this makes the call slow
         self.first: RequestOutput | None = None
         self.num_preemptions = 0  # of the request's sequences, as of the last output read
@@ -379,17 +441,26 @@ class _Call:
         params = dataclasses.replace(req.params, prompt_logprobs=None) if self.resume else req.params
         async with contextlib.AsyncExitStack() as stack:
             stack.callback(self.deadlines.close)
-            stack.enter_context(router.bulkhead(name).try_acquire(num_tokens, req.params.n,
-                                                                  self.engine.queue_delay_s(req.priority), req.owner))
+            stack.enter_context(
+                router.bulkhead(name).try_acquire(
+                    num_tokens, req.params.n, self.engine.queue_delay_s(req.priority), req.owner
+                )
+            )
             self.breaker_call = await stack.enter_async_context(router.breaker(name).calling_async())
             router.num_engine_requests[name] += 1
             if is_retry:
                 router.num_retries[name] += 1
             token_ids = prompt_token_ids or (req.prompt_token_ids if req.encoded_by == name else None)
-            self.stream = self.engine.generate(req.prompt, params, request_id, req.priority, token_ids,
-                                               group_id=req.group_id or req.request_id,
-                                               add_special_tokens=req.add_special_tokens,
-                                               **({"resume": self.resume} if self.resume else {}))
+            self.stream = self.engine.generate(
+                req.prompt,
+                params,
+                request_id,
+                req.priority,
+                token_ids,
+                group_id=req.group_id or req.request_id,
+                add_special_tokens=req.add_special_tokens,
+                **({"resume": self.resume} if self.resume else {}),
+            )
             stack.push_async_callback(_aclose, self.stream)
             self.first = await self._next()
             self._stack = stack.pop_all()
@@ -422,8 +493,12 @@ class _Call:
         if metrics.get("num_preemptions", 0) > self.num_preemptions:
             return True
         scheduled, first_token = metrics.get("first_scheduled_time"), metrics.get("first_token_time")
-        return (self.first is None and bool(scheduled) and bool(first_token)
-                and first_token - scheduled < self.router.config.first_token_timeout_s)
+        return (
+            self.first is None
+            and bool(scheduled)
+            and bool(first_token)
+            and first_token - scheduled < self.router.config.first_token_timeout_s
+        )
 
     async def __aenter__(self) -> "_Call":
         return self
@@ -461,7 +536,9 @@ class _Delivered:
         return len(self.finished) == self.n or self.prompt_token_ids is None
 
     def resume(self) -> tuple[ResumedChoice, ...]:
-        return tuple(ResumedChoice(i, tuple(self.tokens.get(i, ()))) for i in range(self.n) if i not in self.finished)
+        return tuple(
+            ResumedChoice(i, tuple(self.tokens.get(i, ()))) for i in range(self.n) if i not in self.finished
+        )
 
 
 def _reason(exc: BaseException) -> str:
@@ -475,6 +552,8 @@ def _reason(exc: BaseException) -> str:
 
 
 async def _aclose(stream: AsyncIterator[object]) -> None:
-    aclose = getattr(stream, "aclose", None)  # an engine's stream is an async generator; a plain iterator has none
+    aclose = getattr(
+        stream, "aclose", None
+    )  # an engine's stream is an async generator; a plain iterator has none
     if aclose is not None:
         await aclose()

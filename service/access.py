@@ -49,7 +49,9 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
         _log(request, request_id, status, record)
         tracer = request.app[TRACER_KEY]
         if tracer is not None and not request.path.startswith(QUIET_PATHS):
-            tracer.record(request.method, route, request.headers, request_id, status, record, time.monotonic())
+            tracer.record(
+                request.method, route, request.headers, request_id, status, record, time.monotonic()
+            )
 
 
 def request_id_of(request: web.Request) -> str:
@@ -69,16 +71,38 @@ def _log(request: web.Request, request_id: str, status: int, record: RequestReco
     if not logger.isEnabledFor(level):
         return
     ttft = f"{record.ttft:.3f}" if record.ttft is not None else "-"
-    fields = {"request_id": request_id, "method": request.method, "path": request.path, "status": status,
-              "model": record.model, "served_model": record.served_model, "degraded": record.degraded,
-              "prompt_tokens": record.prompt_tokens, "completion_tokens": record.completion_tokens,
-              "ttft_s": None if record.ttft is None else round(record.ttft, 6), "total_s": round(total, 6),
-              "note": record.note}
-    logger.log(level, "request_id=%s %s %s status=%s model=%s served_model=%s%s prompt_tokens=%d "
-               "completion_tokens=%d ttft_s=%s total_s=%.3f%s", request_id, escape(request.method),
-               escape(request.path), status, escape(record.model or "-"), escape(record.served_model or "-"),
-               " degraded=1" if record.degraded else "", record.prompt_tokens, record.completion_tokens, ttft, total,
-               f" note={escape(record.note)}" if record.note else "", extra={"fields": fields})
+    fields = {
+        "request_id": request_id,
+        "method": request.method,
+        "path": request.path,
+        "status": status,
+        "model": record.model,
+        "served_model": record.served_model,
+        "degraded": record.degraded,
+        "prompt_tokens": record.prompt_tokens,
+        "completion_tokens": record.completion_tokens,
+        "ttft_s": None if record.ttft is None else round(record.ttft, 6),
+        "total_s": round(total, 6),
+        "note": record.note,
+    }
+    logger.log(
+        level,
+        "request_id=%s %s %s status=%s model=%s served_model=%s%s prompt_tokens=%d "
+        "completion_tokens=%d ttft_s=%s total_s=%.3f%s",
+        request_id,
+        escape(request.method),
+        escape(request.path),
+        status,
+        escape(record.model or "-"),
+        escape(record.served_model or "-"),
+        " degraded=1" if record.degraded else "",
+        record.prompt_tokens,
+        record.completion_tokens,
+        ttft,
+        total,
+        f" note={escape(record.note)}" if record.note else "",
+        extra={"fields": fields},
+    )
 
 
 def escape(text: str) -> str:

@@ -59,22 +59,44 @@ from service.tracing import make_tracer
 logger = logging.getLogger(__name__)
 
 
-def create_app(config: ServerConfig, *, engine_factory: EngineFactory | None = None,
-               router_factory: RouterFactory | None = None) -> web.Application:
+def create_app(
+    config: ServerConfig,
+    *,
+    engine_factory: EngineFactory | None = None,
+    router_factory: RouterFactory | None = None,
+) -> web.Application:
     """`engine_factory` builds an engine from its config (blocking; run in a thread); tests pass
     fakes. `router_factory(engines, fallbacks)` builds the resilience router."""
     state = ServerState(config.hang_timeout_s, config.model_names, config.quarantine_s)
-    limit = ConnectionLimit(config.max_connections, config.header_timeout_s, state.health.set_saturation,
-                            config.max_connections_per_client)
-    middlewares = [access_middleware, limit.middleware, error_middleware,
-                   auth_middleware(KeyRing(config.api_keys), KeyRing([config.admin_key] if config.admin_key else []),
-                                   config.auth_metrics)]
+    limit = ConnectionLimit(
+        config.max_connections,
+        config.header_timeout_s,
+        state.health.set_saturation,
+        config.max_connections_per_client,
+    )
+    middlewares = [
+        access_middleware,
+        limit.middleware,
+        error_middleware,
+        auth_middleware(
+            KeyRing(config.api_keys),
+            KeyRing([config.admin_key] if config.admin_key else []),
+            config.auth_metrics,
+        ),
+    ]
     if config.models_dir:  # innermost: after auth, before the handler reads the same body
         options = {k: getattr(config.models[0].engine, k) for k in ENGINE_OPTIONS}
-        middlewares.append(on_demand_middleware(Path(config.models_dir).expanduser().resolve(), options,
-                                                config.on_demand_fallback or config.models[0].name,
-                                                config.first_token_timeout_s))
-    app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes, handler_args=HANDLER_ARGS)
+        middlewares.append(
+            on_demand_middleware(
+                Path(config.models_dir).expanduser().resolve(),
+                options,
+                config.on_demand_fallback or config.models[0].name,
+                config.first_token_timeout_s,
+            )
+        )
+    app = web.Application(
+        middlewares=middlewares, client_max_size=config.max_body_bytes, handler_args=HANDLER_ARGS
+    )
     app[CONFIG_KEY] = config
     app[TRACER_KEY] = make_tracer(config.otel_endpoint)
     if app[TRACER_KEY] is not None:
@@ -84,14 +106,28 @@ def create_app(config: ServerConfig, *, engine_factory: EngineFactory | None = N
     app[CONNECTIONS_KEY] = limit
     app[SHUTDOWN_KEY] = Shutdown()
     app[ENGINE_FACTORY_KEY] = engine_factory or _real_engine
-    state.registry = ModelRegistry(state, app[ENGINE_FACTORY_KEY], memory_budget_bytes=config.memory_budget_bytes,
-                                   max_loaded_models=config.max_loaded_models, warmup=config.warmup,
-                                   drain_timeout_s=config.shutdown_timeout, metrics=app[METRICS_KEY])
+    state.registry = ModelRegistry(
+        state,
+        app[ENGINE_FACTORY_KEY],
+        memory_budget_bytes=config.memory_budget_bytes,
+        max_loaded_models=config.max_loaded_models,
+        warmup=config.warmup,
+        drain_timeout_s=config.shutdown_timeout,
+        metrics=app[METRICS_KEY],
+    )
     app[ROUTER_FACTORY_KEY] = router_factory or functools.partial(
-        make_router, first_token_timeout_s=config.first_token_timeout_s, stall_timeout_s=config.stall_timeout_s,
-        breaker_open_s=config.breaker_open_s, max_continuations=config.max_continuations,
-        bulkhead=BulkheadConfig(max_num_seqs=config.bulkhead_max_seqs, max_num_tokens=config.bulkhead_max_tokens,
-                                max_queue_delay_s=config.queue_delay_target_s, max_owner_share=config.max_key_share))
+        make_router,
+        first_token_timeout_s=config.first_token_timeout_s,
+        stall_timeout_s=config.stall_timeout_s,
+        breaker_open_s=config.breaker_open_s,
+        max_continuations=config.max_continuations,
+        bulkhead=BulkheadConfig(
+            max_num_seqs=config.bulkhead_max_seqs,
+            max_num_tokens=config.bulkhead_max_tokens,
+            max_queue_delay_s=config.queue_delay_target_s,
+            max_owner_share=config.max_key_share,
+        ),
+    )
     app.cleanup_ctx.append(engines_ctx)
     app.cleanup_ctx.append(supervision_ctx)
     app.on_shutdown.append(drain)
@@ -120,18 +156,26 @@ class ConnectionLimit:
     new one is refused the same way (the replica stays ready: one client is not the listener). Fed by
     the server that `make_runner` builds; without it (in-process test clients) nothing is refused."""
 
-    def __init__(self, max_connections: int, header_timeout_s: float,
-                 on_saturation: Callable[[str | None], None] = lambda reason: None,
-                 max_per_client: int | None = None) -> None:
+    def __init__(
+        self,
+        max_connections: int,
+        header_timeout_s: float,
+        on_saturation: Callable[[str | None], None] = lambda reason: None,
+        max_per_client: int | None = None,
+    ) -> None:
         self.max_connections = max_connections
         self.header_timeout_s = header_timeout_s
         self.on_saturation = on_saturation
         self.max_per_client = max_per_client
         self.num_connections = 0
         self.num_refused = 0
-        self._open: dict[RequestHandler, str] = {}  # request handler (one per connection) -> client address, oldest first
+        self._open: dict[
+            RequestHandler, str
+        ] = {}  # request handler (one per connection) -> client address, oldest first
         self._by_client: Counter[str] = Counter()
-        self._refused: dict[RequestHandler, str] = {}  # handlers opened over a cap with no idle one to close -> why
+        self._refused: dict[
+            RequestHandler, str
+        ] = {}  # handlers opened over a cap with no idle one to close -> why
         self._timers: dict[RequestHandler, asyncio.TimerHandle] = {}  # handler -> its request-head deadline
 
     def opened(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
@@ -143,9 +187,14 @@ class ConnectionLimit:
         if self.num_connections > self.max_connections and not self._close_an_idle_one():
             self._refused[handler] = f"too many open connections (at most {self.max_connections})"
             self.on_saturation(f"listener saturated: {self.max_connections} connections, none idle")
-        elif (self.max_per_client is not None and self._by_client[client] > self.max_per_client
-              and not self._close_an_idle_one(client)):
-            self._refused[handler] = f"too many open connections from {client} (at most {self.max_per_client})"
+        elif (
+            self.max_per_client is not None
+            and self._by_client[client] > self.max_per_client
+            and not self._close_an_idle_one(client)
+        ):
+            self._refused[handler] = (
+                f"too many open connections from {client} (at most {self.max_per_client})"
+            )
         loop = asyncio.get_running_loop()
         self._timers[handler] = loop.call_later(self.header_timeout_s, self._close_if_silent, handler)
 
@@ -153,8 +202,14 @@ class ConnectionLimit:
         """Close the longest-open idle connection (of `client`, if given); False: none is idle."""
         # idle as aiohttp's keep-alive timer judges it (_waiter: there is no public attribute): waiting for
         # the next request's bytes
-        idle = next((h for h, c in self._open.items() if (client is None or c == client)
-                     and h._waiter is not None and not h._waiter.done()), None)
+        idle = next(
+            (
+                h
+                for h, c in self._open.items()
+                if (client is None or c == client) and h._waiter is not None and not h._waiter.done()
+            ),
+            None,
+        )
         if idle is None:
             return False
         idle.force_close()  # connection_lost follows: closed() counts it out
@@ -188,8 +243,12 @@ class ConnectionLimit:
         if why is not None and not request.path.startswith(HEALTH_PATHS):
             self.num_refused += 1
             config = request.app[CONFIG_KEY]
-            response = error_response(503, f"{why}; retry later", code="too_many_connections",
-                                      headers={"Retry-After": str(config.retry_after_unavailable)})
+            response = error_response(
+                503,
+                f"{why}; retry later",
+                code="too_many_connections",
+                headers={"Retry-After": str(config.retry_after_unavailable)},
+            )
             response.force_close()
             return response
         return await handler(request)
@@ -204,8 +263,13 @@ def make_runner(app: web.Application) -> web.AppRunner:
     # aiohttp's parser errors (400 on a malformed request) are answered outside the app, where
     # on_response_prepare does not run: their Server header comes from this module constant
     web_response.SERVER_SOFTWARE = SERVER_NAME
-    return _Runner(app, handler_cancellation=True, access_log=None, shutdown_timeout=config.shutdown_timeout,
-                   keepalive_timeout=config.keepalive_timeout_s)
+    return _Runner(
+        app,
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=config.shutdown_timeout,
+        keepalive_timeout=config.keepalive_timeout_s,
+    )
 
 
 class _Runner(web.AppRunner):
@@ -330,4 +394,6 @@ async def drain(app: web.Application) -> None:
         left_s = deadline - ENGINE_STOP_RESERVE_S - time.monotonic()
         _, pending = await asyncio.wait(pending, timeout=max(MIN_STAGE_S, left_s))
         if pending:
-            logger.warning("%d cancelled generations did not end in time; the runner closes them", len(pending))
+            logger.warning(
+                "%d cancelled generations did not end in time; the runner closes them", len(pending)
+            )

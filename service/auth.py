@@ -77,7 +77,9 @@ def bearer_token(request: web.Request) -> str | None:
 def _require(request: web.Request, keys: KeyRing, what: str) -> None:
     token = bearer_token(request)
     if token is None:
-        raise AuthenticationError(f"missing {what}: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+        raise AuthenticationError(
+            f"missing {what}: send 'Authorization: Bearer <key>'", code="invalid_api_key"
+        )
     if not keys.matches(token):
         raise AuthenticationError(f"invalid {what}", code="invalid_api_key")
 

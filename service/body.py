@@ -65,11 +65,19 @@ async def read_body(request: web.Request) -> bytes:
     config = request.app[CONFIG_KEY]
     encoding = _encoding(request)
     try:
-        async with asyncio.timeout(config.body_read_timeout_s):  # a body trickled in byte by byte must not hold a handler
+        async with asyncio.timeout(
+            config.body_read_timeout_s
+        ):  # a body trickled in byte by byte must not hold a handler
             raw = await request.read()  # over client_max_size: HTTPRequestEntityTooLarge -> 413
     except TimeoutError:
-        raise RequestTimeoutError(f"the request body did not arrive within {config.body_read_timeout_s:g} s") from None
-    body = raw if encoding is None or not raw else await asyncio.to_thread(inflate, raw, encoding, config.max_body_bytes)
+        raise RequestTimeoutError(
+            f"the request body did not arrive within {config.body_read_timeout_s:g} s"
+        ) from None
+    body = (
+        raw
+        if encoding is None or not raw
+        else await asyncio.to_thread(inflate, raw, encoding, config.max_body_bytes)
+    )
     request[BODY_KEY] = body
     return body
 
@@ -80,28 +88,39 @@ def _encoding(request: web.Request) -> str | None:
     if value in ("", "identity"):
         return None
     if value not in ENCODINGS:
-        raise UnsupportedMediaTypeError(f"Content-Encoding {value[:40]!r} is not supported; send gzip, deflate "
-                                        "or an uncompressed body", param="Content-Encoding")
+        raise UnsupportedMediaTypeError(
+            f"Content-Encoding {value[:40]!r} is not supported; send gzip, deflate or an uncompressed body",
+            param="Content-Encoding",
+        )
     return value
 
 
 def inflate(data: bytes, encoding: str, max_bytes: int) -> bytes:
     """`data` inflated, at most `max_bytes` of it: zlib stops at max_bytes + 1, so a bomb costs no more."""
     wbits = ENCODINGS[encoding]
-    if encoding == "deflate" and data[0] & 0x0F != 8:  # raw deflate, without zlib's header (clients send both)
+    if (
+        encoding == "deflate" and data[0] & 0x0F != 8
+    ):  # raw deflate, without zlib's header (clients send both)
         wbits = -zlib.MAX_WBITS
     inflater = zlib.decompressobj(wbits)
     try:
         body = inflater.decompress(data, max_bytes + 1)
     except zlib.error:
-        raise InvalidRequestError(f"the request body is not {encoding} data, as its Content-Encoding says",
-                                  param="Content-Encoding", code="invalid_content_encoding") from None
+        raise InvalidRequestError(
+            f"the request body is not {encoding} data, as its Content-Encoding says",
+            param="Content-Encoding",
+            code="invalid_content_encoding",
+        ) from None
     if len(body) > max_bytes:
-        raise PayloadTooLargeError(f"request body too large: it inflates to more than {max_bytes} bytes "
-                                   "(--max-body-bytes)")
+        raise PayloadTooLargeError(
+            f"request body too large: it inflates to more than {max_bytes} bytes (--max-body-bytes)"
+        )
     if not inflater.eof or inflater.unused_data:
-        raise InvalidRequestError(f"the request body is not one whole {encoding} stream (cut short, or followed "
-                                  "by other bytes)", param="Content-Encoding", code="invalid_content_encoding")
+        raise InvalidRequestError(
+            f"the request body is not one whole {encoding} stream (cut short, or followed by other bytes)",
+            param="Content-Encoding",
+            code="invalid_content_encoding",
+        )
     return body
 
 
@@ -128,8 +147,10 @@ def parse_json(raw: bytes) -> JSON:
     if _SURROGATE_ESCAPE.search(raw) and not _encodes(body):  # valid UTF-8 bytes: only a \u escape makes one
         path, what = _surrogate_path(body)
         where = f" in {path}" if path else ""
-        raise InvalidRequestError(f"{what}{where} holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is "
-                                  "not valid Unicode text", param=_SURROGATE.sub("?", path) or None)
+        raise InvalidRequestError(
+            f"{what}{where} holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not valid Unicode text",
+            param=_SURROGATE.sub("?", path) or None,
+        )
     return body
 
 
@@ -171,7 +192,10 @@ def _surrogate_path(value: JSON) -> tuple[str, str]:
             if isinstance(key, str) and not _encodes(key):
                 return path, "a key"
             if not _encodes(item):
-                value, path = item, (f"{path}.{key}" if path else key) if isinstance(key, str) else f"{path}[{key}]"
+                value, path = (
+                    item,
+                    (f"{path}.{key}" if path else key) if isinstance(key, str) else f"{path}[{key}]",
+                )
                 break
         else:
             break

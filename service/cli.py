@@ -77,7 +77,9 @@ def exit_now(code: int) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedserve", description="pagedserve: a resilient LLM serving stack")
+    parser = argparse.ArgumentParser(
+        prog="pagedserve", description="pagedserve: a resilient LLM serving stack"
+    )
     sub = parser.add_subparsers(dest="command", metavar="{serve,generate,bench}")
     serve_p = sub.add_parser("serve", help="serve models over an OpenAI-compatible HTTP API")
     _add_server_options(serve_p)
@@ -89,117 +91,256 @@ def build_parser() -> argparse.ArgumentParser:
     gen_p.add_argument("--temperature", type=float, default=0.0)
     gen_p.add_argument("--seed", type=int)
     _add_engine_options(gen_p)
-    bench_p = sub.add_parser("bench", help="measure the engine: --profile splits a step's time into the hot-spot "
-                                           "table (attention, KV write, GEMMs, elementwise, sampling, host)")
-    bench_p.add_argument("--profile", action="store_true", required=True,
-                         help="profile a batch of sequences under torch.profiler (the only measurement so far)")
+    bench_p = sub.add_parser(
+        "bench",
+        help="measure the engine: --profile splits a step's time into the hot-spot "
+        "table (attention, KV write, GEMMs, elementwise, sampling, host)",
+    )
+    bench_p.add_argument(
+        "--profile",
+        action="store_true",
+        required=True,
+        help="profile a batch of sequences under torch.profiler (the only measurement so far)",
+    )
     bench_p.add_argument("--model", default=str(DEFAULT_MODEL), help="model directory (default: %(default)s)")
     bench_p.add_argument("--output", help="also write the profile's JSON to this file")
     profile_arguments(bench_p)
     for p in (serve_p, gen_p, bench_p):
         p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-        p.add_argument("--log-format", default="text", choices=LOG_FORMATS,
-                       help="text lines, or one JSON object per line with the request fields (default: %(default)s)")
+        p.add_argument(
+            "--log-format",
+            default="text",
+            choices=LOG_FORMATS,
+            help="text lines, or one JSON object per line with the request fields (default: %(default)s)",
+        )
     return parser
 
 
 def _add_server_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML file: server options and [[models]] tables")
     p.add_argument("--model", action="append", help="model directory (repeatable; the first is the primary)")
-    p.add_argument("--served-model-name", action="append",
-                   help="name clients use for the --model at the same position (default: directory name)")
+    p.add_argument(
+        "--served-model-name",
+        action="append",
+        help="name clients use for the --model at the same position (default: directory name)",
+    )
     p.add_argument("--fallback", help="model directory the primary degrades to (served too)")
     p.add_argument("--host", help="default 127.0.0.1 (env HOST)")
     p.add_argument("--port", type=int, help="default 8000 (env PORT)")
-    p.add_argument("--api-key", action="append", help="accepted Bearer key for /v1/* (repeatable; env API_KEY)")
+    p.add_argument(
+        "--api-key", action="append", help="accepted Bearer key for /v1/* (repeatable; env API_KEY)"
+    )
     p.add_argument("--admin-key", help="Bearer key for /admin/* (env ADMIN_KEY)")
     p.add_argument("--max-body-bytes", type=parse_size, help=f"default {DEFAULT_MAX_BODY_BYTES} (4 MiB)")
-    p.add_argument("--auth-metrics", "--metrics-auth", dest="auth_metrics", action="store_true", default=None,
-                   help="/metrics needs an API key too")
-    p.add_argument("--health-details-auth", action="store_true", default=None,
-                   help="/health* bodies give details (reasons, breakers, memory) only with an API or admin key; "
-                        "their status codes stay public")
-    p.add_argument("--max-connections", type=int, help="open client connections (default 1024); beyond it the "
-                   "longest-open idle one is closed, or with none idle the new one gets 503")
-    p.add_argument("--max-connections-per-client", type=int,
-                   help="open connections of one client address; beyond it that client's longest-open idle one "
-                        "is closed, or with none idle the new one gets 503 (default: no bound; behind nginx every "
-                        "client is nginx's address)")
-    p.add_argument("--stream-write-timeout", dest="stream_write_timeout_s", type=float,
-                   help="seconds a client may leave a stream unread before it is aborted (default 30)")
-    p.add_argument("--body-read-timeout", dest="body_read_timeout_s", type=float,
-                   help="seconds to receive a request body before 408 (default 30)")
-    p.add_argument("--header-timeout", dest="header_timeout_s", type=float,
-                   help="seconds a new connection has to send a whole request head (default 30)")
-    p.add_argument("--keepalive-timeout", dest="keepalive_timeout_s", type=float,
-                   help="seconds an idle keep-alive connection stays open (default 75)")
-    p.add_argument("--no-warmup", dest="warmup", action="store_false", default=None,
-                   help="skip the one-token warm-up generation before turning ready")
-    p.add_argument("--shutdown-timeout", type=float, help="seconds in-flight requests may finish (default 10; env SHUTDOWN_TIMEOUT)")
-    p.add_argument("--first-token-timeout", "--idle-timeout", dest="first_token_timeout_s", type=float,
-                   help="seconds from a request's arrival (queue included) to its first token before it moves to "
-                        "the next model of its ladder, counted as a slow call on the breaker; also how long an "
-                        "engine loop may make no progress before it counts as stalled (default 10)")
-    p.add_argument("--stall-timeout", dest="stall_timeout_s", type=float,
-                   help="seconds an engine loop may go without progress before its requests count as stalled "
-                        "(default: the first-token timeout; raise it for models whose one step can be that long)")
-    p.add_argument("--request-timeout", dest="request_timeout_s", type=float,
-                   help="seconds any request may take in total, 504 deadline_exceeded after it; a client may ask for "
-                        "less with the x-pagedserve-timeout header (default 600)")
-    p.add_argument("--heartbeat-interval", dest="heartbeat_interval_s", type=float,
-                   help="seconds between memory probes and leak checks (default 30)")
-    p.add_argument("--leak-min-growth", dest="leak_min_growth_bytes", type=parse_size,
-                   help="idle memory growth that may count as a leak, e.g. 64MiB (default)")
-    p.add_argument("--leak-action", choices=["recycle", "exit"],
-                   help="on a confirmed leak: reload the engines in process (default) or exit with code 75")
-    p.add_argument("--default-max-tokens", type=int,
-                   help="max_tokens of a chat request that names none, capped by the context left (default 512)")
-    p.add_argument("--bulkhead-max-seqs", type=int,
-                   help="sequences (n counted) admitted per model at once; beyond it 429 "
-                        "(default: the engine's --max-num-seqs + --max-num-waiting)")
-    p.add_argument("--bulkhead-max-tokens", type=int,
-                   help="prompt + n x max_tokens admitted per model at once; beyond it 429 (default: no bound)")
+    p.add_argument(
+        "--auth-metrics",
+        "--metrics-auth",
+        dest="auth_metrics",
+        action="store_true",
+        default=None,
+        help="/metrics needs an API key too",
+    )
+    p.add_argument(
+        "--health-details-auth",
+        action="store_true",
+        default=None,
+        help="/health* bodies give details (reasons, breakers, memory) only with an API or admin key; "
+        "their status codes stay public",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        help="open client connections (default 1024); beyond it the "
+        "longest-open idle one is closed, or with none idle the new one gets 503",
+    )
+    p.add_argument(
+        "--max-connections-per-client",
+        type=int,
+        help="open connections of one client address; beyond it that client's longest-open idle one "
+        "is closed, or with none idle the new one gets 503 (default: no bound; behind nginx every "
+        "client is nginx's address)",
+    )
+    p.add_argument(
+        "--stream-write-timeout",
+        dest="stream_write_timeout_s",
+        type=float,
+        help="seconds a client may leave a stream unread before it is aborted (default 30)",
+    )
+    p.add_argument(
+        "--body-read-timeout",
+        dest="body_read_timeout_s",
+        type=float,
+        help="seconds to receive a request body before 408 (default 30)",
+    )
+    p.add_argument(
+        "--header-timeout",
+        dest="header_timeout_s",
+        type=float,
+        help="seconds a new connection has to send a whole request head (default 30)",
+    )
+    p.add_argument(
+        "--keepalive-timeout",
+        dest="keepalive_timeout_s",
+        type=float,
+        help="seconds an idle keep-alive connection stays open (default 75)",
+    )
+    p.add_argument(
+        "--no-warmup",
+        dest="warmup",
+        action="store_false",
+        default=None,
+        help="skip the one-token warm-up generation before turning ready",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        help="seconds in-flight requests may finish (default 10; env SHUTDOWN_TIMEOUT)",
+    )
+    p.add_argument(
+        "--first-token-timeout",
+        "--idle-timeout",
+        dest="first_token_timeout_s",
+        type=float,
+        help="seconds from a request's arrival (queue included) to its first token before it moves to "
+        "the next model of its ladder, counted as a slow call on the breaker; also how long an "
+        "engine loop may make no progress before it counts as stalled (default 10)",
+    )
+    p.add_argument(
+        "--stall-timeout",
+        dest="stall_timeout_s",
+        type=float,
+        help="seconds an engine loop may go without progress before its requests count as stalled "
+        "(default: the first-token timeout; raise it for models whose one step can be that long)",
+    )
+    p.add_argument(
+        "--request-timeout",
+        dest="request_timeout_s",
+        type=float,
+        help="seconds any request may take in total, 504 deadline_exceeded after it; a client may ask for "
+        "less with the x-pagedserve-timeout header (default 600)",
+    )
+    p.add_argument(
+        "--heartbeat-interval",
+        dest="heartbeat_interval_s",
+        type=float,
+        help="seconds between memory probes and leak checks (default 30)",
+    )
+    p.add_argument(
+        "--leak-min-growth",
+        dest="leak_min_growth_bytes",
+        type=parse_size,
+        help="idle memory growth that may count as a leak, e.g. 64MiB (default)",
+    )
+    p.add_argument(
+        "--leak-action",
+        choices=["recycle", "exit"],
+        help="on a confirmed leak: reload the engines in process (default) or exit with code 75",
+    )
+    p.add_argument(
+        "--default-max-tokens",
+        type=int,
+        help="max_tokens of a chat request that names none, capped by the context left (default 512)",
+    )
+    p.add_argument(
+        "--bulkhead-max-seqs",
+        type=int,
+        help="sequences (n counted) admitted per model at once; beyond it 429 "
+        "(default: the engine's --max-num-seqs + --max-num-waiting)",
+    )
+    p.add_argument(
+        "--bulkhead-max-tokens",
+        type=int,
+        help="prompt + n x max_tokens admitted per model at once; beyond it 429 (default: no bound)",
+    )
     p.add_argument("--max-n", type=int, help="choices (n) one request may ask for (default and most: 128)")
-    p.add_argument("--max-key-share", type=float,
-                   help="share (0-1] of a model's --max-num-seqs seats one API key may hold, queued requests "
-                        "included; beyond it 429, a request larger than it 400 (default: no bound)")
-    p.add_argument("--max-queue-delay", dest="max_queue_delay_s", type=float,
-                   help="seconds a model's queue may hold its longest-waiting request before new requests go "
-                        "to its fallback (degraded), or get 429 without one (default: a quarter of "
-                        "--first-token-timeout, 2.5; 0 = off)")
-    p.add_argument("--max-engine-rebuilds", type=int,
-                   help="dead engine loops rebuilt in process within 10 minutes before the process exits 75 "
-                        "for its supervisor (default 3; 0 = exit at the first death)")
-    p.add_argument("--max-continuations", type=int,
-                   help="times one stream is continued after an engine fault (a crash, a lost rank, an unload): "
-                        "re-admitted as prompt + the tokens it delivered, on the rebuilt engine or the fallback "
-                        "(default 2; 0 = the fault is the client's error)")
-    p.add_argument("--quarantine-seconds", dest="quarantine_s", type=float,
-                   help="a request the engine isolated as the poison of a failed step is refused with 422 "
-                        "request_quarantined when sent again within this many seconds (default 300; 0 = off)")
-    p.add_argument("--hang-timeout", dest="hang_timeout_s", type=float,
-                   help="seconds an engine loop may spend in one iteration before liveness fails (default 60)")
-    p.add_argument("--breaker-open-seconds", dest="breaker_open_s", type=float,
-                   help="seconds a tripped breaker stays open before one probe is let through (default 30)")
-    p.add_argument("--models-root", help="POST /admin/models/load reads only directories under it (default: the "
-                   "shipped models/ dir)")
-    p.add_argument("--memory-budget", dest="memory_budget_bytes", type=parse_size,
-                   help="bytes all loaded models may hold (weights + KV pools), e.g. 8GiB; a load beyond it "
-                        "unloads idle models, least recently used first (default: unlimited)")
+    p.add_argument(
+        "--max-key-share",
+        type=float,
+        help="share (0-1] of a model's --max-num-seqs seats one API key may hold, queued requests "
+        "included; beyond it 429, a request larger than it 400 (default: no bound)",
+    )
+    p.add_argument(
+        "--max-queue-delay",
+        dest="max_queue_delay_s",
+        type=float,
+        help="seconds a model's queue may hold its longest-waiting request before new requests go "
+        "to its fallback (degraded), or get 429 without one (default: a quarter of "
+        "--first-token-timeout, 2.5; 0 = off)",
+    )
+    p.add_argument(
+        "--max-engine-rebuilds",
+        type=int,
+        help="dead engine loops rebuilt in process within 10 minutes before the process exits 75 "
+        "for its supervisor (default 3; 0 = exit at the first death)",
+    )
+    p.add_argument(
+        "--max-continuations",
+        type=int,
+        help="times one stream is continued after an engine fault (a crash, a lost rank, an unload): "
+        "re-admitted as prompt + the tokens it delivered, on the rebuilt engine or the fallback "
+        "(default 2; 0 = the fault is the client's error)",
+    )
+    p.add_argument(
+        "--quarantine-seconds",
+        dest="quarantine_s",
+        type=float,
+        help="a request the engine isolated as the poison of a failed step is refused with 422 "
+        "request_quarantined when sent again within this many seconds (default 300; 0 = off)",
+    )
+    p.add_argument(
+        "--hang-timeout",
+        dest="hang_timeout_s",
+        type=float,
+        help="seconds an engine loop may spend in one iteration before liveness fails (default 60)",
+    )
+    p.add_argument(
+        "--breaker-open-seconds",
+        dest="breaker_open_s",
+        type=float,
+        help="seconds a tripped breaker stays open before one probe is let through (default 30)",
+    )
+    p.add_argument(
+        "--models-root",
+        help="POST /admin/models/load reads only directories under it (default: the shipped models/ dir)",
+    )
+    p.add_argument(
+        "--memory-budget",
+        dest="memory_budget_bytes",
+        type=parse_size,
+        help="bytes all loaded models may hold (weights + KV pools), e.g. 8GiB; a load beyond it "
+        "unloads idle models, least recently used first (default: unlimited)",
+    )
     p.add_argument("--models-dir", help="on-demand loading: a request for <dir>/<model> loads it first")
-    p.add_argument("--on-demand-fallback", metavar="MODEL",
-                   help="served model that answers (x-pagedserve-degraded: 1) a request for a model still loading on "
-                        "demand after the first-token timeout (default: the first --model)")
-    p.add_argument("--max-loaded-models", type=int,
-                   help="at most this many models loaded at once; LRU idle ones are unloaded (default: unlimited)")
-    p.add_argument("--allowed-origins", action="append", metavar="ORIGIN",
-                   help="browser origin allowed by CORS, e.g. https://app.example.com (repeatable; '*' = any); "
-                        "default none: no CORS headers, preflights refused")
-    p.add_argument("--otel-endpoint", metavar="URL",
-                   help="OTLP/HTTP collector for OpenTelemetry traces (a span per request: queue, prefill, decode); "
-                        "default: OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT, else tracing is off")
-    p.add_argument("--enable-fault-injection", action="store_true", default=None,
-                   help="serve POST/DELETE /admin/faults (admin key required): for chaos tests only")
+    p.add_argument(
+        "--on-demand-fallback",
+        metavar="MODEL",
+        help="served model that answers (x-pagedserve-degraded: 1) a request for a model still loading on "
+        "demand after the first-token timeout (default: the first --model)",
+    )
+    p.add_argument(
+        "--max-loaded-models",
+        type=int,
+        help="at most this many models loaded at once; LRU idle ones are unloaded (default: unlimited)",
+    )
+    p.add_argument(
+        "--allowed-origins",
+        action="append",
+        metavar="ORIGIN",
+        help="browser origin allowed by CORS, e.g. https://app.example.com (repeatable; '*' = any); "
+        "default none: no CORS headers, preflights refused",
+    )
+    p.add_argument(
+        "--otel-endpoint",
+        metavar="URL",
+        help="OTLP/HTTP collector for OpenTelemetry traces (a span per request: queue, prefill, decode); "
+        "default: OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT, else tracing is off",
+    )
+    p.add_argument(
+        "--enable-fault-injection",
+        action="store_true",
+        default=None,
+        help="serve POST/DELETE /admin/faults (admin key required): for chaos tests only",
+    )
 
 
 def _add_engine_options(p: argparse.ArgumentParser) -> None:
@@ -220,25 +361,48 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--engine-seed", dest="seed_engine", type=int, help="seed for requests without one")
     g.add_argument("--chat-template", help="jinja file that replaces every model's chat template")
     g.add_argument("--num-threads", type=int, help="torch threads on CPU")
-    g.add_argument("--quantization", help="int8: quantize linear weights at load (weight-only, per channel); "
-                                          "AWQ / GPTQ 4-bit checkpoints are read as they are (awq | gptq)")
+    g.add_argument(
+        "--quantization",
+        help="int8: quantize linear weights at load (weight-only, per channel); "
+        "AWQ / GPTQ 4-bit checkpoints are read as they are (awq | gptq)",
+    )
     g.add_argument("--attention-backend", help="auto | torch | flex (auto: flex on CUDA, torch on CPU)")
-    g.add_argument("--linear-kernel", help="auto (default) | aten | onednn: CPU float linear layers; auto measures "
-                                           "at load which is faster (engine/executor/layers/onednn_linear.py)")
-    g.add_argument("--model-impl", help="auto (default: the own forward where there is one) | own | generic "
-                                        "(HF's modules on pagedserve's paged attention: any decoder-only model)")
-    g.add_argument("--tensor-parallel-size", type=int,
-                   help="split each model over N processes (its heads and MLP columns; gloo on CPU, NCCL on CUDA: "
-                        "engine/executor/parallel.py); float weights, aten linear layers, no --compile")
-    g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
-                   help="run each engine's loop in a process of its own, so it shares no GIL with the HTTP "
-                        "server (engine/frontend/process_engine.py); its memory is watched with this process's")
-    g.add_argument("--stream-interval", type=int,
-                   help="send a stream's tokens every N (its first and last at once): fewer, bigger SSE events for "
-                        "throughput under many streams (default 1: every token as it comes)")
-    g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="torch.compile the layers at load (off by default: no gain measured on CPU; "
-                        "compiled code cached in $TORCHINDUCTOR_CACHE_DIR, default ~/.cache/pagedserve/inductor)")
+    g.add_argument(
+        "--linear-kernel",
+        help="auto (default) | aten | onednn: CPU float linear layers; auto measures "
+        "at load which is faster (engine/executor/layers/onednn_linear.py)",
+    )
+    g.add_argument(
+        "--model-impl",
+        help="auto (default: the own forward where there is one) | own | generic "
+        "(HF's modules on pagedserve's paged attention: any decoder-only model)",
+    )
+    g.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        help="split each model over N processes (its heads and MLP columns; gloo on CPU, NCCL on CUDA: "
+        "engine/executor/parallel.py); float weights, aten linear layers, no --compile",
+    )
+    g.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run each engine's loop in a process of its own, so it shares no GIL with the HTTP "
+        "server (engine/frontend/process_engine.py); its memory is watched with this process's",
+    )
+    g.add_argument(
+        "--stream-interval",
+        type=int,
+        help="send a stream's tokens every N (its first and last at once): fewer, bigger SSE events for "
+        "throughput under many streams (default 1: every token as it comes)",
+    )
+    g.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="torch.compile the layers at load (off by default: no gain measured on CPU; "
+        "compiled code cached in $TORCHINDUCTOR_CACHE_DIR, default ~/.cache/pagedserve/inductor)",
+    )
 
 
 def _int_or_auto(value: str) -> int | str:
@@ -246,10 +410,30 @@ def _int_or_auto(value: str) -> int | str:
 
 
 def engine_options(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str, Any]:
-    names = ("dtype", "device", "block_size", "kv_cache_memory", "gpu_memory_utilization", "max_num_seqs",
-             "max_num_batched_tokens", "max_model_len", "max_num_waiting", "scheduler_policy", "preemption_mode",
-             "swap_space", "enable_prefix_caching", "num_threads", "quantization", "attention_backend", "linear_kernel",
-             "compile", "model_impl", "tensor_parallel_size", "engine_process", "stream_interval")
+    names = (
+        "dtype",
+        "device",
+        "block_size",
+        "kv_cache_memory",
+        "gpu_memory_utilization",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "max_model_len",
+        "max_num_waiting",
+        "scheduler_policy",
+        "preemption_mode",
+        "swap_space",
+        "enable_prefix_caching",
+        "num_threads",
+        "quantization",
+        "attention_backend",
+        "linear_kernel",
+        "compile",
+        "model_impl",
+        "tensor_parallel_size",
+        "engine_process",
+        "stream_interval",
+    )
     options = {n: getattr(args, n, None) for n in names}
     options["seed"] = getattr(args, "seed_engine", None)
     if getattr(args, "chat_template", None):
@@ -268,8 +452,10 @@ def build_config(args: argparse.Namespace, env: Mapping[str, str]) -> ServerConf
     options = engine_options(args, env)
     models = _cli_models(args, env, options)
     if models is None:
-        models = tuple(ModelSpec(m.name, engine_config(m.engine.model, {**_engine_fields(m), **options}),
-                                 m.fallback) for m in base.get("models", ()))
+        models = tuple(
+            ModelSpec(m.name, engine_config(m.engine.model, {**_engine_fields(m), **options}), m.fallback)
+            for m in base.get("models", ())
+        )
     if not models:
         models = _models_from_dirs([str(DEFAULT_MODEL)], [], str(DEFAULT_FALLBACK), options)
     api_keys = args.api_key or ([env["API_KEY"]] if env.get("API_KEY") else None)
@@ -278,26 +464,42 @@ def build_config(args: argparse.Namespace, env: Mapping[str, str]) -> ServerConf
         "port": args.port if args.port is not None else _env_number(env, "PORT", int),
         "api_keys": tuple(api_keys) if api_keys else None,
         "admin_key": args.admin_key or env.get("ADMIN_KEY") or None,
-        "max_body_bytes": args.max_body_bytes, "auth_metrics": args.auth_metrics, "warmup": args.warmup,
-        "shutdown_timeout": args.shutdown_timeout if args.shutdown_timeout is not None else
-        _env_number(env, "SHUTDOWN_TIMEOUT", float), "first_token_timeout_s": args.first_token_timeout_s,
-        "request_timeout_s": args.request_timeout_s, "stall_timeout_s": args.stall_timeout_s,
-        "heartbeat_interval_s": args.heartbeat_interval_s, "leak_min_growth_bytes": args.leak_min_growth_bytes,
-        "leak_action": args.leak_action, "hang_timeout_s": args.hang_timeout_s,
-        "max_engine_rebuilds": args.max_engine_rebuilds, "max_continuations": args.max_continuations,
-        "quarantine_s": args.quarantine_s, "default_max_tokens": args.default_max_tokens,
-        "bulkhead_max_seqs": args.bulkhead_max_seqs, "bulkhead_max_tokens": args.bulkhead_max_tokens,
-        "max_key_share": args.max_key_share, "max_n": args.max_n,
+        "max_body_bytes": args.max_body_bytes,
+        "auth_metrics": args.auth_metrics,
+        "warmup": args.warmup,
+        "shutdown_timeout": args.shutdown_timeout
+        if args.shutdown_timeout is not None
+        else _env_number(env, "SHUTDOWN_TIMEOUT", float),
+        "first_token_timeout_s": args.first_token_timeout_s,
+        "request_timeout_s": args.request_timeout_s,
+        "stall_timeout_s": args.stall_timeout_s,
+        "heartbeat_interval_s": args.heartbeat_interval_s,
+        "leak_min_growth_bytes": args.leak_min_growth_bytes,
+        "leak_action": args.leak_action,
+        "hang_timeout_s": args.hang_timeout_s,
+        "max_engine_rebuilds": args.max_engine_rebuilds,
+        "max_continuations": args.max_continuations,
+        "quarantine_s": args.quarantine_s,
+        "default_max_tokens": args.default_max_tokens,
+        "bulkhead_max_seqs": args.bulkhead_max_seqs,
+        "bulkhead_max_tokens": args.bulkhead_max_tokens,
+        "max_key_share": args.max_key_share,
+        "max_n": args.max_n,
         "max_queue_delay_s": args.max_queue_delay_s,
-        "breaker_open_s": args.breaker_open_s, "models_root": args.models_root,
-        "memory_budget_bytes": args.memory_budget_bytes, "models_dir": args.models_dir,
+        "breaker_open_s": args.breaker_open_s,
+        "models_root": args.models_root,
+        "memory_budget_bytes": args.memory_budget_bytes,
+        "models_dir": args.models_dir,
         "on_demand_fallback": args.on_demand_fallback,
         "max_loaded_models": args.max_loaded_models,
         "enable_fault_injection": args.enable_fault_injection,
-        "health_details_auth": args.health_details_auth, "max_connections": args.max_connections,
+        "health_details_auth": args.health_details_auth,
+        "max_connections": args.max_connections,
         "max_connections_per_client": args.max_connections_per_client,
-        "stream_write_timeout_s": args.stream_write_timeout_s, "body_read_timeout_s": args.body_read_timeout_s,
-        "header_timeout_s": args.header_timeout_s, "keepalive_timeout_s": args.keepalive_timeout_s,
+        "stream_write_timeout_s": args.stream_write_timeout_s,
+        "body_read_timeout_s": args.body_read_timeout_s,
+        "header_timeout_s": args.header_timeout_s,
+        "keepalive_timeout_s": args.keepalive_timeout_s,
         "allowed_origins": tuple(args.allowed_origins) if args.allowed_origins else None,
         "otel_endpoint": endpoint_from(args.otel_endpoint, env),
     }
@@ -308,8 +510,9 @@ def build_config(args: argparse.Namespace, env: Mapping[str, str]) -> ServerConf
         raise ConfigError(str(exc)) from exc
 
 
-def _cli_models(args: argparse.Namespace, env: Mapping[str, str],
-                options: dict[str, Any]) -> tuple[ModelSpec, ...] | None:
+def _cli_models(
+    args: argparse.Namespace, env: Mapping[str, str], options: dict[str, Any]
+) -> tuple[ModelSpec, ...] | None:
     dirs = args.model or ([env["MODEL"]] if env.get("MODEL") else None)
     if dirs is None:
         if args.fallback or args.served_model_name:
@@ -318,19 +521,22 @@ def _cli_models(args: argparse.Namespace, env: Mapping[str, str],
     return _models_from_dirs(dirs, args.served_model_name or [], args.fallback, options)
 
 
-def _models_from_dirs(dirs: list[str], names: list[str], fallback: str | None,
-                      options: dict[str, Any]) -> tuple[ModelSpec, ...]:
+def _models_from_dirs(
+    dirs: list[str], names: list[str], fallback: str | None, options: dict[str, Any]
+) -> tuple[ModelSpec, ...]:
     if len(names) > len(dirs):
         raise ConfigError(f"{len(names)} --served-model-name for {len(dirs)} --model")
-    names = names + [default_name(d) for d in dirs[len(names):]]
+    names = names + [default_name(d) for d in dirs[len(names) :]]
     fallback_name = None
     if fallback is not None:
         known = {os.path.realpath(d): n for d, n in zip(dirs, names, strict=True)}
         fallback_name = known.get(os.path.realpath(fallback)) or default_name(fallback)
         if os.path.realpath(fallback) not in known:
             dirs, names = [*dirs, fallback], [*names, fallback_name]
-    specs = [ModelSpec(name, engine_config(d, options), fallback_name if i == 0 else None)
-             for i, (d, name) in enumerate(zip(dirs, names, strict=True))]
+    specs = [
+        ModelSpec(name, engine_config(d, options), fallback_name if i == 0 else None)
+        for i, (d, name) in enumerate(zip(dirs, names, strict=True))
+    ]
     return tuple(specs)
 
 
@@ -358,8 +564,9 @@ def check_model_dirs(config: ServerConfig) -> None:
         try:
             engine = spec.engine
             files = validate_model_dir(engine.model, engine.files_root)
-            check_backend_options(files, engine.tensor_parallel_size, engine.quantization, engine.compile,
-                                  engine.model_impl)
+            check_backend_options(
+                files, engine.tensor_parallel_size, engine.quantization, engine.compile, engine.model_impl
+            )
             resolve(engine.quantization, files.config)
         except ValueError as exc:  # ModelValidationError too
             raise ConfigError(f"model {spec.name!r}: {exc}") from exc
@@ -383,8 +590,12 @@ async def serve(config: ServerConfig) -> int:
     try:
         site = web.TCPSite(runner, config.host, config.port)
         await site.start()
-        logger.info("pagedserve listening on http://%s:%d (models: %s)", config.host, config.port,
-                    ", ".join(config.model_names))
+        logger.info(
+            "pagedserve listening on http://%s:%d (models: %s)",
+            config.host,
+            config.port,
+            ", ".join(config.model_names),
+        )
         fatal = app[STATE_KEY].fatal
         waiters = [asyncio.create_task(stop.wait()), asyncio.create_task(fatal.wait())]
         await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
@@ -410,7 +621,9 @@ def start_backstop(state: ServerState, seconds: float) -> None:
 
     def cut_short() -> None:
         code = 1 if state.fatal.is_set() else state.exit_code
-        logger.error("graceful stop still running %.1f s after SIGTERM: exiting now with code %d", seconds, code)
+        logger.error(
+            "graceful stop still running %.1f s after SIGTERM: exiting now with code %d", seconds, code
+        )
         exit_now(code)
 
     timer = threading.Timer(seconds, cut_short)

@@ -29,10 +29,19 @@ from service.keys import CONFIG_KEY, REQUEST_ID_KEY
 logger = logging.getLogger(__name__)
 
 ERROR_TYPES = {
-    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-    404: "not_found_error", 405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
-    415: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
-    500: "internal_server_error", 503: "service_unavailable_error", 504: "timeout_error",
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_server_error",
+    503: "service_unavailable_error",
+    504: "timeout_error",
 }
 
 
@@ -41,8 +50,14 @@ class ServiceError(Exception):
 
     status = 500
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
-                 retry_after: int | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
@@ -94,15 +109,23 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
-def error_response(status: int, message: str, *, param: str | None = None, code: str | None = None,
-                   headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response(error_body(status, message, param, code), status=status, headers=headers,
-                             dumps=_dumps)
+def error_response(
+    status: int,
+    message: str,
+    *,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> web.Response:
+    return web.json_response(
+        error_body(status, message, param, code), status=status, headers=headers, dumps=_dumps
+    )
 
 
 # what the middleware answers when rendering an error failed too: fixed bytes, nothing left to fail
-FALLBACK_BODY = (b'{"error": {"message": "internal error", "type": "internal_server_error", '
-                 b'"param": null, "code": null}}')
+FALLBACK_BODY = (
+    b'{"error": {"message": "internal error", "type": "internal_server_error", "param": null, "code": null}}'
+)
 
 
 @web.middleware
@@ -115,16 +138,22 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         try:
             return to_response(request, exc)
         except Exception as render_exc:  # noqa: BLE001 - the error path must never fail itself
-            logger.error("request_id=%s rendering the error %r failed: %r", request.get(REQUEST_ID_KEY, "-"),
-                         exc, render_exc, exc_info=render_exc)
+            logger.error(
+                "request_id=%s rendering the error %r failed: %r",
+                request.get(REQUEST_ID_KEY, "-"),
+                exc,
+                render_exc,
+                exc_info=render_exc,
+            )
             return web.Response(status=500, body=FALLBACK_BODY, content_type="application/json")
 
 
 def to_response(request: web.Request, exc: Exception) -> web.Response:
     """The JSON error response for any exception (also used for errors after a stream began)."""
     config = request.app[CONFIG_KEY]
-    status, message, param, code, retry_after = classify(exc, config.retry_after_overload,
-                                                         config.retry_after_unavailable)
+    status, message, param, code, retry_after = classify(
+        exc, config.retry_after_overload, config.retry_after_unavailable
+    )
     headers = dict(getattr(exc, "headers", None) or {}) if isinstance(exc, web.HTTPException) else {}
     headers.pop("Content-Type", None)
     if retry_after is not None:
@@ -141,8 +170,9 @@ def to_response(request: web.Request, exc: Exception) -> web.Response:
     return error_response(status, message, param=param, code=code, headers=headers)
 
 
-def classify(exc: BaseException, retry_overload: int = 1,
-             retry_unavailable: int = 5) -> tuple[int, str, str | None, str | None, int | None]:
+def classify(
+    exc: BaseException, retry_overload: int = 1, retry_unavailable: int = 5
+) -> tuple[int, str, str | None, str | None, int | None]:
     """(status, message, param, code, retry_after seconds) for one exception.
 
     The status contract nginx relies on (deploy/README.md): 503 only for refusals before any work

@@ -30,5 +30,15 @@ RECORD_KEY = web.RequestKey("record", RequestRecord)
 # when an OTLP endpoint is configured, else None
 TRACER_KEY = web.AppKey[Tracer | None]("tracer")
 
-__all__ = ["CONFIG_KEY", "STATE_KEY", "METRICS_KEY", "ENGINE_FACTORY_KEY", "ROUTER_FACTORY_KEY",
-           "REQUEST_ID_KEY", "RECORD_KEY", "TRACER_KEY", "EngineFactory", "RouterFactory"]
+__all__ = [
+    "CONFIG_KEY",
+    "STATE_KEY",
+    "METRICS_KEY",
+    "ENGINE_FACTORY_KEY",
+    "ROUTER_FACTORY_KEY",
+    "REQUEST_ID_KEY",
+    "RECORD_KEY",
+    "TRACER_KEY",
+    "EngineFactory",
+    "RouterFactory",
+]

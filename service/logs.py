@@ -18,18 +18,26 @@ from aiohttp.http_exceptions import HttpProcessingError
 LOG_FORMATS = ("text", "json")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 REDACTED = "<redacted>"
-_CREDENTIALS = re.compile(r"(?i)(\bauthorization\b['\"]?\s*[:=]\s*['\"]?)[^'\"\r\n]*|(\bbearer\s+)[^\s'\"\\]+")
+_CREDENTIALS = re.compile(
+    r"(?i)(\bauthorization\b['\"]?\s*[:=]\s*['\"]?)[^'\"\r\n]*|(\bbearer\s+)[^\s'\"\\]+"
+)
 MALFORMED_EVERY_S = 10.0
 
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        doc = {"time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
-               "level": record.levelname, "logger": record.name, "message": record.getMessage()}
+        doc = {
+            "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
         doc.update(record.__dict__.get("fields", {}))  # set through `extra={"fields": {...}}`
         if record.exc_info or record.exc_text:
             doc["exception"] = record.exc_text or self.formatException(record.exc_info)
-        return json.dumps(doc, ensure_ascii=True, default=str)  # ASCII: a lone surrogate is escaped, never raised
+        return json.dumps(
+            doc, ensure_ascii=True, default=str
+        )  # ASCII: a lone surrogate is escaped, never raised
 
 
 class Redactor(logging.Filter):
@@ -63,7 +71,9 @@ class MalformedRequests(logging.Filter):
     line naming what was wrong instead, the first and then at most one per `every_s`, each saying how
     many were left out since the last."""
 
-    def __init__(self, every_s: float = MALFORMED_EVERY_S, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, every_s: float = MALFORMED_EVERY_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         super().__init__()
         self.every_s, self.clock = every_s, clock
         self.num_left_out = 0
@@ -78,9 +88,13 @@ class MalformedRequests(logging.Filter):
             self.num_left_out += 1
             return False
         self._next_at = now + self.every_s
-        what = (exc.message or "").strip().splitlines()[0].rstrip(":") if exc.message else exc.__class__.__name__
-        record.msg, record.args = "malformed request (%d %s; %d more since the last such line)", (
-            exc.code, what[:120], self.num_left_out)
+        what = (
+            (exc.message or "").strip().splitlines()[0].rstrip(":") if exc.message else exc.__class__.__name__
+        )
+        record.msg, record.args = (
+            "malformed request (%d %s; %d more since the last such line)",
+            (exc.code, what[:120], self.num_left_out),
+        )
         record.levelno, record.levelname = logging.WARNING, "WARNING"
         record.exc_info, record.exc_text = None, None
         self.num_left_out = 0

@@ -62,16 +62,23 @@ async def list_models(request: web.Request) -> web.Response:
 async def retrieve_model(request: web.Request) -> web.Response:
     """GET /v1/models/{id}: one ready model, in the shape of the list's items (`client.models.retrieve`)."""
     name = request.match_info["model_id"]
-    _engine(request, {"model": name[:MAX_MODEL_CHARS + 1]})  # 404 unknown, 503 loading or being rebuilt
+    _engine(request, {"model": name[: MAX_MODEL_CHARS + 1]})  # 404 unknown, 503 loading or being rebuilt
     return web.json_response(_model_object(request, name))
 
 
 def _model_object(request: web.Request, name: str) -> dict[str, JSON]:
     config, state = request.app[CONFIG_KEY], request.app[STATE_KEY]
     engine, entry = state.engines[name], state.registry.entries[name]
-    return {"id": name, "object": "model", "created": int(state.started), "owned_by": "pagedserve",
-            "root": _shown_path(entry.path, config.models_root_path), "parent": None,
-            "max_model_len": engine.max_model_len, "fallback": entry.fallback}
+    return {
+        "id": name,
+        "object": "model",
+        "created": int(state.started),
+        "owned_by": "pagedserve",
+        "root": _shown_path(entry.path, config.models_root_path),
+        "parent": None,
+        "max_model_len": engine.max_model_len,
+        "fallback": entry.fallback,
+    }
 
 
 def _shown_path(path: str, root: Path) -> str:
@@ -98,7 +105,9 @@ async def ready(request: web.Request) -> web.Response:
     model's report: why, breaker and model states, degradation and the last memory sample."""
     report = request.app[STATE_KEY].health.report()
     if not report["ready"]:
-        return _health(request, {**report, "status": "not_ready", "reason": "; ".join(report["reasons"])}, status=503)
+        return _health(
+            request, {**report, "status": "not_ready", "reason": "; ".join(report["reasons"])}, status=503
+        )
     return _health(request, report)
 
 
@@ -115,8 +124,7 @@ async def health_generate(request: web.Request) -> web.Response:
     """A real one-token generation on every model, skipped when a token was produced in the
     last few seconds: cheap under load, honest when idle."""
     config, state = request.app[CONFIG_KEY], request.app[STATE_KEY]
-    if state.health.is_ready() and \
-            time.monotonic() - state.last_token_time < config.health_generate_skip_s:
+    if state.health.is_ready() and time.monotonic() - state.last_token_time < config.health_generate_skip_s:
         return web.json_response({"status": "ok", "skipped": "a token was produced recently"})
     try:
         async with asyncio.timeout(config.first_token_timeout_s):
@@ -151,7 +159,9 @@ async def tokenize(request: web.Request) -> web.Response:
     if "messages" in body and "prompt" in body:
         raise InvalidRequestError("send either prompt or messages, not both", param="prompt")
     is_chat = "messages" in body
-    add_special_tokens = body.get("add_special_tokens", not is_chat)  # vLLM's defaults: a template has its BOS
+    add_special_tokens = body.get(
+        "add_special_tokens", not is_chat
+    )  # vLLM's defaults: a template has its BOS
     if not isinstance(add_special_tokens, bool):
         raise InvalidRequestError("add_special_tokens must be a boolean", param="add_special_tokens")
     if is_chat:
@@ -171,13 +181,17 @@ async def detokenize(request: web.Request) -> web.Response:
     body = await read_json(request)
     engine = _engine(request, body)
     tokens = body.get("tokens")
-    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+    if not isinstance(tokens, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in tokens
+    ):
         raise InvalidRequestError("tokens must be a list of integer token ids", param="tokens")
     vocab_size = engine.vocab_size
     bad = [t for t in tokens if not 0 <= t < vocab_size]
     if bad:
         shown = bad[0] if abs(bad[0]) < 10**30 else "a huge number"
-        raise InvalidRequestError(f"tokens: {shown} is outside the vocabulary (size {vocab_size})", param="tokens")
+        raise InvalidRequestError(
+            f"tokens: {shown} is outside the vocabulary (size {vocab_size})", param="tokens"
+        )
     text = await asyncio.to_thread(engine.tokenizer.decode, tokens)
     return web.json_response({"prompt": text})
 
@@ -189,7 +203,9 @@ def _engine(request: web.Request, body: JSON) -> EngineClient:
     config, state = request.app[CONFIG_KEY], request.app[STATE_KEY]
     name = body.get("model")
     if name is not None and (not isinstance(name, str) or len(name) > MAX_MODEL_CHARS):
-        raise InvalidRequestError(f"model must be a string of at most {MAX_MODEL_CHARS} characters", param="model")
+        raise InvalidRequestError(
+            f"model must be a string of at most {MAX_MODEL_CHARS} characters", param="model"
+        )
     name = name or config.models[0].name
     engine = state.engines.get(name)
     if engine is None:
@@ -207,7 +223,9 @@ def _require_api_key(request: web.Request) -> None:
         return
     token = bearer_token(request)
     if token is None:
-        raise AuthenticationError("missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+        raise AuthenticationError(
+            "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
+        )
     if not KeyRing(keys).matches(token):
         raise AuthenticationError("invalid API key", code="invalid_api_key")
 
@@ -217,8 +235,9 @@ def add_cors(app: web.Application) -> None:
     """With --allowed-origins: preflights for the API answered before auth (a browser sends them
     without credentials), and the allowed origin named on every response, errors included (else the
     page cannot read them). Without it nothing changes: no CORS header, and preflights are refused."""
-    auth_index = next((i for i, m in enumerate(app.middlewares) if m.__module__ == "service.auth"),
-                      len(app.middlewares))
+    auth_index = next(
+        (i for i, m in enumerate(app.middlewares) if m.__module__ == "service.auth"), len(app.middlewares)
+    )
     app.middlewares.insert(auth_index, _preflight_middleware)
     app.on_response_prepare.append(_cors_headers)
 
@@ -232,12 +251,18 @@ async def _preflight_middleware(request: web.Request, handler: Handler) -> web.S
     if origin is None:  # a plain OPTIONS, not a browser's preflight
         return web.Response(status=204, headers={"Allow": CORS_METHODS})
     if not _is_allowed(request, origin):
-        raise PermissionDeniedError(f"origin {origin[:100]!r} is not allowed (--allowed-origins)",
-                                    code="origin_not_allowed")
+        raise PermissionDeniedError(
+            f"origin {origin[:100]!r} is not allowed (--allowed-origins)", code="origin_not_allowed"
+        )
     asked = request.headers.get("Access-Control-Request-Headers")
-    return web.Response(status=204, headers={
-        "Access-Control-Allow-Methods": CORS_METHODS, "Access-Control-Allow-Headers": asked or CORS_HEADERS,
-        "Access-Control-Max-Age": str(CORS_MAX_AGE_S)})
+    return web.Response(
+        status=204,
+        headers={
+            "Access-Control-Allow-Methods": CORS_METHODS,
+            "Access-Control-Allow-Headers": asked or CORS_HEADERS,
+            "Access-Control-Max-Age": str(CORS_MAX_AGE_S),
+        },
+    )
 
 
 async def _cors_headers(request: web.Request, response: web.StreamResponse) -> None:

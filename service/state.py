@@ -20,15 +20,23 @@ class ServerState:
     comes from `health` (resilience's one health model), which reads the engines, the registry's
     model states and the router from here."""
 
-    def __init__(self, hang_timeout_s: float = 60.0, required_models: tuple[str, ...] = (),
-                 quarantine_s: float = 0.0) -> None:
-        self.engines: dict[str, EngineClient] = {}  # served name -> engine, configuration order, loaded ones only
+    def __init__(
+        self, hang_timeout_s: float = 60.0, required_models: tuple[str, ...] = (), quarantine_s: float = 0.0
+    ) -> None:
+        self.engines: dict[
+            str, EngineClient
+        ] = {}  # served name -> engine, configuration order, loaded ones only
         self.router: ModelRouter | None = None  # built once every engine is loaded
         # service.models.registry.ModelRegistry: loads and unloads models. Not named here: registry -> errors -> keys
         # -> state would close an import circle (tests/unit/test_layering.py counts type-only imports too)
         self.registry: Any | None = None
-        self.health = HealthState(clock=time.monotonic, hang_timeout_s=hang_timeout_s, engines=self.engines,
-                                  model_states=self._model_states, required=required_models)
+        self.health = HealthState(
+            clock=time.monotonic,
+            hang_timeout_s=hang_timeout_s,
+            engines=self.engines,
+            model_states=self._model_states,
+            required=required_models,
+        )
         self.fatal = asyncio.Event()  # set when the server cannot serve at all (a model failed to load)
         self.loaded = asyncio.Event()  # set once every model is loaded and warmed
         self.generations: set[asyncio.Task] = set()  # handler tasks with an engine request in flight
@@ -57,7 +65,9 @@ class ServerState:
         return self.health.is_draining
 
     def _model_states(self) -> dict[str, str]:
-        return {} if self.registry is None else {name: str(e.state) for name, e in self.registry.entries.items()}
+        return (
+            {} if self.registry is None else {name: str(e.state) for name, e in self.registry.entries.items()}
+        )
 
     def find_engine(self, name: str) -> EngineClient | None:
         """A loaded engine, or one being unloaded that still finishes its streams."""

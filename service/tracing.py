@@ -37,25 +37,49 @@ class Tracer:
         self._tracer = provider.get_tracer("pagedserve")
         self._propagator = TraceContextTextMapPropagator()
 
-    def record(self, method: str, route: str, headers: Mapping[str, str], request_id: str, status: int,
-               record: RequestRecord, end: float) -> None:
+    def record(
+        self,
+        method: str,
+        route: str,
+        headers: Mapping[str, str],
+        request_id: str,
+        status: int,
+        record: RequestRecord,
+        end: float,
+    ) -> None:
         """Write the spans of one finished request (`end`: time.monotonic() when it ended)."""
         trace = self._trace
         to_ns = _monotonic_to_epoch_ns()
         parent = self._propagator.extract(carrier=dict(headers))
-        span = self._tracer.start_span(f"{method} {route}", context=parent, start_time=to_ns(record.start), attributes={
-            "http.request.method": method, "http.route": route, "http.response.status_code": status,
-            "pagedserve.request_id": request_id, "gen_ai.request.model": record.model or "",
-            "gen_ai.response.model": record.served_model or "", "pagedserve.degraded": record.degraded,
-            "gen_ai.usage.input_tokens": record.prompt_tokens, "gen_ai.usage.output_tokens": record.completion_tokens})
+        span = self._tracer.start_span(
+            f"{method} {route}",
+            context=parent,
+            start_time=to_ns(record.start),
+            attributes={
+                "http.request.method": method,
+                "http.route": route,
+                "http.response.status_code": status,
+                "pagedserve.request_id": request_id,
+                "gen_ai.request.model": record.model or "",
+                "gen_ai.response.model": record.served_model or "",
+                "pagedserve.degraded": record.degraded,
+                "gen_ai.usage.input_tokens": record.prompt_tokens,
+                "gen_ai.usage.output_tokens": record.completion_tokens,
+            },
+        )
         if status >= 500:
             span.set_status(trace.Status(trace.StatusCode.ERROR, record.note or f"status {status}"))
         if record.degraded:
-            span.add_event("failover", {"asked_model": record.model or "", "served_model": record.served_model or ""},
-                           timestamp=to_ns(record.first_token or end))
+            span.add_event(
+                "failover",
+                {"asked_model": record.model or "", "served_model": record.served_model or ""},
+                timestamp=to_ns(record.first_token or end),
+            )
         context = trace.set_span_in_context(span)
         for name, begin, finish in _phases(record, end):
-            self._tracer.start_span(name, context=context, start_time=to_ns(begin)).end(end_time=to_ns(finish))
+            self._tracer.start_span(name, context=context, start_time=to_ns(begin)).end(
+                end_time=to_ns(finish)
+            )
         span.end(end_time=to_ns(end))
 
     def shutdown(self) -> None:

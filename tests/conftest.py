@@ -51,16 +51,23 @@ def bos_model(random_model, tmp_path_factory) -> Path:
     shutil.copytree(random_model("tiny-llama"), path)
     spec = json.loads((path / "tokenizer.json").read_text())
     bos = next(t["content"] for t in spec["added_tokens"] if t["id"] == BOS_ID)
-    spec["post_processor"] = {"type": "TemplateProcessing",
-                              "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-                              "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
-                                       {"Sequence": {"id": "B", "type_id": 1}}],
-                              "special_tokens": {bos: {"id": bos, "ids": [BOS_ID], "tokens": [bos]}}}
+    spec["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [
+            {"SpecialToken": {"id": bos, "type_id": 0}},
+            {"Sequence": {"id": "A", "type_id": 0}},
+            {"Sequence": {"id": "B", "type_id": 1}},
+        ],
+        "special_tokens": {bos: {"id": bos, "ids": [BOS_ID], "tokens": [bos]}},
+    }
     (path / "tokenizer.json").write_text(json.dumps(spec))
     config = json.loads((path / "tokenizer_config.json").read_text())
     (path / "tokenizer_config.json").write_text(json.dumps({**config, "bos_token": bos}))
     # a template that starts with the BOS, as Llama 3's does
-    (path / "chat_template.jinja").write_text("{{ bos_token }}{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+    (path / "chat_template.jinja").write_text(
+        "{{ bos_token }}{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    )
     return path
 
 
@@ -86,9 +93,14 @@ def start(aiohttp_client, tiny_models):
 
     gates: list[threading.Event] = []
 
-    async def make(engine_kwargs: dict | None = None, wait_ready: bool = True, router_factory=None,
-                   load_gate: threading.Event | None = None, fallback_dir: Path | None = None,
-                   **config) -> Harness:
+    async def make(
+        engine_kwargs: dict | None = None,
+        wait_ready: bool = True,
+        router_factory=None,
+        load_gate: threading.Event | None = None,
+        fallback_dir: Path | None = None,
+        **config,
+    ) -> Harness:
         """`engine_kwargs`: EngineConfig fields for both models; `load_gate`: loading blocks until it is
         set; `fallback_dir`: the fallback's model directory instead of the tiny Qwen2."""
         factory = None
@@ -101,8 +113,11 @@ def start(aiohttp_client, tiny_models):
                 assert load_gate.wait(30)
                 return AsyncEngine(cfg)
 
-        app = create_app(real_config(tiny_models, engine_kwargs, fallback_dir, **config), engine_factory=factory,
-                         router_factory=router_factory)
+        app = create_app(
+            real_config(tiny_models, engine_kwargs, fallback_dir, **config),
+            engine_factory=factory,
+            router_factory=router_factory,
+        )
         client = await aiohttp_client(app, server_kwargs={"handler_cancellation": True})
         harness = Harness(client, app)
         if wait_ready:

@@ -42,8 +42,15 @@ class FakeEngine:
     `hang_after`: outputs before it hangs; `is_stalled`: its loop makes no progress meanwhile;
     `queue_delay`: how long its queue has held its head, for each priority asked."""
 
-    def __init__(self, ttft_s: float = 0.0, errors: list[BaseException] | None = None, num_outputs: int = 3,
-                 hang_after: int | None = None, is_stalled: bool = False, queue_delay: float = 0.0) -> None:
+    def __init__(
+        self,
+        ttft_s: float = 0.0,
+        errors: list[BaseException] | None = None,
+        num_outputs: int = 3,
+        hang_after: int | None = None,
+        is_stalled: bool = False,
+        queue_delay: float = 0.0,
+    ) -> None:
         self.ttft_s, self.errors, self.num_outputs = ttft_s, list(errors or []), num_outputs
         self.hang_after, self.is_stalled, self.queue_delay = hang_after, is_stalled, queue_delay
         self.is_full = False
@@ -67,8 +74,17 @@ class FakeEngine:
         """`is_full`: its batch has no room (seats or KV blocks) for what waits."""
         return SimpleNamespace(is_full=self.is_full)
 
-    async def generate(self, prompt, params, request_id, priority=0, prompt_token_ids=None, group_id=None,
-                       add_special_tokens=True, resume=()):
+    async def generate(
+        self,
+        prompt,
+        params,
+        request_id,
+        priority=0,
+        prompt_token_ids=None,
+        group_id=None,
+        add_special_tokens=True,
+        resume=(),
+    ):
         self.request_ids.append(request_id)
         if self.errors:
             raise self.errors.pop(0)

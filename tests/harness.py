@@ -34,11 +34,27 @@ SMALL = Path(os.environ.get("PAGEDSERVE_TEST_SMALL", SHIPPED_SMALL))
 TINY = Path(os.environ.get("PAGEDSERVE_TEST_TINY", SHIPPED_TINY))
 API_KEY = "test-key"
 
-FAMILIES = ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-phi3", "tiny-mixtral",
-            "tiny-qwen3-moe", "tiny-gemma2", "tiny-gemma3")  # own forwards
-GENERIC_FAMILIES = ("tiny-gpt2", "tiny-gpt-neox", "tiny-olmo2", "tiny-granite", "tiny-stablelm",
-                    "tiny-starcoder2", "tiny-smollm3",
-                    "tiny-gpt-oss")  # the generic backend (engine/executor/models/generic.py)
+FAMILIES = (
+    "tiny-llama",
+    "tiny-qwen2",
+    "tiny-qwen3",
+    "tiny-mistral",
+    "tiny-phi3",
+    "tiny-mixtral",
+    "tiny-qwen3-moe",
+    "tiny-gemma2",
+    "tiny-gemma3",
+)  # own forwards
+GENERIC_FAMILIES = (
+    "tiny-gpt2",
+    "tiny-gpt-neox",
+    "tiny-olmo2",
+    "tiny-granite",
+    "tiny-stablelm",
+    "tiny-starcoder2",
+    "tiny-smollm3",
+    "tiny-gpt-oss",
+)  # the generic backend (engine/executor/models/generic.py)
 BOS_ID = 1  # the BOS that tests/conftest.py::bos_model's tokenizer prepends
 
 
@@ -55,7 +71,9 @@ def model_dirs_missing(*dirs: Path) -> list[str]:
 def require_models(*dirs: Path) -> None:
     missing = model_dirs_missing(*dirs)
     if missing:
-        pytest.fail(f"model directories missing: {missing} (run `make models`, or set PAGEDSERVE_TEST_SMALL/TINY)")
+        pytest.fail(
+            f"model directories missing: {missing} (run `make models`, or set PAGEDSERVE_TEST_SMALL/TINY)"
+        )
 
 
 async def until(predicate, timeout: float = 10.0, interval: float = 0.01) -> None:
@@ -71,14 +89,16 @@ async def until(predicate, timeout: float = 10.0, interval: float = 0.01) -> Non
 # --- in-process apps over real tiny engines (the `start` and `sdk` fixtures, tests/conftest.py) ----------
 
 # small on purpose: tests that need a long stream or a short context say so through engine_kwargs
-ENGINE_DEFAULTS = dict(dtype="float32", device="cpu", block_size=8, kv_cache_memory=4 * 2**20, max_model_len=256,
-                       num_threads=1)  # 1 thread: the box has 2 cores shared with other test runs
+ENGINE_DEFAULTS = dict(
+    dtype="float32", device="cpu", block_size=8, kv_cache_memory=4 * 2**20, max_model_len=256, num_threads=1
+)  # 1 thread: the box has 2 cores shared with other test runs
 
 
 @dataclass(frozen=True)
 class TinyModels:
-    """"primary": the shipped models/pagedserve-coder-tiny (trained, so its greedy text reads as Python);
+    """ "primary": the shipped models/pagedserve-coder-tiny (trained, so its greedy text reads as Python);
     "fallback": a random-weight tiny Qwen2 made once per session (tests/conftest.py::random_model)."""
+
     primary: Path
     fallback: Path
 
@@ -104,8 +124,11 @@ class Harness:
     def idle(self, name: str = "primary") -> bool:
         """Nothing runs or waits on the model's engine and every KV block is free again."""
         stats = self.engines[name].stats()
-        return (not self.engines[name].engine.requests and stats.num_running == stats.num_waiting == 0
-                and stats.num_free_blocks == stats.num_total_blocks)
+        return (
+            not self.engines[name].engine.requests
+            and stats.num_running == stats.num_waiting == 0
+            and stats.num_free_blocks == stats.num_total_blocks
+        )
 
     async def greedy(self, prompt: str | list[int], max_tokens: int, name: str = "primary", **params) -> str:
         """What the engine itself generates greedily, without the HTTP layer (the reference text)."""
@@ -117,12 +140,15 @@ class Harness:
         return text
 
 
-def real_config(models: TinyModels, engine_kwargs: dict | None = None, fallback_dir: Path | None = None,
-                **overrides) -> ServerConfig:
+def real_config(
+    models: TinyModels, engine_kwargs: dict | None = None, fallback_dir: Path | None = None, **overrides
+) -> ServerConfig:
     """A ServerConfig serving "primary" (falling back to "fallback") and "fallback" on the CPU."""
     options = {**ENGINE_DEFAULTS, **(engine_kwargs or {})}
-    specs = (ModelSpec("primary", EngineConfig(model=str(models.primary), **options), "fallback"),
-             ModelSpec("fallback", EngineConfig(model=str(fallback_dir or models.fallback), **options)))
+    specs = (
+        ModelSpec("primary", EngineConfig(model=str(models.primary), **options), "fallback"),
+        ModelSpec("fallback", EngineConfig(model=str(fallback_dir or models.fallback), **options)),
+    )
     return ServerConfig(**{"models": specs, "shutdown_timeout": 1.0, **overrides})
 
 
@@ -135,8 +161,9 @@ MAX_MODEL_LEN = 128
 def parity_prompts(seed: int, vocab: int) -> list[list[int]]:
     """18 prompts of mixed lengths (1..70 tokens); the last six share a 40-token prefix."""
     rng = random.Random(seed)
-    prompts = [[rng.randrange(4, vocab) for _ in range(rng.choice([1, 3, 7, 16, 17, 33, 50, 70]))]
-               for _ in range(12)]
+    prompts = [
+        [rng.randrange(4, vocab) for _ in range(rng.choice([1, 3, 7, 16, 17, 33, 50, 70]))] for _ in range(12)
+    ]
     shared = [rng.randrange(4, vocab) for _ in range(40)]
     prompts += [shared + [rng.randrange(4, vocab) for _ in range(rng.randrange(1, 20))] for _ in range(6)]
     return prompts
@@ -149,9 +176,12 @@ def _bytes_for_blocks(num_blocks: int, block_size: int) -> int:
 
 SCENARIOS = {
     "chunked_prefill": dict(block_size=16, max_num_batched_tokens=24),
-    "preempt_recompute": dict(block_size=8, kv_cache_memory=_bytes_for_blocks(24, 8), preemption_mode="recompute"),
-    "preempt_swap": dict(block_size=8, kv_cache_memory=_bytes_for_blocks(24, 8), preemption_mode="swap",
-                         swap_space=0.01),
+    "preempt_recompute": dict(
+        block_size=8, kv_cache_memory=_bytes_for_blocks(24, 8), preemption_mode="recompute"
+    ),
+    "preempt_swap": dict(
+        block_size=8, kv_cache_memory=_bytes_for_blocks(24, 8), preemption_mode="swap", swap_space=0.01
+    ),
     "block_size_8": dict(block_size=8),
     "block_size_16": dict(block_size=16),
     "block_size_32": dict(block_size=32),
@@ -160,7 +190,9 @@ SCENARIOS = {
 
 def check_parity(llm, prompts: list[list[int]], expected: list[list[int]], n: int = 1) -> None:
     """`llm` (an engine.LLM) generates `expected` greedily for every choice, and frees every block."""
-    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, min_tokens=NUM_NEW, n=n)  # as HF min_new_tokens
+    params = SamplingParams(
+        temperature=0, max_tokens=NUM_NEW, min_tokens=NUM_NEW, n=n
+    )  # as HF min_new_tokens
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for choice in range(n):
         assert [o.outputs[choice].token_ids for o in outs] == expected

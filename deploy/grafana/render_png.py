@@ -28,8 +28,13 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 DASHBOARD = HERE / "pagedserve.json"
-PROMPTS = ["def fibonacci(n):", "class Stack:\n    def push(self, item):", "import os\n\ndef list_files(path):",
-           "def quicksort(items):", "# read a CSV file and sum a column\n"]
+PROMPTS = [
+    "def fibonacci(n):",
+    "class Stack:\n    def push(self, item):",
+    "import os\n\ndef list_files(path):",
+    "def quicksort(items):",
+    "# read a CSV file and sum a column\n",
+]
 SHARED_PREFIX = "# utility functions for the billing service\nimport math\n\n"  # gives the prefix cache hits
 RATE_WINDOW = "10s"  # for $__rate_interval: 10 scrapes at 1 s
 
@@ -42,11 +47,16 @@ def main() -> None:
         num_requests = run_load(args)
         time.sleep(3)  # the last scrapes
         end = time.time()
-        panels = [(panel, [s for t in panel["targets"] for s in query(prom, t, start, end)])
-                  for panel in dashboard["panels"] if panel["type"] != "row"]
+        panels = [
+            (panel, [s for t in panel["targets"] for s in query(prom, t, start, end)])
+            for panel in dashboard["panels"]
+            if panel["type"] != "row"
+        ]
     draw(dashboard["title"], panels, start, Path(args.out))
     drawn = sum(1 for _, series in panels if series)
-    print(f"{args.out}: {drawn}/{len(panels)} panels with data, {num_requests} requests in {end - start:.0f} s")
+    print(
+        f"{args.out}: {drawn}/{len(panels)} panels with data, {num_requests} requests in {end - start:.0f} s"
+    )
 
 
 def parse_args() -> argparse.Namespace:
@@ -56,9 +66,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--admin-key", help="with --stall-primary: the server's --admin-key")
     p.add_argument("--duration", type=float, default=60, help="seconds of load")
     p.add_argument("--users", type=int, default=4, help="concurrent clients")
-    p.add_argument("--stall-primary", type=float, default=0,
-                   help="seconds to stall the primary's engine loop, a third of the way in (needs a server "
-                        "with --enable-fault-injection): failovers, a breaker opening and closing")
+    p.add_argument(
+        "--stall-primary",
+        type=float,
+        default=0,
+        help="seconds to stall the primary's engine loop, a third of the way in (needs a server "
+        "with --enable-fault-injection): failovers, a breaker opening and closing",
+    )
     p.add_argument("--prometheus", default=shutil.which("prometheus") or "prometheus")
     p.add_argument("--out", default=str(HERE / "dashboard.png"))
     return p.parse_args()
@@ -74,12 +88,24 @@ def prometheus(target_url: str, binary: str) -> Iterator[str]:
     target = urllib.parse.urlparse(target_url).netloc
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "prometheus.yml"
-        config.write_text(json.dumps({"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-                                      "scrape_configs": [{"job_name": "pagedserve",
-                                                          "static_configs": [{"targets": [target]}]}]}))
-        process = subprocess.Popen([binary, f"--config.file={config}", f"--storage.tsdb.path={tmp}/data",
-                                    f"--web.listen-address=127.0.0.1:{port}"],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        config.write_text(
+            json.dumps(
+                {
+                    "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                    "scrape_configs": [{"job_name": "pagedserve", "static_configs": [{"targets": [target]}]}],
+                }
+            )
+        )
+        process = subprocess.Popen(
+            [
+                binary,
+                f"--config.file={config}",
+                f"--storage.tsdb.path={tmp}/data",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         url = f"http://127.0.0.1:{port}"
         try:
             _wait(lambda: urllib.request.urlopen(f"{url}/-/ready", timeout=2).status == 200, 30)
@@ -128,8 +154,13 @@ def run_load(args: argparse.Namespace) -> int:
         rng = random.Random(n)
         while time.monotonic() < deadline:
             prompt = (SHARED_PREFIX if rng.random() < 0.5 else "") + rng.choice(PROMPTS)
-            body = {"model": models[0], "prompt": prompt, "max_tokens": rng.randint(8, 48), "temperature": 0.7,
-                    "stream": rng.random() < 0.5}
+            body = {
+                "model": models[0],
+                "prompt": prompt,
+                "max_tokens": rng.randint(8, 48),
+                "temperature": 0.7,
+                "stream": rng.random() < 0.5,
+            }
             _post(f"{args.url}/v1/completions", body, headers)
             counts[n] += 1
 
@@ -139,7 +170,11 @@ def run_load(args: argparse.Namespace) -> int:
     if args.stall_primary:
         time.sleep(args.duration / 3)
         admin = {**headers, "Authorization": f"Bearer {args.admin_key}"}
-        _post(f"{args.url}/admin/faults", {"model": models[0], "kind": "stall", "seconds": args.stall_primary}, admin)
+        _post(
+            f"{args.url}/admin/faults",
+            {"model": models[0], "kind": "stall", "seconds": args.stall_primary},
+            admin,
+        )
     for thread in threads:
         thread.join()
     return sum(counts)
@@ -202,23 +237,33 @@ def draw(title: str, panels: list[tuple[dict, list]], start: float, out: Path) -
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
         if "max" in panel["fieldConfig"]["defaults"]:
-            ax.set_ylim(panel["fieldConfig"]["defaults"].get("min", 0), panel["fieldConfig"]["defaults"]["max"] * 1.05)
+            ax.set_ylim(
+                panel["fieldConfig"]["defaults"].get("min", 0), panel["fieldConfig"]["defaults"]["max"] * 1.05
+            )
         if series:
             ax.legend(fontsize=6, loc="upper left", ncol=2)
         else:
             ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", color="grey")
-    for ax in axes.flat[len(panels):]:
+    for ax in axes.flat[len(panels) :]:
         ax.set_visible(False)
     for ax in axes[-1]:
         ax.set_xlabel("seconds into the run", fontsize=8)
-    fig.suptitle(f"{title}: every replica, every model (Prometheus query_range, 1 s scrapes, rate over "
-                 f"{RATE_WINDOW})", fontsize=12)
+    fig.suptitle(
+        f"{title}: every replica, every model (Prometheus query_range, 1 s scrapes, rate over {RATE_WINDOW})",
+        fontsize=12,
+    )
     fig.tight_layout(rect=(0, 0, 1, 0.98))
     fig.savefig(out, dpi=80)
 
 
-UNITS = {"tps": "tokens/s", "reqps": "requests/s", "s": "seconds", "percentunit": "share", "bytes": "MiB",
-         "ops": "per second"}
+UNITS = {
+    "tps": "tokens/s",
+    "reqps": "requests/s",
+    "s": "seconds",
+    "percentunit": "share",
+    "bytes": "MiB",
+    "ops": "per second",
+}
 
 
 if __name__ == "__main__":

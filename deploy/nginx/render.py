@@ -49,30 +49,51 @@ class NginxOptions:
     def __post_init__(self) -> None:
         for name in ("fail_timeout", "next_upstream_timeout", "connect_timeout", "read_timeout"):
             value = getattr(self, name)
-            _check(bool(_TIME.match(value)), f"{name} must be an nginx time such as 10s or 500ms, got {value!r}")
-        _check(bool(_SIZE.match(self.max_body_size)),
-               f"max_body_size must be an nginx size such as 8m, got {self.max_body_size!r}")
+            _check(
+                bool(_TIME.match(value)), f"{name} must be an nginx time such as 10s or 500ms, got {value!r}"
+            )
+        _check(
+            bool(_SIZE.match(self.max_body_size)),
+            f"max_body_size must be an nginx size such as 8m, got {self.max_body_size!r}",
+        )
         _check(self.max_fails >= 1, f"max_fails must be at least 1, got {self.max_fails}")
-        _check(self.next_upstream_tries >= 1,
-               f"next_upstream_tries must be at least 1 (0 is unlimited), got {self.next_upstream_tries}")
+        _check(
+            self.next_upstream_tries >= 1,
+            f"next_upstream_tries must be at least 1 (0 is unlimited), got {self.next_upstream_tries}",
+        )
         _check(self.keepalive >= 1, f"keepalive must be at least 1, got {self.keepalive}")
-        _check(self.worker_connections >= 16,
-               f"worker_connections must be at least 16, got {self.worker_connections}")
+        _check(
+            self.worker_connections >= 16,
+            f"worker_connections must be at least 16, got {self.worker_connections}",
+        )
         wp = self.worker_processes
-        _check(wp == "auto" or (isinstance(wp, int) and wp >= 1),
-               f"worker_processes must be 'auto' or a positive int, got {wp!r}")
-        _check(self.rate_limit == "off" or bool(_RATE.match(self.rate_limit)),
-               f"rate_limit must be an nginx rate such as 50r/s, or 'off', got {self.rate_limit!r}")
+        _check(
+            wp == "auto" or (isinstance(wp, int) and wp >= 1),
+            f"worker_processes must be 'auto' or a positive int, got {wp!r}",
+        )
+        _check(
+            self.rate_limit == "off" or bool(_RATE.match(self.rate_limit)),
+            f"rate_limit must be an nginx rate such as 50r/s, or 'off', got {self.rate_limit!r}",
+        )
         _check(self.rate_burst >= 0, f"rate_burst must be non-negative, got {self.rate_burst}")
-        _check(self.max_conns_per_client >= 0,
-               f"max_conns_per_client must be non-negative (0 is off), got {self.max_conns_per_client}")
+        _check(
+            self.max_conns_per_client >= 0,
+            f"max_conns_per_client must be non-negative (0 is off), got {self.max_conns_per_client}",
+        )
         for net in self.metrics_allow:
-            _check(net == "all" or _is_network(net),
-                   f"metrics_allow entries must be addresses, CIDRs or 'all', got {net!r}")
+            _check(
+                net == "all" or _is_network(net),
+                f"metrics_allow entries must be addresses, CIDRs or 'all', got {net!r}",
+            )
 
 
-def render(primaries: list[str], backups: list[str], listen: str, prefix_dir: str,
-           options: NginxOptions | None = None) -> str:
+def render(
+    primaries: list[str],
+    backups: list[str],
+    listen: str,
+    prefix_dir: str,
+    options: NginxOptions | None = None,
+) -> str:
     """The nginx.conf text. Addresses are `host:port` (or `unix:/path`); `prefix_dir` must be absolute."""
     _check(bool(primaries), "at least one primary replica is needed, got none")
     for address in [*primaries, *backups]:
@@ -131,14 +152,18 @@ def _check_upstream(address: str) -> None:
     if address.startswith("unix:/"):
         return
     match = _HOST_PORT.match(address)
-    _check(bool(match) and 1 <= int(match.group(2)) <= 65535,
-           f"an upstream must be host:port or unix:/path, got {address!r}")
+    _check(
+        bool(match) and 1 <= int(match.group(2)) <= 65535,
+        f"an upstream must be host:port or unix:/path, got {address!r}",
+    )
 
 
 def _check_listen(listen: str) -> None:
     port = listen.rsplit(":", 1)[-1] if ":" in listen else listen
-    _check(port.isdigit() and 1 <= int(port) <= 65535 and (listen == port or bool(_HOST_PORT.match(listen))),
-           f"listen must be port or host:port, got {listen!r}")
+    _check(
+        port.isdigit() and 1 <= int(port) <= 65535 and (listen == port or bool(_HOST_PORT.match(listen))),
+        f"listen must be port or host:port, got {listen!r}",
+    )
 
 
 def _check(ok: bool, message: str) -> None:
@@ -149,7 +174,9 @@ def _check(ok: bool, message: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--primary", action="append", required=True, help="replica host:port (repeat)")
-    p.add_argument("--backup", action="append", default=[], help="standby host:port, used when all primaries are down")
+    p.add_argument(
+        "--backup", action="append", default=[], help="standby host:port, used when all primaries are down"
+    )
     p.add_argument("--listen", default="127.0.0.1:8080", help="[host:]port nginx listens on")
     p.add_argument("--prefix", default="/tmp/pagedserve-nginx", help="directory for pid, logs and temp files")
     p.add_argument("--max-fails", type=int, default=3)
@@ -161,21 +188,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keepalive", type=int, default=32)
     p.add_argument("--worker-processes", default="auto")
     p.add_argument("--max-body-size", default="8m")
-    p.add_argument("--metrics-allow", action="append", help="address or CIDR allowed to GET /metrics (repeat)")
+    p.add_argument(
+        "--metrics-allow", action="append", help="address or CIDR allowed to GET /metrics (repeat)"
+    )
     p.add_argument("--rate-limit", default="50r/s", help="requests per client address on /v1/, or off")
     p.add_argument("--rate-burst", type=int, default=100, help="requests above --rate-limit served at once")
-    p.add_argument("--max-conns-per-client", type=int, default=128,
-                   help="requests in flight per client address on /v1/ (0: no limit)")
+    p.add_argument(
+        "--max-conns-per-client",
+        type=int,
+        default=128,
+        help="requests in flight per client address on /v1/ (0: no limit)",
+    )
     args = p.parse_args(argv)
     workers = args.worker_processes if args.worker_processes == "auto" else int(args.worker_processes)
     try:
         options = NginxOptions(
-            max_fails=args.max_fails, fail_timeout=args.fail_timeout,
-            next_upstream_tries=args.next_upstream_tries, next_upstream_timeout=args.next_upstream_timeout,
-            connect_timeout=args.connect_timeout, read_timeout=args.read_timeout, keepalive=args.keepalive,
-            worker_processes=workers, max_body_size=args.max_body_size,
-            metrics_allow=tuple(args.metrics_allow or DEFAULT_METRICS_ALLOW), rate_limit=args.rate_limit,
-            rate_burst=args.rate_burst, max_conns_per_client=args.max_conns_per_client)
+            max_fails=args.max_fails,
+            fail_timeout=args.fail_timeout,
+            next_upstream_tries=args.next_upstream_tries,
+            next_upstream_timeout=args.next_upstream_timeout,
+            connect_timeout=args.connect_timeout,
+            read_timeout=args.read_timeout,
+            keepalive=args.keepalive,
+            worker_processes=workers,
+            max_body_size=args.max_body_size,
+            metrics_allow=tuple(args.metrics_allow or DEFAULT_METRICS_ALLOW),
+            rate_limit=args.rate_limit,
+            rate_burst=args.rate_burst,
+            max_conns_per_client=args.max_conns_per_client,
+        )
         text = render(args.primary, args.backup, args.listen, str(Path(args.prefix).absolute()), options)
     except ValueError as e:
         p.error(str(e))

@@ -81,8 +81,9 @@ class BlockCopies:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_swap_blocks: int = 0) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_swap_blocks: int = 0
+    ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -275,4 +276,6 @@ class BlockManager:
                 tokens = max(seq.num_computed_tokens - i * self.block_size, 0)
                 partial[block_id] = max(partial.get(block_id, 0), tokens)
         filled = sum(tokens for block_id, tokens in partial.items() if block_id not in full)
-        return (len(full) + len(partial.keys() - full)) * self.block_size, len(full) * self.block_size + filled
+        return (len(full) + len(partial.keys() - full)) * self.block_size, len(
+            full
+        ) * self.block_size + filled

@@ -22,8 +22,9 @@ class _RenderTimeout(BaseException):  # BaseException: a template's own `except 
     pass
 
 
-def render_bounded(render: Callable[[], str], timeout_s: float = RENDER_TIMEOUT_S,
-                   max_chars: int = MAX_RENDERED_CHARS) -> str:
+def render_bounded(
+    render: Callable[[], str], timeout_s: float = RENDER_TIMEOUT_S, max_chars: int = MAX_RENDERED_CHARS
+) -> str:
     """`render()` on this thread, interrupted after `timeout_s`; RequestRejectedError if it runs out
     of time or renders more than `max_chars`."""
     thread_id, lock, finished = threading.get_ident(), threading.Lock(), []
@@ -31,7 +32,9 @@ def render_bounded(render: Callable[[], str], timeout_s: float = RENDER_TIMEOUT_
     def interrupt() -> None:
         with lock:  # never once render returned: the exception would land in the caller's code
             if not finished:
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(_RenderTimeout))
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                    ctypes.c_ulong(thread_id), ctypes.py_object(_RenderTimeout)
+                )
 
     timer = threading.Timer(timeout_s, interrupt)
     timer.daemon = True
@@ -46,7 +49,9 @@ def render_bounded(render: Callable[[], str], timeout_s: float = RENDER_TIMEOUT_
     except _RenderTimeout:
         raise RequestRejectedError(f"the chat template did not render within {timeout_s:g} s") from None
     if len(text) > max_chars:
-        raise RequestRejectedError(f"the chat template rendered {len(text)} characters, more than {max_chars}")
+        raise RequestRejectedError(
+            f"the chat template rendered {len(text)} characters, more than {max_chars}"
+        )
     return text
 
 
@@ -59,14 +64,25 @@ def encode_prompt(tokenizer, prompt: str | list[int], add_special_tokens: bool =
     return list(prompt)
 
 
-def chat_prompt(tokenizer, chat_template: str | None, messages: list[dict], tools: list[dict] | None = None) -> str:
+def chat_prompt(
+    tokenizer, chat_template: str | None, messages: list[dict], tools: list[dict] | None = None
+) -> str:
     """The prompt of a conversation; `tools` (OpenAI function definitions) reach a template that
     knows them (one that does not ignores them)."""
     if not chat_template:
         raise RequestRejectedError("this model has no chat template; use the completions API")
     try:
-        return render_bounded(lambda: tokenizer.apply_chat_template(
-            messages, tools=tools or None, chat_template=chat_template, tokenize=False, add_generation_prompt=True))
+        return render_bounded(
+            lambda: tokenizer.apply_chat_template(
+                messages,
+                tools=tools or None,
+                chat_template=chat_template,
+                tokenize=False,
+                add_generation_prompt=True,
+            )
+        )
     except TemplateError as exc:  # raise_exception(), an undefined name, the sandbox, a syntax error: a 400
-        raise RequestRejectedError(f"the chat template failed on these messages ({exc.__class__.__name__}): "
-                                   f"{str(exc)[:MAX_TEMPLATE_ERROR_CHARS]}") from None
+        raise RequestRejectedError(
+            f"the chat template failed on these messages ({exc.__class__.__name__}): "
+            f"{str(exc)[:MAX_TEMPLATE_ERROR_CHARS]}"
+        ) from None

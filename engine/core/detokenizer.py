@@ -9,8 +9,9 @@ PROMPT_CONTEXT_TOKENS = 5  # prompt tokens kept as decoding context (leading-spa
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str],
-                 skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self, tokenizer, prompt_token_ids: list[int], stop: list[str], skip_special_tokens: bool = True
+    ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop
@@ -26,12 +27,12 @@ class IncrementalDetokenizer:
     def add_token(self, token_id: int) -> str | None:
         """Decode one more token; return the stop string it completed, if any."""
         self.tokens.append(token_id)
-        prefix_text = self._decode(self.tokens[self.prefix_offset:self.read_offset])
-        new_text = self._decode(self.tokens[self.prefix_offset:])
+        prefix_text = self._decode(self.tokens[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.tokens[self.prefix_offset :])
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return None  # an incomplete character: wait for the next token
         searched_from = max(len(self.text) - self.hold, 0)
-        self.text += new_text[len(prefix_text):]
+        self.text += new_text[len(prefix_text) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
         return self._match_stop(searched_from)
 
@@ -43,7 +44,7 @@ class IncrementalDetokenizer:
                 best = (at, stop)
         if best is None:
             return None
-        self.text = self.text[:best[0]]
+        self.text = self.text[: best[0]]
         return best[1]
 
     def readable_length(self, finished: bool) -> int:

@@ -4,9 +4,16 @@ step's time by. Torch-free: without a profile running, `phase` is a null context
 import sys
 from contextlib import AbstractContextManager, nullcontext
 
-STEP, SCHEDULE, RUN, POSTPROCESS = "pagedserve::step", "pagedserve::schedule", "pagedserve::run", "pagedserve::postprocess"
+STEP, SCHEDULE, RUN, POSTPROCESS = (
+    "pagedserve::step",
+    "pagedserve::schedule",
+    "pagedserve::run",
+    "pagedserve::postprocess",
+)
 SAMPLE, FORWARD, ATTENTION = "pagedserve::sample", "pagedserve::forward", "pagedserve::attention"
-GEMM = "pagedserve::gemm"  # around each int8 linear layer: its C kernel is a ctypes call the profiler cannot see
+GEMM = (
+    "pagedserve::gemm"  # around each int8 linear layer: its C kernel is a ctypes call the profiler cannot see
+)
 
 
 def phase(name: str) -> AbstractContextManager:

@@ -54,8 +54,9 @@ class _Budget:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, config: EngineConfig, block_manager: BlockManager, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.config = config
         self.block_manager = block_manager
         self.clock = clock
@@ -127,7 +128,9 @@ class Scheduler:
 
     def _num_new_tokens(self, seq: Sequence, budget: _Budget) -> int:
         num_new = min(seq.num_uncomputed_tokens, budget.tokens)
-        if seq.num_computed_tokens < seq.num_prompt_tokens < seq.replay_until:  # the prompt's chunks, then the
+        if (
+            seq.num_computed_tokens < seq.num_prompt_tokens < seq.replay_until
+        ):  # the prompt's chunks, then the
             num_new = min(num_new, seq.num_prompt_tokens - seq.num_computed_tokens)  # replayed ones apart
         return min(num_new, budget.prefill_tokens) if seq.is_prefill else num_new
 
@@ -143,8 +146,9 @@ class Scheduler:
             seq.first_scheduled_time = self.clock()
         scheduled.append(ScheduledSeq(seq, start, num_new, num_samples))
 
-    def _schedule_running(self, budget: _Budget, scheduled: list[ScheduledSeq],
-                          preempted: list[Sequence]) -> None:
+    def _schedule_running(
+        self, budget: _Budget, scheduled: list[ScheduledSeq], preempted: list[Sequence]
+    ) -> None:
         order = sorted(self.running, key=self._key)
         if self.config.scheduler_policy == "hybrid":  # decodes first
             order = [s for s in order if not s.is_prefill] + [s for s in order if s.is_prefill]
@@ -153,7 +157,7 @@ class Scheduler:
             seq = order[i]
             num_new = self._num_new_tokens(seq, budget)
             while num_new and not self.block_manager.can_allocate(seq, num_new):
-                victim = max(order[i + 1:], key=self._key, default=seq)
+                victim = max(order[i + 1 :], key=self._key, default=seq)
                 order.remove(victim)
                 self._preempt(victim, preempted)
                 if victim is seq:
@@ -252,8 +256,12 @@ class Scheduler:
         self.waiting.append(seq)  # its arrival time keeps it ahead of newer requests
 
     # --- after the forward -------------------------------------------------------------------------
-    def postprocess(self, output: SchedulerOutput, sampled: dict[int, list[SampledToken]],
-                    on_error: Callable[[Sequence, Exception], None] | None = None) -> list[Sequence]:
+    def postprocess(
+        self,
+        output: SchedulerOutput,
+        sampled: dict[int, list[SampledToken]],
+        on_error: Callable[[Sequence, Exception], None] | None = None,
+    ) -> list[Sequence]:
         """Account computed tokens, append sampled ones, finish what stopped.
         Returns every sequence that got a token (fan-out children included). A sequence whose
         update raises goes to `on_error` (the engine fails its request) and the others go on."""

@@ -95,7 +95,9 @@ class Sequence:
     stop_reason: str | int | None = None
     is_forked: bool = False  # n > 1 fans out once, at the first sampled token
     num_preemptions: int = 0
-    queued_time: float = 0.0  # when it last joined the waiting or swapped queue (its arrival, or its preemption)
+    queued_time: float = (
+        0.0  # when it last joined the waiting or swapped queue (its arrival, or its preemption)
+    )
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     is_poisoned: bool = False  # chaos tests: the sampler raises on this row (FaultInjector's `poison`)
@@ -122,7 +124,9 @@ class Sequence:
         n = len(self.prompt_token_ids)
         if end <= n:
             return tuple(self.prompt_token_ids[start:end])
-        return tuple(self.prompt_token_ids[start:n]) + tuple(self.output_token_ids[max(start - n, 0):end - n])
+        return tuple(self.prompt_token_ids[start:n]) + tuple(
+            self.output_token_ids[max(start - n, 0) : end - n]
+        )
 
     def token_id_at(self, position: int) -> int:
         n = len(self.prompt_token_ids)
@@ -176,7 +180,9 @@ class Sequence:
                 return self._finish(SequenceStatus.FINISHED_STOPPED, token_id)
             if token_id in self.eos_token_ids and not params.ignore_eos:
                 return self._finish(SequenceStatus.FINISHED_STOPPED, None)
-        if self.grammar is not None and self.grammar.is_finished:  # nothing may follow, whatever min_tokens says
+        if (
+            self.grammar is not None and self.grammar.is_finished
+        ):  # nothing may follow, whatever min_tokens says
             return self._finish(SequenceStatus.FINISHED_STOPPED, None)
         if self.num_output_tokens >= self.max_tokens:
             self._finish(SequenceStatus.FINISHED_LENGTH, None)
@@ -188,11 +194,21 @@ class Sequence:
     def fork(self, index: int, make_detokenizer: Callable[["Sequence"], Detokenizer | None]) -> "Sequence":
         """A sibling sample sharing this prompt (its blocks are shared by the block manager)."""
         child = Sequence(
-            request_id=self.request_id, prompt_token_ids=self.prompt_token_ids, params=self.params,
-            index=index, priority=self.priority, arrival_time=self.arrival_time,
-            eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
-            grammar=self.grammar.fork() if self.grammar is not None else None, sampling_seed=self.sampling_seed, status=self.status, num_computed_tokens=self.num_computed_tokens,
-            num_cached_tokens=self.num_cached_tokens, block_hashes=list(self.block_hashes), is_forked=True,
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_token_ids,
+            params=self.params,
+            index=index,
+            priority=self.priority,
+            arrival_time=self.arrival_time,
+            eos_token_ids=self.eos_token_ids,
+            max_model_len=self.max_model_len,
+            grammar=self.grammar.fork() if self.grammar is not None else None,
+            sampling_seed=self.sampling_seed,
+            status=self.status,
+            num_computed_tokens=self.num_computed_tokens,
+            num_cached_tokens=self.num_cached_tokens,
+            block_hashes=list(self.block_hashes),
+            is_forked=True,
             prompt_logprobs=self.prompt_logprobs,
             first_scheduled_time=self.first_scheduled_time,
         )

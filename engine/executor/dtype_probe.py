@@ -48,9 +48,15 @@ class DtypeProbe:
     probe_seconds: float = 0.0  # the probe's own cost
 
     def to_dict(self) -> dict[str, object]:
-        return {"chosen": self.chosen, "bf16_speedup": round(self.speedup, 3), "probe_seconds": round(self.probe_seconds, 3),
-                "seconds": {dtype: {str(rows): round(s, 6) for rows, s in by_rows.items()}
-                            for dtype, by_rows in self.seconds.items()}}
+        return {
+            "chosen": self.chosen,
+            "bf16_speedup": round(self.speedup, 3),
+            "probe_seconds": round(self.probe_seconds, 3),
+            "seconds": {
+                dtype: {str(rows): round(s, 6) for rows, s in by_rows.items()}
+                for dtype, by_rows in self.seconds.items()
+            },
+        }
 
 
 @functools.cache  # once per shape and process: the machine does not change while it runs
@@ -65,15 +71,22 @@ def probe_cpu_dtype(hidden_size: int, intermediate_size: int) -> DtypeProbe:
     bf16: dict[int, float] = {}
     weight = weight.to(torch.bfloat16)
     for rows in ROWS:
-        bf16[rows], gave_up = _best_time(inputs[rows].to(torch.bfloat16), weight,
-                                       GIVE_UP_SLOWDOWN * fp32[rows] + KERNEL_BUILD_S)
+        bf16[rows], gave_up = _best_time(
+            inputs[rows].to(torch.bfloat16), weight, GIVE_UP_SLOWDOWN * fp32[rows] + KERNEL_BUILD_S
+        )
         if gave_up:
             break
     speedup = math.exp(sum(math.log(fp32[r] / bf16[r]) for r in bf16) / len(bf16))
     chosen = "bfloat16" if speedup >= MIN_SPEEDUP and len(bf16) == len(ROWS) else "float32"
     probe = DtypeProbe(chosen, speedup, {"float32": fp32, "bfloat16": bf16}, time.perf_counter() - start)
-    logger.info("dtype auto on CPU: %s (bf16 %.2fx fp32 on %dx%d GEMMs; probe %.0f ms)", chosen, speedup, hidden,
-                inner, 1000 * probe.probe_seconds)
+    logger.info(
+        "dtype auto on CPU: %s (bf16 %.2fx fp32 on %dx%d GEMMs; probe %.0f ms)",
+        chosen,
+        speedup,
+        hidden,
+        inner,
+        1000 * probe.probe_seconds,
+    )
     return probe
 
 
@@ -89,7 +102,9 @@ def _best_time(x: torch.Tensor, w: torch.Tensor, give_up_s: float = math.inf) ->
     """(best of REPEATS timed products, False), or (the warm-up's time, True) when the warm-up alone
     took longer than `give_up_s` (clearly slower: not worth timing further)."""
     began = time.perf_counter()
-    torch.nn.functional.linear(x, w)  # warm-up: the kernel choice and first-touch pages are not the machine's speed
+    torch.nn.functional.linear(
+        x, w
+    )  # warm-up: the kernel choice and first-touch pages are not the machine's speed
     warm_up_s = time.perf_counter() - began
     if warm_up_s > give_up_s:
         return warm_up_s, True

@@ -20,22 +20,60 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 # tokenizer_config.json, and the vocabulary as tokenizer.json or, SentencePiece-only (Llama 2, Mistral v0.1
 # repos), tokenizer.model, which transformers converts (sentencepiece + protobuf)
-TOKENIZER_CONFIG, TOKENIZER_JSON, SENTENCEPIECE_MODEL = "tokenizer_config.json", "tokenizer.json", "tokenizer.model"
+TOKENIZER_CONFIG, TOKENIZER_JSON, SENTENCEPIECE_MODEL = (
+    "tokenizer_config.json",
+    "tokenizer.json",
+    "tokenizer.model",
+)
 INDEX_FILE = "model.safetensors.index.json"
 # what engine/executor/models has an own forward for (its MODEL_CLASSES; a test keeps the two equal); any
 # other decoder-only architecture transformers builds runs on the generic backend (`backend_for`), checked
 # here so that `pagedserve serve` refuses before its port opens
-OWN_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
-                     "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Gemma2ForCausalLM",
-                     "Gemma3ForCausalLM")
+OWN_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MistralForCausalLM",
+    "Phi3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+)
 CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")  # decoder-only; ...ForConditionalGeneration is multimodal
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")  # a layer_types entry the paged cache holds
 # transformers' causal LMs with recurrent or state-space layers (found by their modeling code's conv / SSM
 # state, transformers 5.25); the generic backend's load-time dry forward refuses any it does not list
-STATEFUL_MODEL_TYPES = frozenset((
-    "bailing_hybrid", "bamba", "falcon_h1", "falcon_mamba", "granitemoehybrid", "jamba", "kimi_linear", "lara_mini",
-    "lfm2", "lfm2_moe", "lfm3", "mamba", "mamba2", "minimax", "nemotron_h", "olmo_hybrid", "plamo2", "qwen3_5",
-    "qwen3_5_moe", "qwen3_next", "qwen4_exp", "recurrent_gemma", "rwkv", "xlstm", "zamba", "zamba2"))
+STATEFUL_MODEL_TYPES = frozenset(
+    (
+        "bailing_hybrid",
+        "bamba",
+        "falcon_h1",
+        "falcon_mamba",
+        "granitemoehybrid",
+        "jamba",
+        "kimi_linear",
+        "lara_mini",
+        "lfm2",
+        "lfm2_moe",
+        "lfm3",
+        "mamba",
+        "mamba2",
+        "minimax",
+        "nemotron_h",
+        "olmo_hybrid",
+        "plamo2",
+        "qwen3_5",
+        "qwen3_5_moe",
+        "qwen3_next",
+        "qwen4_exp",
+        "recurrent_gemma",
+        "rwkv",
+        "xlstm",
+        "zamba",
+        "zamba2",
+    )
+)
 UNSUPPORTED_ROPE_TYPES = ("dynamic", "longrope")  # RoPE recomputed per length: not in the own forward
 # what a model's generation_config.json may set for requests that do not (as vLLM's --generation-config auto)
 SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -67,7 +105,9 @@ def validate_model_dir(path: str | os.PathLike, files_root: str | os.PathLike | 
     _check_confined(root.resolve(), Path(files_root or root).expanduser().resolve())
     config = _read_json(root / "config.json", required=True)
     if config.get("auto_map"):
-        raise ModelValidationError(f"{root / 'config.json'}: auto_map asks for remote code, which is never run")
+        raise ModelValidationError(
+            f"{root / 'config.json'}: auto_map asks for remote code, which is never run"
+        )
     _check_servable(root / "config.json", config)
     weights = _weight_files(root)
     _read_json(root / TOKENIZER_CONFIG, required=True)
@@ -77,7 +117,7 @@ def validate_model_dir(path: str | os.PathLike, files_root: str | os.PathLike | 
 
 
 def backend_for(config: dict) -> str:
-    """"own" (an own forward), or "generic" for a decoder-only architecture transformers builds whose every
+    """ "own" (an own forward), or "generic" for a decoder-only architecture transformers builds whose every
     layer is attention; else ModelValidationError with the reason."""
     architecture = (config.get("architectures") or [None])[0]
     if architecture in OWN_ARCHITECTURES:
@@ -85,34 +125,54 @@ def backend_for(config: dict) -> str:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     if architecture not in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()) or not str(architecture).endswith(
-            CAUSAL_LM_SUFFIXES):
-        raise ModelValidationError(f"architecture {architecture} is not supported: neither an own forward "
-                                   f"({', '.join(OWN_ARCHITECTURES)}) nor a decoder-only *ForCausalLM of "
-                                   "transformers (the generic backend)")
+        CAUSAL_LM_SUFFIXES
+    ):
+        raise ModelValidationError(
+            f"architecture {architecture} is not supported: neither an own forward "
+            f"({', '.join(OWN_ARCHITECTURES)}) nor a decoder-only *ForCausalLM of "
+            "transformers (the generic backend)"
+        )
     others = sorted(set(config.get("layer_types") or ()) - set(ATTENTION_LAYER_TYPES))
     if config.get("model_type") in STATEFUL_MODEL_TYPES or others:
         others = others or ["recurrent or state-space"]
-        raise ModelValidationError(f"architecture {architecture} has {', '.join(others)} layers, whose state a "
-                                   "paged KV cache does not hold")
+        raise ModelValidationError(
+            f"architecture {architecture} has {', '.join(others)} layers, whose state a "
+            "paged KV cache does not hold"
+        )
     return "generic"
 
 
-def check_backend_options(files: ModelFiles, tensor_parallel_size: int, quantization: str | None,
-                          compile: bool, model_impl: str = "auto") -> str:
+def check_backend_options(
+    files: ModelFiles,
+    tensor_parallel_size: int,
+    quantization: str | None,
+    compile: bool,
+    model_impl: str = "auto",
+) -> str:
     """The model's backend: `backend_for`'s, or the generic one where `model_impl` asks for it; refusing what
     the generic one cannot do: tensor parallelism, quantization (asked for, or the checkpoint's own) and
     --compile need an own forward."""
     backend = backend_for(files.config)
     if model_impl == "own" and backend != "own":
-        raise ModelValidationError(f"{files.path}: model_impl 'own' asked for, but {files.architecture} has no own "
-                                   f"forward (own forwards: {', '.join(OWN_ARCHITECTURES)})")
+        raise ModelValidationError(
+            f"{files.path}: model_impl 'own' asked for, but {files.architecture} has no own "
+            f"forward (own forwards: {', '.join(OWN_ARCHITECTURES)})"
+        )
     backend = "generic" if model_impl == "generic" else backend
-    asked = [name for name, on in (("tensor parallelism", tensor_parallel_size > 1),
-                                   ("quantization", quantization or files.config.get("quantization_config")),
-                                   ("--compile", compile)) if on]
+    asked = [
+        name
+        for name, on in (
+            ("tensor parallelism", tensor_parallel_size > 1),
+            ("quantization", quantization or files.config.get("quantization_config")),
+            ("--compile", compile),
+        )
+        if on
+    ]
     if backend == "generic" and asked:
-        raise ModelValidationError(f"{files.path}: {files.architecture} runs on the generic backend, which has no "
-                                   f"{' or '.join(asked)} (own forwards: {', '.join(OWN_ARCHITECTURES)})")
+        raise ModelValidationError(
+            f"{files.path}: {files.architecture} runs on the generic backend, which has no "
+            f"{' or '.join(asked)} (own forwards: {', '.join(OWN_ARCHITECTURES)})"
+        )
     return backend
 
 
@@ -121,12 +181,16 @@ def _check_servable(path: Path, config: dict) -> None:
         backend_for(config)
     except ModelValidationError as exc:
         raise ModelValidationError(f"{path}: {exc}") from None
-    ropes = [config.get(key) for key in ("rope_parameters", "rope_scaling")]  # transformers 5's name, the old one
+    ropes = [
+        config.get(key) for key in ("rope_parameters", "rope_scaling")
+    ]  # transformers 5's name, the old one
     types = [rope.get("rope_type") or rope.get("type") for rope in ropes if isinstance(rope, dict)]
     rope_type = next((t for t in types if t in UNSUPPORTED_ROPE_TYPES), None)
     if rope_type is not None:
-        raise ModelValidationError(f"{path}: rope_type {rope_type!r} is not supported (its frequencies change "
-                                   "with the length); serve the checkpoint without it, or with yarn or linear scaling")
+        raise ModelValidationError(
+            f"{path}: rope_type {rope_type!r} is not supported (its frequencies change "
+            "with the length); serve the checkpoint without it, or with yarn or linear scaling"
+        )
 
 
 def _check_confined(root: Path, within: Path) -> None:
@@ -137,10 +201,14 @@ def _check_confined(root: Path, within: Path) -> None:
         for name in folders + files:
             num_entries += 1
             if num_entries > MAX_MODEL_DIR_ENTRIES:
-                raise ModelValidationError(f"{root} holds more than {MAX_MODEL_DIR_ENTRIES} files and folders")
+                raise ModelValidationError(
+                    f"{root} holds more than {MAX_MODEL_DIR_ENTRIES} files and folders"
+                )
             entry = Path(folder) / name
             if entry.is_symlink() and not entry.resolve().is_relative_to(within):
-                raise ModelValidationError(f"{entry} links outside {within}: refused (copy the file in instead)")
+                raise ModelValidationError(
+                    f"{entry} links outside {within}: refused (copy the file in instead)"
+                )
 
 
 def _weight_files(root: Path) -> tuple[Path, ...]:
@@ -154,8 +222,11 @@ def _weight_files(root: Path) -> tuple[Path, ...]:
     weights = tuple(sorted(root.glob("*.safetensors")))
     hf_named = tuple(p for p in weights if not p.name.startswith("consolidated"))
     if hf_named and len(hf_named) < len(weights):
-        logger.warning("%s: %s left out: the HF-named weights are loaded", root,
-                       sorted(p.name for p in weights if p not in hf_named))
+        logger.warning(
+            "%s: %s left out: the HF-named weights are loaded",
+            root,
+            sorted(p.name for p in weights if p not in hf_named),
+        )
         return hf_named
     if weights:
         return weights
@@ -163,18 +234,25 @@ def _weight_files(root: Path) -> tuple[Path, ...]:
     if pickles:
         raise ModelValidationError(
             f"{root}: only pickle weights ({', '.join(pickles)}); pickle is never loaded, convert to "
-            "model.safetensors")
+            "model.safetensors"
+        )
     raise ModelValidationError(f"{root / 'model.safetensors'} is missing: no *.safetensors weights in {root}")
 
 
 def _indexed_files(root: Path, index: Path) -> tuple[Path, ...]:
     weight_map = _read_json(index, required=True).get("weight_map")
-    if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(v, str) for v in weight_map.values()):
+    if (
+        not isinstance(weight_map, dict)
+        or not weight_map
+        or not all(isinstance(v, str) for v in weight_map.values())
+    ):
         raise ModelValidationError(f"{index}: weight_map must map tensor names to file names")
     names = sorted(set(weight_map.values()))
     for name in names:
         if Path(name).name != name or not name.endswith(".safetensors"):
-            raise ModelValidationError(f"{index} names {name!r}: only .safetensors files of the model directory")
+            raise ModelValidationError(
+                f"{index} names {name!r}: only .safetensors files of the model directory"
+            )
         if not (root / name).is_file():
             raise ModelValidationError(f"{index} names {name}, which is missing")
     stray = sorted(p.name for p in root.glob("*.safetensors") if p.name not in names)

@@ -26,6 +26,7 @@ from engine.executor.worker import Worker
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass
 class _Batch:
     input_ids: torch.Tensor  # [T]
@@ -33,7 +34,9 @@ class _Batch:
     metadata: StepAttention
     sample_indices: torch.Tensor  # [num_rows] rows of the packed batch whose logits are sampled
     rows: list[SampleRow]
-    prompt_indices: torch.Tensor  # rows whose logits score the next prompt token (SamplingParams.prompt_logprobs)
+    prompt_indices: (
+        torch.Tensor
+    )  # rows whose logits score the next prompt token (SamplingParams.prompt_logprobs)
     prompt_rows: list[PromptRow]
 
 
@@ -46,7 +49,11 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads)
         self.config = config
         self.worker = Worker(config, files.config)
-        self.device, self.dtype, self.dtype_probe = self.worker.device, self.worker.dtype, self.worker.dtype_probe
+        self.device, self.dtype, self.dtype_probe = (
+            self.worker.device,
+            self.worker.dtype,
+            self.worker.dtype_probe,
+        )
         self.ranks: Ranks | None = None
         if config.tensor_parallel_size > 1 and tp is None:  # rank 0: the other ranks load while it does
             dtype_name = str(self.dtype).removeprefix("torch.")
@@ -60,32 +67,54 @@ class ModelRunner:
             raise
 
     def _load(self, config: EngineConfig, files: ModelFiles) -> None:
-        backend = check_backend_options(files, config.tensor_parallel_size, config.quantization, config.compile,
-                                        config.model_impl)
+        backend = check_backend_options(
+            files, config.tensor_parallel_size, config.quantization, config.compile, config.model_impl
+        )
         self.quant = quantization.resolve(config.quantization, files.config)
         self.model = load_model(files, self.dtype, self.device, self.quant, self.tp, backend)
         self.generic = isinstance(self.model, GenericForCausalLM)
-        self.int8_kernel_rows = quantization.calibrate_kernel_rows(self.model, self.dtype) if self.quant else None
+        self.int8_kernel_rows = (
+            quantization.calibrate_kernel_rows(self.model, self.dtype) if self.quant else None
+        )
         self.linear_choice, self.linear_kernel = self._choose_linear_kernel(config.linear_kernel)
         self.compile_s = self._compile() if config.compile else None
         self.row_counts = self._bound_row_counts()
         # reordered oneDNN weights are buffers
-        self.weight_bytes = sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
+        self.weight_bytes = sum(
+            t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers())
+        )
         cfg, args = self.model.config, self.model.args  # args.num_kv_heads: this rank's share of them
-        self.layout = self.worker.allocate(args.num_layers, args.num_kv_heads, args.head_dim,
-                                           supported_max_len(cfg), self.tp.agree_min if self.tp else None)
+        self.layout = self.worker.allocate(
+            args.num_layers,
+            args.num_kv_heads,
+            args.head_dim,
+            supported_max_len(cfg),
+            self.tp.agree_min if self.tp else None,
+        )
         self.model.bind_kv_caches(self.worker.kv_caches)
         self.sampler = Sampler()
         # keys a windowed layer sees (itself included); every windowed layer of a model shares it
         sliding_window = next((w for w in self.model.args.sliding_windows if w is not None), None)
-        self.attention = select_backend(config.attention_backend, self.device, self.dtype, sliding_window,
-                                        needs_eager=args.needs_eager)
-        logger.info("loaded %s (%s backend, %s, %s%s, %s attention): %.1f MiB weights, %d KV blocks of %d tokens (%.1f MiB), "
-                    "max_model_len %d", files.path.name, "generic" if self.generic else "own", self.device, self.dtype,
-                    f", {self.quant.method} linear weights, int8 read directly up to {self.int8_kernel_rows} rows"
-                    if self.quant else "", self.attention.name, self.weight_bytes / 2**20,
-                    self.layout.num_blocks,
-                    self.layout.block_size, self.layout.total_bytes / 2**20, self.layout.max_model_len)
+        self.attention = select_backend(
+            config.attention_backend, self.device, self.dtype, sliding_window, needs_eager=args.needs_eager
+        )
+        logger.info(
+            "loaded %s (%s backend, %s, %s%s, %s attention): %.1f MiB weights, %d KV blocks of %d tokens (%.1f MiB), "
+            "max_model_len %d",
+            files.path.name,
+            "generic" if self.generic else "own",
+            self.device,
+            self.dtype,
+            f", {self.quant.method} linear weights, int8 read directly up to {self.int8_kernel_rows} rows"
+            if self.quant
+            else "",
+            self.attention.name,
+            self.weight_bytes / 2**20,
+            self.layout.num_blocks,
+            self.layout.block_size,
+            self.layout.total_bytes / 2**20,
+            self.layout.max_model_len,
+        )
         if self.ranks is not None:
             self.ranks.wait_ready()
             logger.info("tensor parallel over %d ranks (worker pids %s)", self.tp.size, self.ranks.pids)
@@ -99,8 +128,14 @@ class ModelRunner:
         """The decoder layers' float linear layers on CPU: aten's, or oneDNN's on reordered weights (auto:
         timed on the loaded model's own layers at a decode step of 1 row and of max_num_seqs rows and at a
         prefill chunk, onednn_linear.choose; aten under tensor parallelism and with compile)."""
-        if (self.device.type != "cpu" or requested == "aten" or self.quant is not None or self.tp is not None
-                or self.config.compile or self.generic):
+        if (
+            self.device.type != "cpu"
+            or requested == "aten"
+            or self.quant is not None
+            or self.tp is not None
+            or self.config.compile
+            or self.generic
+        ):
             return None, "int8" if self.quant is not None else "aten"
         if requested == "onednn":
             error = onednn_linear.reorder_error(self.dtype)
@@ -108,8 +143,9 @@ class ModelRunner:
                 raise ValueError(f"linear_kernel 'onednn' cannot run {self.dtype} here: {error}")
             choice = None
         else:
-            prefill = onednn_linear.bucket(min(self.config.max_num_batched_tokens,
-                                               onednn_linear.CHOICE_MAX_PREFILL_ROWS))
+            prefill = onednn_linear.bucket(
+                min(self.config.max_num_batched_tokens, onednn_linear.CHOICE_MAX_PREFILL_ROWS)
+            )
             rows = tuple(sorted({1, self.config.max_num_seqs, prefill}))
             choice = onednn_linear.choose(self.model, self.dtype, rows)
         chosen = choice.chosen if choice is not None else "onednn"
@@ -127,18 +163,28 @@ class ModelRunner:
         started = time.perf_counter()
         self.model.row_bucket = onednn_linear.bucket
         counts = self.model.warm_up_rows(self.config.max_num_batched_tokens, self.config.max_num_seqs)
-        logger.info("row counts bounded for oneDNN: steps padded to %d counts up to %d, each run once in %.2f s",
-                    len(counts), counts[-1], time.perf_counter() - started)
+        logger.info(
+            "row counts bounded for oneDNN: steps padded to %d counts up to %d, each run once in %.2f s",
+            len(counts),
+            counts[-1],
+            time.perf_counter() - started,
+        )
         return counts
 
     def _compile(self) -> float:
         """Compile the layers now; inductor's on-disk caches make a restart's compile a cache read."""
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "pagedserve" / "inductor"))
+        os.environ.setdefault(
+            "TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "pagedserve" / "inductor")
+        )
         started = time.perf_counter()
         self.model.compile_layers()
         seconds = time.perf_counter() - started
-        logger.info("compiled %d layers in %.1f s (cache %s)", len(self.model.layers), seconds,
-                    os.environ["TORCHINDUCTOR_CACHE_DIR"])
+        logger.info(
+            "compiled %d layers in %.1f s (cache %s)",
+            len(self.model.layers),
+            seconds,
+            os.environ["TORCHINDUCTOR_CACHE_DIR"],
+        )
         return seconds
 
     # --- a step ------------------------------------------------------------------------------------
@@ -151,15 +197,20 @@ class ModelRunner:
             self.ranks.send(copies, [])  # every rank copies its blocks, whatever happens to this step next
         if output.is_empty:
             return {}
-        scheduled = [row for item in output.scheduled for row in _replayed(item)]  # the same rows on every rank
+        scheduled = [
+            row for item in output.scheduled for row in _replayed(item)
+        ]  # the same rows on every rank
         batch = self._prepare(scheduled)
         if self.ranks is None:
             hidden = self.model(batch.input_ids, batch.positions, batch.metadata)
         else:
-            hidden = self.ranks.run(scheduled, lambda: self.model(batch.input_ids, batch.positions, batch.metadata))
+            hidden = self.ranks.run(
+                scheduled, lambda: self.model(batch.input_ids, batch.positions, batch.metadata)
+            )
         if batch.prompt_rows:
-            self.sampler.prompt_logprobs(self.model.compute_logits(hidden[batch.prompt_indices]).float(),
-                                         batch.prompt_rows)
+            self.sampler.prompt_logprobs(
+                self.model.compute_logits(hidden[batch.prompt_indices]).float(), batch.prompt_rows
+            )
         if not batch.rows:
             return {}
         logits = self.model.compute_logits(hidden[batch.sample_indices]).float()
@@ -179,7 +230,16 @@ class ModelRunner:
         # output token a recompute replays: `run` has split them)
         decodes = [s for s in scheduled if s.num_new_tokens == 1 and s.start > 0]
         prefills = [s for s in scheduled if not (s.num_new_tokens == 1 and s.start > 0)]
-        ids, positions, slots, sample_at, rows, segments, prompt_at, prompt_rows = [], [], [], [], [], [], [], []
+        ids, positions, slots, sample_at, rows, segments, prompt_at, prompt_rows = (
+            [],
+            [],
+            [],
+            [],
+            [],
+            [],
+            [],
+            [],
+        )
         bs = self.layout.block_size
         for i, item in enumerate(decodes + prefills):
             seq, start, end = item.seq, item.start, item.start + item.num_new_tokens
@@ -199,10 +259,15 @@ class ModelRunner:
         dev = self.device
         slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
         meta = self.attention.build(StepBatch(bs, self.layout.num_blocks, slot_mapping, decodes, segments))
-        return _Batch(torch.tensor(ids, dtype=torch.long, device=dev),
-                      torch.tensor(positions, dtype=torch.long, device=dev), meta,
-                      torch.tensor(sample_at, dtype=torch.long, device=dev), rows,
-                      torch.tensor(prompt_at, dtype=torch.long, device=dev), prompt_rows)
+        return _Batch(
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            meta,
+            torch.tensor(sample_at, dtype=torch.long, device=dev),
+            rows,
+            torch.tensor(prompt_at, dtype=torch.long, device=dev),
+            prompt_rows,
+        )
 
 
 def _replayed(item: ScheduledSeq) -> list[ScheduledSeq]:
@@ -241,13 +306,18 @@ def rank_main(rank: int, port: int, config: EngineConfig, conn) -> None:
         else:
             torch.set_num_threads(config.num_threads or worker_threads(size))
         group = TPGroup(rank, size, make_store(port, size, is_master=False), device)
-        runner = ModelRunner(dataclasses.replace(config, device=device.type),
-                             validate_model_dir(config.model, config.files_root), tp=group)
+        runner = ModelRunner(
+            dataclasses.replace(config, device=device.type),
+            validate_model_dir(config.model, config.files_root),
+            tp=group,
+        )
         conn.send(("ready", None))
         while (step := conn.recv()) is not None:
             copies, rows = step
-            runner.run_rows(copies, [ScheduledSeq(_RowSeq(table, start, ids), start, len(ids), 0)
-                                     for table, start, ids in rows])
+            runner.run_rows(
+                copies,
+                [ScheduledSeq(_RowSeq(table, start, ids), start, len(ids), 0) for table, start, ids in rows],
+            )
     except BaseException as exc:  # noqa: BLE001 - told to rank 0, then this rank ends
         logger.exception("tensor-parallel rank %d failed", rank)
         with contextlib.suppress(OSError):

@@ -71,12 +71,22 @@ class TPGroup:
 
     def agree_min(self, value: int) -> int:
         """The smallest of every rank's value (e.g. how many KV blocks each rank's pool can hold)."""
-        return int(self.all_reduce(torch.tensor([value], dtype=torch.long, device=self.device), dist.ReduceOp.MIN).item())
+        return int(
+            self.all_reduce(
+                torch.tensor([value], dtype=torch.long, device=self.device), dist.ReduceOp.MIN
+            ).item()
+        )
 
 
 def make_store(port: int, size: int, is_master: bool) -> dist.TCPStore:
-    return dist.TCPStore("127.0.0.1", port, size, is_master=is_master, wait_for_workers=False,
-                         timeout=timedelta(seconds=START_TIMEOUT_S))
+    return dist.TCPStore(
+        "127.0.0.1",
+        port,
+        size,
+        is_master=is_master,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=START_TIMEOUT_S),
+    )
 
 
 def worker_threads(size: int) -> int:
@@ -98,8 +108,12 @@ class Ranks:
         self.conns = []
         for rank in range(1, self.size):
             parent, child = context.Pipe()
-            process = context.Process(target=rank_main, args=(rank, self._store.port, config, child),
-                                      name=f"pagedserve-tp-rank{rank}", daemon=True)
+            process = context.Process(
+                target=rank_main,
+                args=(rank, self._store.port, config, child),
+                name=f"pagedserve-tp-rank{rank}",
+                daemon=True,
+            )
             process.start()
             child.close()
             self.processes.append(process)
@@ -128,7 +142,9 @@ class Ranks:
                 if not process.is_alive() and not conn.poll():
                     raise RankDiedError(f"tensor-parallel rank {rank} exited with code {process.exitcode}")
                 if time.monotonic() > deadline:
-                    raise RankDiedError(f"tensor-parallel rank {rank} not {expected} in {START_TIMEOUT_S:.0f} s")
+                    raise RankDiedError(
+                        f"tensor-parallel rank {rank} not {expected} in {START_TIMEOUT_S:.0f} s"
+                    )
             try:
                 kind, detail = conn.recv()
             except (EOFError, OSError):
@@ -138,13 +154,24 @@ class Ranks:
 
     def run(self, scheduled: list[ScheduledSeq], forward: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Send the step's rows to the other ranks, run rank 0's part of the forward; any failure is fatal."""
-        self.send(BlockCopies([], [], []), [(s.seq.block_table, s.start, [s.seq.token_id_at(p) for p in range(
-            s.start, s.start + s.num_new_tokens)]) for s in scheduled])
+        self.send(
+            BlockCopies([], [], []),
+            [
+                (
+                    s.seq.block_table,
+                    s.start,
+                    [s.seq.token_id_at(p) for p in range(s.start, s.start + s.num_new_tokens)],
+                )
+                for s in scheduled
+            ],
+        )
         try:
             return forward()
         except Exception as exc:
             self.check_alive()
-            raise RankDiedError(f"a tensor-parallel forward raised ({exc!r}); the ranks are out of step") from exc
+            raise RankDiedError(
+                f"a tensor-parallel forward raised ({exc!r}); the ranks are out of step"
+            ) from exc
 
     def send(self, copies: BlockCopies, rows: list[Row]) -> None:
         self.check_alive()
@@ -155,8 +182,11 @@ class Ranks:
                 raise RankDiedError(f"tensor-parallel rank {rank} is gone: {exc!r}") from exc
 
     def check_alive(self) -> None:
-        dead = [f"rank {rank} (exit code {p.exitcode})" for rank, p in enumerate(self.processes, start=1)
-                if not p.is_alive()]
+        dead = [
+            f"rank {rank} (exit code {p.exitcode})"
+            for rank, p in enumerate(self.processes, start=1)
+            if not p.is_alive()
+        ]
         if dead:
             raise RankDiedError(f"tensor-parallel {', '.join(dead)} died")
 

@@ -27,8 +27,11 @@ class Sampler:
             return self._sample(logits, rows)
 
     def _sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> dict[int, list[SampledToken]]:
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(r.seq.params.logprobs is not None
-                                                                 for r in rows) else None
+        raw_logprobs = (
+            torch.log_softmax(logits, dim=-1)
+            if any(r.seq.params.logprobs is not None for r in rows)
+            else None
+        )
         logits = self._apply_grammars(self._apply_penalties(logits.clone(), rows), logits, rows)
         probs = self._probabilities(logits, rows)
         sampled = {}
@@ -54,12 +57,15 @@ class Sampler:
                 logits[i, seen] = torch.where(values > 0, values / penalty, values * penalty)
             if (params.presence_penalty or params.frequency_penalty) and seq.output_token_ids:
                 out = torch.tensor(seq.output_token_ids, dtype=torch.long, device=logits.device)
-                counts = torch.zeros_like(logits[i]).scatter_add_(0, out, torch.ones_like(out, dtype=logits.dtype))
+                counts = torch.zeros_like(logits[i]).scatter_add_(
+                    0, out, torch.ones_like(out, dtype=logits.dtype)
+                )
                 logits[i] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
             if params.logit_bias:  # before the min_tokens ban: a bias must not lift a banned token
                 ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=logits.device)
-                logits[i, ids] += torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype,
-                                               device=logits.device)
+                logits[i, ids] += torch.tensor(
+                    list(params.logit_bias.values()), dtype=logits.dtype, device=logits.device
+                )
             if seq.num_output_tokens < params.min_tokens:
                 banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(seq.eos_token_ids))
                 if banned:
@@ -72,8 +78,14 @@ class Sampler:
         constrained = [i for i, r in enumerate(rows) if r.seq.grammar is not None]
         if constrained:
             banned = [i for i in constrained if rows[i].seq.num_output_tokens < rows[i].seq.params.min_tokens]
-            apply_masks(logits, raw, constrained, [rows[i].seq.grammar for i in constrained],
-                        [rows[i].seq.max_tokens - rows[i].seq.num_output_tokens for i in constrained], banned)
+            apply_masks(
+                logits,
+                raw,
+                constrained,
+                [rows[i].seq.grammar for i in constrained],
+                [rows[i].seq.max_tokens - rows[i].seq.num_output_tokens for i in constrained],
+                banned,
+            )
         return logits
 
     def _probabilities(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor | None:
@@ -88,8 +100,12 @@ class Sampler:
         top_p = [r.seq.params.top_p for r in rows]
         min_p = [r.seq.params.min_p for r in rows]
         if any(top_k) or min(top_p) < 1.0 or max(min_p) > 0.0:
-            logits = _filter(logits, torch.tensor(top_k, device=device), torch.tensor(top_p, device=device),
-                             torch.tensor(min_p, device=device))
+            logits = _filter(
+                logits,
+                torch.tensor(top_k, device=device),
+                torch.tensor(top_p, device=device),
+                torch.tensor(min_p, device=device),
+            )
         return torch.softmax(logits, dim=-1)
 
     # --- drawing ---------------------------------------------------------------------------------
@@ -103,7 +119,9 @@ class Sampler:
         return int(torch.argmax(probs / noise))
 
     @staticmethod
-    def _logprobs(raw: torch.Tensor | None, row: int, token_id: int, seq: Sequence) -> dict[int, float] | None:
+    def _logprobs(
+        raw: torch.Tensor | None, row: int, token_id: int, seq: Sequence
+    ) -> dict[int, float] | None:
         if raw is None or seq.params.logprobs is None:
             return None
         return token_logprobs(raw[row], token_id, seq.params.logprobs)
@@ -137,7 +155,9 @@ def token_logprobs(logprobs: torch.Tensor, token_id: int, top_n: int) -> dict[in
     return top
 
 
-def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+def _filter(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
     """Mask to -inf every token outside each row's top-k, top-p nucleus and min-p floor.
     top_k 0 = off. The most likely token always survives."""
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)

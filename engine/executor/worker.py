@@ -28,7 +28,9 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, model_config: dict, device: torch.device) -> tuple[torch.dtype, DtypeProbe | None]:
+def resolve_dtype(
+    name: str, model_config: dict, device: torch.device
+) -> tuple[torch.dtype, DtypeProbe | None]:
     """The dtype asked for; for "auto", on CPU what this machine measures faster (fp32 or bf16: the
     probe, returned for the log and /health), on CUDA the checkpoint's own (fp16 where bf16 is not)."""
     if name != "auto":
@@ -36,8 +38,9 @@ def resolve_dtype(name: str, model_config: dict, device: torch.device) -> tuple[
     if device.type == "cpu":
         # GPT-2's config names them n_embd and n_inner (None: 4 x n_embd)
         hidden = int(model_config.get("hidden_size") or model_config["n_embd"])
-        probe = probe_cpu_dtype(hidden, int(model_config.get("intermediate_size") or model_config.get("n_inner")
-                                            or 4 * hidden))
+        probe = probe_cpu_dtype(
+            hidden, int(model_config.get("intermediate_size") or model_config.get("n_inner") or 4 * hidden)
+        )
         return TORCH_DTYPES[probe.chosen], probe
     dtype = TORCH_DTYPES.get(str(model_config.get("dtype") or model_config.get("torch_dtype")), torch.float32)
     if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
@@ -62,8 +65,9 @@ class Worker:
         self.kv_caches: KVPool = []
         self.swap_caches: KVPool = []
 
-    def allocate(self, num_layers: int, num_kv_heads: int, head_dim: int, supported_len: int,
-                 agree_min=None) -> KVCacheLayout:
+    def allocate(
+        self, num_layers: int, num_kv_heads: int, head_dim: int, supported_len: int, agree_min=None
+    ) -> KVCacheLayout:
         """Plan this rank's KV pool (`num_kv_heads`: its share of the heads) and allocate it.
         `supported_len`: the longest context the model supports (the default max_model_len, and its bound).
         `agree_min(n)`: under tensor parallelism, the smallest n of every rank (one block table for all)."""
@@ -72,16 +76,19 @@ class Worker:
         self.swap_caches = self._pool(self.layout.num_swap_blocks, host=True)
         return self.layout
 
-    def _plan(self, num_layers: int, num_kv_heads: int, head_dim: int, supported_len: int,
-              agree_min) -> KVCacheLayout:
+    def _plan(
+        self, num_layers: int, num_kv_heads: int, head_dim: int, supported_len: int, agree_min
+    ) -> KVCacheLayout:
         config = self.config
         block_size = config.block_size
         if block_size == "auto":
             block_size = 8 if device_memory(self.device) < 16 * GiB else 16
         if config.max_model_len is not None and config.max_model_len > supported_len:
-            raise ValueError(f"max_model_len {config.max_model_len} is above what the model supports "
-                             f"({supported_len}: max_position_embeddings, or with yarn RoPE scaling its original "
-                             "length times the factor); lower it")
+            raise ValueError(
+                f"max_model_len {config.max_model_len} is above what the model supports "
+                f"({supported_len}: max_position_embeddings, or with yarn RoPE scaling its original "
+                "length times the factor); lower it"
+            )
         max_model_len = config.max_model_len or supported_len
         dtype_bytes = torch.tensor([], dtype=self.dtype).element_size()
         per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * dtype_bytes
@@ -91,12 +98,15 @@ class Worker:
         if agree_min is not None:
             num_blocks = agree_min(num_blocks)
         if num_blocks < math.ceil(max_model_len / block_size):
-            raise ValueError(f"KV budget holds {num_blocks} blocks of {block_size} tokens ({per_block} bytes each), "
-                             f"too few for one sequence of max_model_len {max_model_len}; raise kv_cache_memory "
-                             f"or lower max_model_len")
+            raise ValueError(
+                f"KV budget holds {num_blocks} blocks of {block_size} tokens ({per_block} bytes each), "
+                f"too few for one sequence of max_model_len {max_model_len}; raise kv_cache_memory "
+                f"or lower max_model_len"
+            )
         num_swap = int(config.swap_space * GiB) // per_block if config.preemption_mode == "swap" else 0
-        return KVCacheLayout(num_blocks, block_size, num_layers, num_kv_heads, head_dim, dtype_bytes, num_swap,
-                             max_model_len)
+        return KVCacheLayout(
+            num_blocks, block_size, num_layers, num_kv_heads, head_dim, dtype_bytes, num_swap, max_model_len
+        )
 
     def _kv_budget(self, bytes_per_token: int, max_model_len: int) -> int:
         """Bytes for the KV pool: as configured; on CUDA what the device has left after the weights;
@@ -115,7 +125,11 @@ class Worker:
 
     def _pool(self, num_blocks: int, host: bool = False) -> KVPool:
         lay = self.layout
-        shape = (lay.num_kv_heads, num_blocks * lay.block_size, lay.head_dim)  # head-major: attention/torch_backend.py
+        shape = (
+            lay.num_kv_heads,
+            num_blocks * lay.block_size,
+            lay.head_dim,
+        )  # head-major: attention/torch_backend.py
         device = torch.device("cpu") if host else self.device
         pin = host and self.device.type == "cuda"
 
@@ -128,13 +142,17 @@ class Worker:
 
     def copy_blocks(self, copies: BlockCopies) -> None:
         """Swap out, swap in, then copy-on-write: all before this step's forward writes anything."""
-        for pairs, src_pool, dst_pool in ((copies.swap_out, self.kv_caches, self.swap_caches),
-                                          (copies.swap_in, self.swap_caches, self.kv_caches),
-                                          (copies.copy, self.kv_caches, self.kv_caches)):
+        for pairs, src_pool, dst_pool in (
+            (copies.swap_out, self.kv_caches, self.swap_caches),
+            (copies.swap_in, self.swap_caches, self.kv_caches),
+            (copies.copy, self.kv_caches, self.kv_caches),
+        ):
             if not pairs:
                 continue
             src_slots = block_slots([s for s, _ in pairs], self.layout.block_size, src_pool[0][0].device)
             dst_slots = block_slots([d for _, d in pairs], self.layout.block_size, dst_pool[0][0].device)
             for (src_k, src_v), (dst_k, dst_v) in zip(src_pool, dst_pool, strict=True):
                 for src, dst in ((src_k, dst_k), (src_v, dst_v)):
-                    dst.index_copy_(1, dst_slots, src.index_select(1, src_slots.to(src.device)).to(dst.device))
+                    dst.index_copy_(
+                        1, dst_slots, src.index_select(1, src_slots.to(src.device)).to(dst.device)
+                    )

@@ -72,6 +72,7 @@ class _Waiter:
 @dataclass(frozen=True)
 class EngineInfo:
     """What a loaded engine tells its callers about itself (sent from an engine process as it is)."""
+
     max_model_len: int
     vocab_size: int
     sampling_defaults: dict
@@ -89,12 +90,20 @@ class EngineInfo:
     def of(cls, engine: LLMEngine) -> "EngineInfo":
         runner = engine.model_runner
         ranks = runner.tp.size if runner.tp is not None else 1
-        return cls(engine.max_model_len, engine.vocab_size, engine.sampling_defaults,
-                   str(runner.dtype).removeprefix("torch."), runner.dtype_probe,
-                   runner.quant.method if runner.quant else None, runner.attention.name, runner.linear_kernel,
-                   runner.linear_choice.to_dict() if runner.linear_choice else None, engine.chat_template,
-                   (int(runner.weight_bytes) * ranks, int(runner.layout.total_bytes) * ranks),
-                   tuple(pid for pid in runner.ranks.pids if pid is not None) if runner.ranks is not None else ())
+        return cls(
+            engine.max_model_len,
+            engine.vocab_size,
+            engine.sampling_defaults,
+            str(runner.dtype).removeprefix("torch."),
+            runner.dtype_probe,
+            runner.quant.method if runner.quant else None,
+            runner.attention.name,
+            runner.linear_kernel,
+            runner.linear_choice.to_dict() if runner.linear_choice else None,
+            engine.chat_template,
+            (int(runner.weight_bytes) * ranks, int(runner.layout.total_bytes) * ranks),
+            tuple(pid for pid in runner.ranks.pids if pid is not None) if runner.ranks is not None else (),
+        )
 
 
 class Transport(Protocol):
@@ -107,7 +116,9 @@ class Transport(Protocol):
     stats: EngineStats  # as loaded
     faults: Any  # FaultInjector, or a stand-in forwarding to the loop's
 
-    def start(self, on_step: Callable[[StepOutput], None], on_death: Callable[[BaseException, str], None]) -> None: ...
+    def start(
+        self, on_step: Callable[[StepOutput], None], on_death: Callable[[BaseException, str], None]
+    ) -> None: ...
 
     def send(self, command: Command) -> None: ...
 
@@ -190,15 +201,24 @@ class EngineFrontend:
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.transport.call("check_request", prompt_token_ids, params)
 
-    def _encode_checked(self, prompt: str | list[int], params: SamplingParams, add_special_tokens: bool) -> list[int]:
+    def _encode_checked(
+        self, prompt: str | list[int], params: SamplingParams, add_special_tokens: bool
+    ) -> list[int]:
         prompt_token_ids = self.encode(prompt, add_special_tokens)
         self.check_request(prompt_token_ids, params)
         return prompt_token_ids
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                       priority: int = 0, prompt_token_ids: list[int] | None = None,
-                       group_id: str | None = None, add_special_tokens: bool = True,
-                       resume: tuple[ResumedChoice, ...] = ()) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+        prompt_token_ids: list[int] | None = None,
+        group_id: str | None = None,
+        add_special_tokens: bool = True,
+        resume: tuple[ResumedChoice, ...] = (),
+    ) -> AsyncIterator[RequestOutput]:
         """Yield output deltas until the request finishes. Leaving early aborts it. `prompt_token_ids`:
         the prompt already encoded and checked by this engine (the service checks in a worker thread;
         the loop's add_request checks once more and a failure comes out of this generator). Without
@@ -209,7 +229,9 @@ class EngineFrontend:
         engine delivered part of (LLMEngine.add_request)."""
         self._check_alive()
         if prompt_token_ids is None:
-            prompt_token_ids = await asyncio.to_thread(self._encode_checked, prompt, params, add_special_tokens)
+            prompt_token_ids = await asyncio.to_thread(
+                self._encode_checked, prompt, params, add_special_tokens
+            )
         self._check_room()
         if request_id in self._waiters:
             raise EngineError(f"request id {request_id!r} is already in use")
@@ -220,8 +242,11 @@ class EngineFrontend:
             self._num_adds_sent += 1
         finished = False
         try:
-            self.transport.send(AddRequest(request_id, prompt, params, priority, time.monotonic(),
-                                           prompt_token_ids, group_id, resume))
+            self.transport.send(
+                AddRequest(
+                    request_id, prompt, params, priority, time.monotonic(), prompt_token_ids, group_id, resume
+                )
+            )
             self._check_alive()  # the loop may have died after the first check, before it saw us
             while not finished:
                 item = await waiter.mailbox.get()
@@ -308,7 +333,9 @@ class ThreadTransport:
         self._thread: threading.Thread | None = None
         self._died = False
 
-    def start(self, on_step: Callable[[StepOutput], None], on_death: Callable[[BaseException, str], None]) -> None:
+    def start(
+        self, on_step: Callable[[StepOutput], None], on_death: Callable[[BaseException, str], None]
+    ) -> None:
         def run() -> None:
             error = self.loop.run(on_step)
             if error is not None:

@@ -148,9 +148,16 @@ class EngineLoop:
                 continue
             self.num_adds_taken += 1
             try:
-                self.engine.add_request(command.request_id, command.prompt, command.params, command.priority,
-                                        command.arrival_time, command.prompt_token_ids, command.group_id,
-                                        command.resume)
+                self.engine.add_request(
+                    command.request_id,
+                    command.prompt,
+                    command.params,
+                    command.priority,
+                    command.arrival_time,
+                    command.prompt_token_ids,
+                    command.group_id,
+                    command.resume,
+                )
             except EngineError as exc:
                 self._items.append((command.request_id, exc))
                 continue

@@ -22,10 +22,14 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
-                 add_special_tokens: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+        add_special_tokens: bool = True,
+    ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in the order of the prompts.
 
         sampling_params: one for all prompts, or one per prompt (as vLLM takes them); None: the model's
@@ -36,25 +40,37 @@ class LLM:
         params = sampling_params or SamplingParams(**self.engine.sampling_defaults)
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(per_prompt) != len(prompts):
-            raise ValueError(f"{len(per_prompt)} sampling_params for {len(prompts)} prompts: give one, or one each")
+            raise ValueError(
+                f"{len(per_prompt)} sampling_params for {len(prompts)} prompts: give one, or one each"
+            )
         order = []
         try:
             for i, (prompt, prompt_params) in enumerate(zip(prompts, per_prompt, strict=True)):
                 order.append(str(next(self._request_ids)))
                 tokens = prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt
-                self.engine.add_request(order[-1], tokens, prompt_params, priority=priority[i] if priority else 0,
-                                        prompt_token_ids=self.engine.encode(tokens, add_special_tokens))
+                self.engine.add_request(
+                    order[-1],
+                    tokens,
+                    prompt_params,
+                    priority=priority[i] if priority else 0,
+                    prompt_token_ids=self.engine.encode(tokens, add_special_tokens),
+                )
         except BaseException:
             self._abort(order)
             raise
         return self._run(order, use_tqdm and len(prompts) >= PROGRESS_BAR_MIN_PROMPTS)
 
-    def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.engine.apply_chat_template(conv) for conv in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm, add_special_tokens=False)  # the template's BOS
+        return self.generate(
+            prompts, sampling_params, use_tqdm, add_special_tokens=False
+        )  # the template's BOS
 
     def _run(self, order: list[str], show_progress: bool) -> list[RequestOutput]:
         finals: dict[str, RequestOutput] = {}

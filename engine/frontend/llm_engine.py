@@ -79,8 +79,9 @@ class LLMEngine:
         self.model_runner = ModelRunner(config, files)
         layout = self.model_runner.layout
         self.max_model_len = layout.max_model_len
-        self.block_manager = BlockManager(layout.num_blocks, layout.block_size, config.enable_prefix_caching,
-                                          layout.num_swap_blocks)
+        self.block_manager = BlockManager(
+            layout.num_blocks, layout.block_size, config.enable_prefix_caching, layout.num_swap_blocks
+        )
         self.scheduler = Scheduler(config, self.block_manager)
         self.scheduler.make_detokenizer = self._detokenizer
         self.eos_token_ids = _eos_token_ids(self.model_runner.model, self.tokenizer)
@@ -91,9 +92,15 @@ class LLMEngine:
         self.num_steps = self.num_prompt_tokens = self.num_generation_tokens = 0
         self.iteration_tokens = Distribution(ITERATION_TOKEN_BUCKETS)
         self.phase_times = PhaseTimes()
-        self.cache_info = CacheInfo(layout.block_size, layout.num_blocks, layout.num_swap_blocks,
-                                    str(self.model_runner.dtype).removeprefix("torch."),
-                                    config.enable_prefix_caching, config.swap_space, config.gpu_memory_utilization)
+        self.cache_info = CacheInfo(
+            layout.block_size,
+            layout.num_blocks,
+            layout.num_swap_blocks,
+            str(self.model_runner.dtype).removeprefix("torch."),
+            config.enable_prefix_caching,
+            config.swap_space,
+            config.gpu_memory_utilization,
+        )
         self.last_step_time: float | None = None
         self.peak_used_blocks = 0
         self.kv_waste_at_peak = 0.0
@@ -118,28 +125,46 @@ class LLMEngine:
             raise RequestRejectedError("the prompt is empty")
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise RequestRejectedError(f"token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
+            raise RequestRejectedError(
+                f"token id {bad[0]} is outside the vocabulary (size {self.vocab_size})"
+            )
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise RequestRejectedError(f"stop_token_ids: {bad[0]} is outside the vocabulary (size {self.vocab_size})")
+            raise RequestRejectedError(
+                f"stop_token_ids: {bad[0]} is outside the vocabulary (size {self.vocab_size})"
+            )
         bad = [t for t in params.logit_bias if not 0 <= t < self.vocab_size]
         if bad:
-            raise RequestRejectedError(f"logit_bias: {bad[0]} is outside the vocabulary (size {self.vocab_size})")
+            raise RequestRejectedError(
+                f"logit_bias: {bad[0]} is outside the vocabulary (size {self.vocab_size})"
+            )
         if params.n > self.config.max_num_seqs:
-            raise RequestRejectedError(f"n is {params.n}, more than this engine runs at once "
-                                       f"(max_num_seqs {self.config.max_num_seqs})")
+            raise RequestRejectedError(
+                f"n is {params.n}, more than this engine runs at once "
+                f"(max_num_seqs {self.config.max_num_seqs})"
+            )
         max_tokens = params.max_tokens or 1
         if num_prompt + max_tokens > self.max_model_len:
             raise RequestRejectedError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the request asks for "
-                f"{num_prompt + max_tokens} ({num_prompt} in the prompt, {max_tokens} to generate)")
-        if params.structured_outputs is not None:  # last, the costly one; cached, so add_request finds it ready
+                f"{num_prompt + max_tokens} ({num_prompt} in the prompt, {max_tokens} to generate)"
+            )
+        if (
+            params.structured_outputs is not None
+        ):  # last, the costly one; cached, so add_request finds it ready
             self.grammars.check(params.structured_outputs)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    priority: int = 0, arrival_time: float | None = None,
-                    prompt_token_ids: list[int] | None = None, group_id: str | None = None,
-                    resume: tuple[ResumedChoice, ...] = ()) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        prompt_token_ids: list[int] | None = None,
+        group_id: str | None = None,
+        resume: tuple[ResumedChoice, ...] = (),
+    ) -> None:
         """`prompt_token_ids`: `prompt` already encoded by this engine's tokenizer (it is checked
         like any prompt; the text is kept for the output). `group_id`: the client request this one is
         part of (the prompts of one HTTP request; default: itself): when a step fails in every row
@@ -157,12 +182,29 @@ class LLMEngine:
         self.check_request(prompt_token_ids, params)
         now = time.monotonic() if arrival_time is None else arrival_time
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
-        request = _Request(request_id, prompt if isinstance(prompt, str) else None, prompt_token_ids, params, now,
-                           [], group_id=group_id or request_id, num_choices=len(resume) or params.n)
+        request = _Request(
+            request_id,
+            prompt if isinstance(prompt, str) else None,
+            prompt_token_ids,
+            params,
+            now,
+            [],
+            group_id=group_id or request_id,
+            num_choices=len(resume) or params.n,
+        )
         for choice in resume or (ResumedChoice(0, ()),):
-            seq = Sequence(request_id, prompt_token_ids, params, index=choice.index, priority=priority,
-                           arrival_time=now, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
-                           sampling_seed=seed, is_forked=bool(resume))
+            seq = Sequence(
+                request_id,
+                prompt_token_ids,
+                params,
+                index=choice.index,
+                priority=priority,
+                arrival_time=now,
+                eos_token_ids=self.eos_token_ids,
+                max_model_len=self.max_model_len,
+                sampling_seed=seed,
+                is_forked=bool(resume),
+            )
             seq.detokenizer = self._detokenizer(seq)
             if params.structured_outputs is not None:
                 seq.grammar = self.grammars.start(params.structured_outputs)
@@ -181,8 +223,10 @@ class LLMEngine:
     def _replay(seq: Sequence, token_ids: tuple[int, ...]) -> None:
         """Delivered tokens of a resumed choice, as if sampled here (none may end it: they did not)."""
         if len(token_ids) >= seq.max_tokens:
-            raise RequestRejectedError(f"a resumed choice has {len(token_ids)} tokens, its max_tokens is "
-                                       f"{seq.max_tokens}: nothing is left to generate")
+            raise RequestRejectedError(
+                f"a resumed choice has {len(token_ids)} tokens, its max_tokens is "
+                f"{seq.max_tokens}: nothing is left to generate"
+            )
         for token_id in token_ids:
             seq.output_token_ids.append(token_id)
             if seq.params.logprobs is not None:  # sent already: a place holder keeps the lists aligned
@@ -192,8 +236,9 @@ class LLMEngine:
                 seq.grammar.accept(token_id)
 
     def _detokenizer(self, seq: Sequence) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params.stop,
-                                      seq.params.skip_special_tokens)
+        return IncrementalDetokenizer(
+            self.tokenizer, seq.prompt_token_ids, seq.params.stop, seq.params.skip_special_tokens
+        )
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Idempotent; returns the final (aborted) output of a request that was still running."""
@@ -247,16 +292,23 @@ class LLMEngine:
         failing: list[tuple[ScheduledSeq, Exception]] = []
         self._bisect(items, sampled, failing)
         if self._is_model_at_fault(items, failing):
-            logger.error("a step of %d sequences failed in every row: the model is at fault", len(items),
-                         exc_info=failing[0][1])
-            failing = [(item, EngineStepError(f"the model failed this step: {exc!r}")) for item, exc in failing]
+            logger.error(
+                "a step of %d sequences failed in every row: the model is at fault",
+                len(items),
+                exc_info=failing[0][1],
+            )
+            failing = [
+                (item, EngineStepError(f"the model failed this step: {exc!r}")) for item, exc in failing
+            ]
         for item, exc in failing:
             if not isinstance(exc, EngineError):  # not a failure we named: its traceback is the lead
                 logger.error("request %s made a step raise", item.seq.request_id, exc_info=exc)
             self._fail_seq(item.seq, exc)
         return sampled
 
-    def _is_model_at_fault(self, items: list[ScheduledSeq], failing: list[tuple[ScheduledSeq, Exception]]) -> bool:
+    def _is_model_at_fault(
+        self, items: list[ScheduledSeq], failing: list[tuple[ScheduledSeq, Exception]]
+    ) -> bool:
         if len(failing) < len(items) or any(isinstance(exc, RequestRejectedError) for _, exc in failing):
             return False  # other rows ran, or the request's own parameters (its grammar) raised
         if len({self.requests[item.seq.request_id].group_id for item, _ in failing}) > 1:
@@ -266,14 +318,19 @@ class LLMEngine:
     def _probe_passes(self) -> bool:
         """One greedy token of the known-good prompt, alone in a step of its own, outside the scheduler.
         Without room for it in the pool nothing is concluded: the suspect alone is failed."""
-        seq = Sequence("probe", self.probe_token_ids, SamplingParams(temperature=0.0, max_tokens=1),
-                       max_model_len=self.max_model_len)
+        seq = Sequence(
+            "probe",
+            self.probe_token_ids,
+            SamplingParams(temperature=0.0, max_tokens=1),
+            max_model_len=self.max_model_len,
+        )
         if not self.block_manager.can_allocate(seq, seq.num_prompt_tokens):
             return True
         self.block_manager.allocate(seq, seq.num_prompt_tokens)
         try:
-            self.model_runner.run(SchedulerOutput([ScheduledSeq(seq, 0, seq.num_prompt_tokens, 1)],
-                                                  BlockCopies([], [], [])))
+            self.model_runner.run(
+                SchedulerOutput([ScheduledSeq(seq, 0, seq.num_prompt_tokens, 1)], BlockCopies([], [], []))
+            )
         except EngineDeadError:
             raise
         except Exception:  # noqa: BLE001 - the model fails a prompt it served at start-up
@@ -284,7 +341,9 @@ class LLMEngine:
 
     def _bisect(self, items: list[ScheduledSeq], sampled: dict, failing: list) -> None:
         try:
-            sampled.update(self.model_runner.run(SchedulerOutput(items, BlockCopies([], [], []))))  # copies done
+            sampled.update(
+                self.model_runner.run(SchedulerOutput(items, BlockCopies([], [], [])))
+            )  # copies done
         except EngineDeadError:
             raise
         except Exception as exc:  # noqa: BLE001
@@ -312,7 +371,9 @@ class LLMEngine:
             if request is None:
                 continue
             # children forked in this very step are not in request.seqs yet
-            forked = [s for s in self.scheduler.running if s.request_id == request_id and s not in request.seqs]
+            forked = [
+                s for s in self.scheduler.running if s.request_id == request_id and s not in request.seqs
+            ]
             request.seqs.extend(forked)
             for seq in request.seqs:
                 self.scheduler.finish_seq(seq, SequenceStatus.FINISHED_ERROR)
@@ -355,8 +416,10 @@ class LLMEngine:
         token, at a choice's end, and once a choice has that many tokens not sent yet (the delta then
         carries them all: fewer, bigger deltas, each a write and a read less)."""
         interval, sent = self.config.stream_interval, request.sent_tokens
-        return any(seq.is_finished or seq.index not in sent or seq.num_output_tokens - sent[seq.index] >= interval
-                   for seq in seqs)
+        return any(
+            seq.is_finished or seq.index not in sent or seq.num_output_tokens - sent[seq.index] >= interval
+            for seq in seqs
+        )
 
     def _output(self, request: _Request, seqs: list[Sequence]) -> RequestOutput:
         """A delta: what each of seqs produced since its last output."""
@@ -369,22 +432,32 @@ class LLMEngine:
             del self.requests[request.request_id]
             if not request.is_aborted:
                 self._observe_phases(first)
-        output = RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
-                               [self._delta(request, seq) for seq in sorted(seqs, key=lambda s: s.index)],
-                               finished, first.num_cached_tokens,
-                               {"arrival_time": request.arrival_time,
-                                "first_scheduled_time": first.first_scheduled_time or 0.0,
-                                "first_token_time": first.first_token_time or 0.0,
-                                "num_preemptions": sum(s.num_preemptions for s in request.seqs)}, request.error,
-                               prompt_logprobs, request.token_intervals)
+        output = RequestOutput(
+            request.request_id,
+            request.prompt,
+            request.prompt_token_ids,
+            [self._delta(request, seq) for seq in sorted(seqs, key=lambda s: s.index)],
+            finished,
+            first.num_cached_tokens,
+            {
+                "arrival_time": request.arrival_time,
+                "first_scheduled_time": first.first_scheduled_time or 0.0,
+                "first_token_time": first.first_token_time or 0.0,
+                "num_preemptions": sum(s.num_preemptions for s in request.seqs),
+            },
+            request.error,
+            prompt_logprobs,
+            request.token_intervals,
+        )
         request.token_intervals = []
         return output
 
     def _observe_phases(self, first: Sequence) -> None:
         """A request that finished on its own this step: its last token came now."""
         if first.first_scheduled_time is not None and first.first_token_time is not None:
-            self.phase_times = self.phase_times.observe(first.first_scheduled_time, first.first_token_time,
-                                                        self.scheduler.clock())
+            self.phase_times = self.phase_times.observe(
+                first.first_scheduled_time, first.first_token_time, self.scheduler.clock()
+            )
 
     def _delta(self, request: _Request, seq: Sequence) -> CompletionOutput:
         i = seq.index
@@ -394,8 +467,14 @@ class LLMEngine:
         request.sent_chars[i] = max(readable, sent_chars)
         request.sent_tokens[i] = seq.num_output_tokens
         logprobs = seq.output_logprobs[sent_tokens:] if seq.params.logprobs is not None else None
-        return CompletionOutput(i, text[sent_chars:readable], seq.output_token_ids[sent_tokens:],
-                                seq.finish_reason, seq.stop_reason, logprobs)
+        return CompletionOutput(
+            i,
+            text[sent_chars:readable],
+            seq.output_token_ids[sent_tokens:],
+            seq.finish_reason,
+            seq.stop_reason,
+            logprobs,
+        )
 
     # --- figures -----------------------------------------------------------------------------------
     def _kv_waste(self) -> float:
@@ -405,16 +484,28 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         bm, sched = self.block_manager, self.scheduler
         return EngineStats(
-            num_running=len(sched.running), num_waiting=len(sched.waiting), num_swapped=len(sched.swapped),
-            num_total_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks,
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            num_swapped=len(sched.swapped),
+            num_total_blocks=bm.num_blocks,
+            num_free_blocks=bm.num_free_blocks,
             kv_cache_usage=bm.usage,
-            prefix_cache_queries=bm.num_prefix_queries, prefix_cache_hits=bm.num_prefix_hits,
-            num_preemptions=sched.num_preemptions, num_steps=self.num_steps,
-            num_prompt_tokens=self.num_prompt_tokens, num_generation_tokens=self.num_generation_tokens,
-            last_step_time=self.last_step_time, is_busy=sched.has_unfinished,
-            num_isolated_steps=self.num_isolated_steps, num_failed_requests=self.num_failed_requests,
-            iteration_tokens=self.iteration_tokens, phase_times=self.phase_times, cache=self.cache_info,
-            queue_heads=sched.queue_heads(), is_full=sched.is_full)
+            prefix_cache_queries=bm.num_prefix_queries,
+            prefix_cache_hits=bm.num_prefix_hits,
+            num_preemptions=sched.num_preemptions,
+            num_steps=self.num_steps,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens,
+            last_step_time=self.last_step_time,
+            is_busy=sched.has_unfinished,
+            num_isolated_steps=self.num_isolated_steps,
+            num_failed_requests=self.num_failed_requests,
+            iteration_tokens=self.iteration_tokens,
+            phase_times=self.phase_times,
+            cache=self.cache_info,
+            queue_heads=sched.queue_heads(),
+            is_full=sched.is_full,
+        )
 
 
 def _eos_token_ids(model, tokenizer) -> frozenset[int]:

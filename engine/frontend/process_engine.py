@@ -84,14 +84,16 @@ class PipeTransport:
     def __init__(self, config: EngineConfig) -> None:
         context = mp.get_context("spawn")  # a forked child would inherit this process's threads
         self._conn, child = context.Pipe()
-        self.process = context.Process(target=_engine_process_main, args=(config, child),
-                                       name="pagedserve-engine", daemon=True)
+        self.process = context.Process(
+            target=_engine_process_main, args=(config, child), name="pagedserve-engine", daemon=True
+        )
         self.process.start()
         child.close()
         try:
             loaded = self._wait_loaded()
-            self.tokenizer = AutoTokenizer.from_pretrained(validate_model_dir(config.model, config.files_root).path,
-                                                           local_files_only=True)
+            self.tokenizer = AutoTokenizer.from_pretrained(
+                validate_model_dir(config.model, config.files_root).path, local_files_only=True
+            )
         except BaseException:
             self._kill()
             raise
@@ -111,15 +113,20 @@ class PipeTransport:
             message = self._conn.recv()
         except (EOFError, OSError) as exc:
             self.process.join(10)
-            raise EngineDeadError(f"the engine process exited while loading (code {self.process.exitcode})") from exc
+            raise EngineDeadError(
+                f"the engine process exited while loading (code {self.process.exitcode})"
+            ) from exc
         if isinstance(message, LoadFailed):
             raise message.error  # the load's own error: ModelValidationError, out of memory, ...
         return message
 
     # --- lifecycle ---------------------------------------------------------------------------------
-    def start(self, on_step: Callable[[StepOutput], None], on_death: Callable[[BaseException, str], None]) -> None:
-        self._reader = threading.Thread(target=self._read, args=(on_step, on_death), name="engine-process-reader",
-                                        daemon=True)
+    def start(
+        self, on_step: Callable[[StepOutput], None], on_death: Callable[[BaseException, str], None]
+    ) -> None:
+        self._reader = threading.Thread(
+            target=self._read, args=(on_step, on_death), name="engine-process-reader", daemon=True
+        )
         self._reader.start()
 
     def stop(self, timeout: float) -> None:
@@ -167,7 +174,9 @@ class PipeTransport:
             raise slot[1]
         return slot[2]
 
-    def _read(self, on_step: Callable[[StepOutput], None], on_death: Callable[[BaseException, str], None]) -> None:
+    def _read(
+        self, on_step: Callable[[StepOutput], None], on_death: Callable[[BaseException, str], None]
+    ) -> None:
         """The reader thread: the child's messages, until the pipe closes."""
         why = None
         while True:
@@ -254,8 +263,11 @@ class _ChildEnd:
                 try:
                     self._calls.submit(self._answer, message)
                 except RuntimeError:  # the pool is shut down: this process is exiting
-                    self._write(CallReply(message.call_id, EngineNotRunningError("the engine process is exiting"),
-                                          None))
+                    self._write(
+                        CallReply(
+                            message.call_id, EngineNotRunningError("the engine process is exiting"), None
+                        )
+                    )
             elif isinstance(message, Stop):
                 self.loop.request_stop()
                 return

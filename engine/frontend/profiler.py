@@ -38,18 +38,51 @@ if TYPE_CHECKING:
     from torch.profiler import profile
 
 CATEGORIES = ("attention", "kv_write", "gemm", "elementwise", "sampling", "host")
-GEMM_OPS = frozenset({"aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::bmm", "aten::baddbmm",
-                      "mkldnn::_linear_pointwise"})  # the last: engine/executor/layers/onednn_linear.py's layers
+GEMM_OPS = frozenset(
+    {
+        "aten::linear",
+        "aten::addmm",
+        "aten::mm",
+        "aten::matmul",
+        "aten::bmm",
+        "aten::baddbmm",
+        "mkldnn::_linear_pointwise",
+    }
+)  # the last: engine/executor/layers/onednn_linear.py's layers
 KV_WRITE_OPS = frozenset({"aten::index_copy_"})
 # ops inside an attention module's `attend` that are not attention: splits, views and plain arithmetic
 # (their slices and strides are their children, so they follow)
-ATTEND_ELEMENTWISE_OPS = frozenset({"aten::split", "aten::split_with_sizes", "aten::view", "aten::chunk", "aten::mul",
-                                    "aten::sub", "aten::add", "aten::cat"})
+ATTEND_ELEMENTWISE_OPS = frozenset(
+    {
+        "aten::split",
+        "aten::split_with_sizes",
+        "aten::view",
+        "aten::chunk",
+        "aten::mul",
+        "aten::sub",
+        "aten::add",
+        "aten::cat",
+    }
+)
 # scope an event opens -> the category of the self time inside it
-_SCOPE_CATEGORY = {"step": "host", "schedule": "host", "run": "host", "postprocess": "host", "forward": "elementwise",
-                   "attention_module": "attention", **{c: c for c in CATEGORIES}}
-_LABEL_SCOPES = {SCHEDULE: "schedule", RUN: "run", POSTPROCESS: "postprocess", SAMPLE: "sampling",
-                 FORWARD: "forward", ATTENTION: "attention_module", GEMM: "gemm"}
+_SCOPE_CATEGORY = {
+    "step": "host",
+    "schedule": "host",
+    "run": "host",
+    "postprocess": "host",
+    "forward": "elementwise",
+    "attention_module": "attention",
+    **{c: c for c in CATEGORIES},
+}
+_LABEL_SCOPES = {
+    SCHEDULE: "schedule",
+    RUN: "run",
+    POSTPROCESS: "postprocess",
+    SAMPLE: "sampling",
+    FORWARD: "forward",
+    ATTENTION: "attention_module",
+    GEMM: "gemm",
+}
 SUM_TOLERANCE = 0.01  # categories vs step time, relative: events that spill past their parent by a clock tick
 
 
@@ -83,14 +116,24 @@ def profile_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences (default: %(default)s)")
     g.add_argument("--prompt-len", type=int, default=d.prompt_len, help="tokens each (default: %(default)s)")
     g.add_argument("--output-len", type=int, default=d.output_len, help="tokens each (default: %(default)s)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
-                   help="tokens per step; longer prompts come in chunks (default: %(default)s)")
-    g.add_argument("--steps", dest="max_steps", type=int, help="profile at most this many steps (default: all)")
-    g.add_argument("--dtype", default=d.dtype, help="auto | float32 | bfloat16 | float16 (default: %(default)s)")
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=d.max_num_batched_tokens,
+        help="tokens per step; longer prompts come in chunks (default: %(default)s)",
+    )
+    g.add_argument(
+        "--steps", dest="max_steps", type=int, help="profile at most this many steps (default: all)"
+    )
+    g.add_argument(
+        "--dtype", default=d.dtype, help="auto | float32 | bfloat16 | float16 (default: %(default)s)"
+    )
     g.add_argument("--quantization", help="int8 (weight-only, at load), or awq / gptq for such a checkpoint")
     g.add_argument("--device", default=d.device, help="auto | cpu | cuda (default: %(default)s)")
     g.add_argument("--num-threads", type=int, help="torch threads on CPU (default: torch's)")
-    g.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy (default: %(default)s)")
+    g.add_argument(
+        "--temperature", type=float, default=d.temperature, help="0 = greedy (default: %(default)s)"
+    )
     g.add_argument("--top-p", type=float, default=d.top_p)
     g.add_argument("--seed", type=int, default=d.seed)
 
@@ -109,11 +152,20 @@ def run_profile(model: str, settings: ProfileSettings) -> dict:
     from engine.frontend.llm_engine import LLMEngine
 
     load_before = os.getloadavg()
-    engine = LLMEngine(EngineConfig(
-        model, dtype=settings.dtype, quantization=settings.quantization, device=settings.device,
-        max_num_seqs=settings.batch_size, max_model_len=settings.prompt_len + settings.output_len,
-        max_num_batched_tokens=settings.max_num_batched_tokens, num_threads=settings.num_threads,
-        enable_prefix_caching=False, seed=settings.seed))  # no cache: the second run must prefill again
+    engine = LLMEngine(
+        EngineConfig(
+            model,
+            dtype=settings.dtype,
+            quantization=settings.quantization,
+            device=settings.device,
+            max_num_seqs=settings.batch_size,
+            max_model_len=settings.prompt_len + settings.output_len,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+            num_threads=settings.num_threads,
+            enable_prefix_caching=False,
+            seed=settings.seed,
+        )
+    )  # no cache: the second run must prefill again
     rng = random.Random(settings.seed)
     _drive(engine, replace(settings, batch_size=1, output_len=2, max_steps=None), rng, "warm")
     plain = _drive(engine, settings, rng, "plain")
@@ -126,18 +178,26 @@ def run_profile(model: str, settings: ProfileSettings) -> dict:
     result = attribute(events, is_cuda)
     result["by_step_kind"] = _by_kind(events, [is_prefill for _, _, is_prefill in profiled], is_cuda)
     wall = sum(seconds for seconds, _, _ in profiled)
-    result.update(model=str(model), settings=asdict(settings), device=str(device),
-                  dtype=str(engine.model_runner.dtype).removeprefix("torch."),
-                  wall_seconds=wall, step_mean_seconds=wall / max(len(profiled), 1),
-                  unprofiled_step_mean_seconds=sum(seconds for seconds, _, _ in plain) / max(len(plain), 1),
-                  # under 1 per thread: the box took the cores away (shares then favour the longest ops)
-                  cpu_seconds_per_wall_second=sum(cpu for _, cpu, _ in profiled) / wall if wall else 0.0,
-                  num_preemptions=engine.scheduler.num_preemptions, top_ops=top_ops(prof, result["step_seconds"]),
-                  machine=machine_info(load_before, os.getloadavg()))
+    result.update(
+        model=str(model),
+        settings=asdict(settings),
+        device=str(device),
+        dtype=str(engine.model_runner.dtype).removeprefix("torch."),
+        wall_seconds=wall,
+        step_mean_seconds=wall / max(len(profiled), 1),
+        unprofiled_step_mean_seconds=sum(seconds for seconds, _, _ in plain) / max(len(plain), 1),
+        # under 1 per thread: the box took the cores away (shares then favour the longest ops)
+        cpu_seconds_per_wall_second=sum(cpu for _, cpu, _ in profiled) / wall if wall else 0.0,
+        num_preemptions=engine.scheduler.num_preemptions,
+        top_ops=top_ops(prof, result["step_seconds"]),
+        machine=machine_info(load_before, os.getloadavg()),
+    )
     return result
 
 
-def _drive(engine, settings: ProfileSettings, rng: random.Random, tag: str) -> list[tuple[float, float, bool]]:
+def _drive(
+    engine, settings: ProfileSettings, rng: random.Random, tag: str
+) -> list[tuple[float, float, bool]]:
     """Add the batch, step until done (or max_steps; the rest are aborted); each step's wall seconds,
     this process's CPU seconds in it, and whether it had prompt tokens to run (a prefill step: some
     sequence was waiting or mid-prompt)."""
@@ -145,11 +205,18 @@ def _drive(engine, settings: ProfileSettings, rng: random.Random, tag: str) -> l
 
     from engine.sampling_params import SamplingParams
 
-    params = SamplingParams(max_tokens=settings.output_len, ignore_eos=True, temperature=settings.temperature,
-                            top_p=settings.top_p, seed=settings.seed)
+    params = SamplingParams(
+        max_tokens=settings.output_len,
+        ignore_eos=True,
+        temperature=settings.temperature,
+        top_p=settings.top_p,
+        seed=settings.seed,
+    )
     vocab = engine.vocab_size
     for i in range(settings.batch_size):  # ids 0-3 are special in our tokenizers
-        engine.add_request(f"{tag}-{i}", [rng.randrange(4, vocab) for _ in range(settings.prompt_len)], params)
+        engine.add_request(
+            f"{tag}-{i}", [rng.randrange(4, vocab) for _ in range(settings.prompt_len)], params
+        )
     steps = []
     while engine.has_unfinished_requests and (settings.max_steps is None or len(steps) < settings.max_steps):
         sched = engine.scheduler
@@ -179,10 +246,12 @@ def _module_ranges(model: "torch.nn.Module") -> Iterator[None]:
         def call(*args, **kwargs):
             with record_function(label):
                 return method(*args, **kwargs)
+
         return call
 
-    wrapped = [(model, "forward", FORWARD)] + [(m, "attend", ATTENTION) for m in model.modules()
-                                               if isinstance(m, Attention)]
+    wrapped = [(model, "forward", FORWARD)] + [
+        (m, "attend", ATTENTION) for m in model.modules() if isinstance(m, Attention)
+    ]
     wrapped += [(m, "forward", GEMM) for m in model.modules() if isinstance(m, Int8Linear)]
     for module, name, label in wrapped:
         setattr(module, name, ranged(getattr(module, name), label))
@@ -195,8 +264,12 @@ def _module_ranges(model: "torch.nn.Module") -> Iterator[None]:
 
 def _by_kind(events: list, kinds: list[bool], with_device: bool) -> dict:
     """The table of the prefill steps (any prompt tokens) and of the decode-only steps, apart."""
-    return {name: attribute([e for e, is_prefill in zip(events, kinds, strict=True) if is_prefill == want], with_device)
-            for name, want in (("prefill", True), ("decode", False))}
+    return {
+        name: attribute(
+            [e for e, is_prefill in zip(events, kinds, strict=True) if is_prefill == want], with_device
+        )
+        for name, want in (("prefill", True), ("decode", False))
+    }
 
 
 def attribute(steps: list, with_device: bool = False) -> dict:
@@ -216,11 +289,22 @@ def attribute(steps: list, with_device: bool = False) -> dict:
         pending.extend((child, scope) for child in event.cpu_children)
     total = sum(e.cpu_time_total for e in steps) / 1e6
     num_steps = max(len(steps), 1)
-    figures = {c: {"seconds": s, "share": s / total if total else 0.0, "per_step_mean_seconds": s / num_steps}
-               for c, s in cpu.items()}
-    result = {"num_steps": len(steps), "step_seconds": total, "attributed_seconds": sum(cpu.values()), "categories": figures,
-              "host_breakdown_seconds": {"schedule": host["schedule"], "model_runner": host["run"],
-                                         "postprocess_and_outputs": host["postprocess"], "step_other": host["step"]}}
+    figures = {
+        c: {"seconds": s, "share": s / total if total else 0.0, "per_step_mean_seconds": s / num_steps}
+        for c, s in cpu.items()
+    }
+    result = {
+        "num_steps": len(steps),
+        "step_seconds": total,
+        "attributed_seconds": sum(cpu.values()),
+        "categories": figures,
+        "host_breakdown_seconds": {
+            "schedule": host["schedule"],
+            "model_runner": host["run"],
+            "postprocess_and_outputs": host["postprocess"],
+            "step_other": host["step"],
+        },
+    }
     if with_device:
         result["device_seconds"] = dev
     return result
@@ -249,8 +333,15 @@ def top_ops(prof: "profile", step_seconds: float, limit: int = 15) -> list[dict]
     """The ops with the most self CPU time (our ranges left out: their self time is Python)."""
     ops = [a for a in prof.key_averages() if not a.key.startswith("pagedserve::")]
     ops.sort(key=lambda a: a.self_cpu_time_total, reverse=True)
-    return [{"name": a.key, "calls": a.count, "self_seconds": a.self_cpu_time_total / 1e6,
-             "share": a.self_cpu_time_total / 1e6 / step_seconds if step_seconds else 0.0} for a in ops[:limit]]
+    return [
+        {
+            "name": a.key,
+            "calls": a.count,
+            "self_seconds": a.self_cpu_time_total / 1e6,
+            "share": a.self_cpu_time_total / 1e6 / step_seconds if step_seconds else 0.0,
+        }
+        for a in ops[:limit]
+    ]
 
 
 def machine_info(load_before: tuple[float, ...], load_after: tuple[float, ...]) -> dict:
@@ -261,11 +352,16 @@ def machine_info(load_before: tuple[float, ...], load_after: tuple[float, ...]) 
     except OSError:
         cpuinfo = []
     cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), None)
-    info = {"cpu": cpu, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "load_average_before": list(load_before),
-            "load_average_after": list(load_after),
-            # how OpenMP's idle threads wait (libgomp reads these when torch loads it): batch-1 decode moves with them
-            "openmp": {name: os.environ.get(name) for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}}
+    info = {
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "load_average_before": list(load_before),
+        "load_average_after": list(load_after),
+        # how OpenMP's idle threads wait (libgomp reads these when torch loads it): batch-1 decode moves with them
+        "openmp": {name: os.environ.get(name) for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")},
+    }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info
@@ -275,7 +371,11 @@ def format_table(result: dict) -> str:
     """The category table as text, one row per category, for a terminal."""
     lines = [f"{'category':<12} {'seconds':>9} {'share':>7} {'ms/step':>9}"]
     for name, fig in result["categories"].items():
-        lines.append(f"{name:<12} {fig['seconds']:>9.3f} {fig['share']:>7.1%} {fig['per_step_mean_seconds'] * 1e3:>9.2f}")
-    lines.append(f"{'step':<12} {result['step_seconds']:>9.3f} {'':>7} "
-                 f"{result['step_seconds'] / max(result['num_steps'], 1) * 1e3:>9.2f}")
+        lines.append(
+            f"{name:<12} {fig['seconds']:>9.3f} {fig['share']:>7.1%} {fig['per_step_mean_seconds'] * 1e3:>9.2f}"
+        )
+    lines.append(
+        f"{'step':<12} {result['step_seconds']:>9.3f} {'':>7} "
+        f"{result['step_seconds'] / max(result['num_steps'], 1) * 1e3:>9.2f}"
+    )
     return "\n".join(lines)

@@ -25,15 +25,22 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = tuple(CSRC / name for name in ("paged_attention.c", "int8_linear.c", "rms_norm.c", "rope.c", "silu_mul.c",
-                                         "thread_pool.c"))
+SOURCES = tuple(
+    CSRC / name
+    for name in ("paged_attention.c", "int8_linear.c", "rms_norm.c", "rope.c", "silu_mul.c", "thread_pool.c")
+)
 HEADERS = (CSRC / "kernel_math.h",)
 # -fopenmp-simd: the simd pragmas only, no OpenMP runtime (torch brings its own); threads: csrc/thread_pool.c
 CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c11", "-pthread"]
 # each kernel's index in csrc/thread_pool.c's table, by the dtype it runs in
-KERNELS = {"paged_decode": {torch.float32: 0, torch.bfloat16: 1}, "int8_linear": 2, "int8_dequantize": 3,
-           "rms_norm": {torch.float32: 4, torch.bfloat16: 5}, "rope": {torch.float32: 6, torch.bfloat16: 7},
-           "silu_mul": {torch.float32: 8, torch.bfloat16: 9}}
+KERNELS = {
+    "paged_decode": {torch.float32: 0, torch.bfloat16: 1},
+    "int8_linear": 2,
+    "int8_dequantize": 3,
+    "rms_norm": {torch.float32: 4, torch.bfloat16: 5},
+    "rope": {torch.float32: 6, torch.bfloat16: 7},
+    "silu_mul": {torch.float32: 8, torch.bfloat16: 9},
+}
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 # below this many elements an elementwise kernel (RMSNorm, RoPE, SiLU * up) runs on the calling thread alone: it is done
 # before a second thread would have woken (tens of microseconds on a VM with OpenMP's threads asleep)
@@ -49,16 +56,30 @@ def _cpu_flags() -> str:
 
 
 def _build(compiler: str) -> Path:
-    key = hashlib.sha256(b"\0".join([*(p.read_bytes() for p in SOURCES + HEADERS), " ".join(CFLAGS).encode(),
-                                     compiler.encode(), _cpu_flags().encode()])).hexdigest()[:16]
-    cache_dir = Path(os.environ.get("PAGEDSERVE_KERNEL_CACHE") or Path.home() / ".cache" / "pagedserve" / "kernels")
+    key = hashlib.sha256(
+        b"\0".join(
+            [
+                *(p.read_bytes() for p in SOURCES + HEADERS),
+                " ".join(CFLAGS).encode(),
+                compiler.encode(),
+                _cpu_flags().encode(),
+            ]
+        )
+    ).hexdigest()[:16]
+    cache_dir = Path(
+        os.environ.get("PAGEDSERVE_KERNEL_CACHE") or Path.home() / ".cache" / "pagedserve" / "kernels"
+    )
     target = cache_dir / f"pagedserve-kernels-{key}.so"
     if not target.exists():
         cache_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:  # build aside, then rename: atomic for racers
             built = Path(tmp) / target.name
-            subprocess.run([compiler, *CFLAGS, *map(str, SOURCES), "-o", str(built), "-lm"], check=True,
-                           capture_output=True, timeout=120)
+            subprocess.run(
+                [compiler, *CFLAGS, *map(str, SOURCES), "-o", str(built), "-lm"],
+                check=True,
+                capture_output=True,
+                timeout=120,
+            )
             built.replace(target)
     return target
 
@@ -75,8 +96,11 @@ def _library() -> ctypes.CDLL | None:
         return ctypes.CDLL(str(_build(compiler)))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", b"") or b""
-        logger.warning("building the CPU kernels failed (%s %s): using the pure-torch paths",
-                       e, detail.decode(errors="replace")[-500:])
+        logger.warning(
+            "building the CPU kernels failed (%s %s): using the pure-torch paths",
+            e,
+            detail.decode(errors="replace")[-500:],
+        )
         return None
 
 
@@ -90,10 +114,14 @@ class Threads:
         self._pool_run.argtypes = [ctypes.c_int, ctypes.POINTER(_i64), _i64, ctypes.c_float, _i64, _i64]
         self._pool_run.restype = ctypes.c_int
 
-    def run(self, kernel: int, ints: tuple[int, ...], work: int, f: float = 0.0, num_threads: int | None = None) -> int:
+    def run(
+        self, kernel: int, ints: tuple[int, ...], work: int, f: float = 0.0, num_threads: int | None = None
+    ) -> int:
         """Kernel `kernel` (an index of thread_pool.c's table) with its integer and pointer arguments `ints`
         and float argument `f` over every range; 0, or the first error code a range returned."""
-        return self._pool_run(kernel, (_i64 * len(ints))(*ints), len(ints), f, work, num_threads or self.num_threads)
+        return self._pool_run(
+            kernel, (_i64 * len(ints))(*ints), len(ints), f, work, num_threads or self.num_threads
+        )
 
     def run_sized(self, kernel: int, ints: tuple[int, ...], work: int, elements: int, f: float = 0.0) -> int:
         """`run`, on this thread alone when the kernel touches under PARALLEL_ELEMENTS."""
@@ -117,23 +145,48 @@ class DecodeKernel:
         # on AVX512-BF16 (what the compiler targeted: this machine's CPU)
         self.features = library.paged_decode_features()
 
-    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        block_size: int,
+        scale: float,
+    ) -> torch.Tensor:
         """q [num_seqs, num_heads, head_dim]; caches [num_kv_heads, num_slots, head_dim] contiguous, float32 or
         bfloat16 (sums in float32 either way); block_tables [num_seqs, max_blocks] and context_lens [num_seqs]
         int64. Returns like q."""
-        if not (k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.is_contiguous()
-                and k_cache.dtype == v_cache.dtype and k_cache.dtype in self.DTYPES
-                and block_tables.dtype == context_lens.dtype == torch.int64):
-            raise ValueError("paged_decode reads raw memory: contiguous float32 or bfloat16 caches and int64 "
-                             "tables only")
+        if not (
+            k_cache.is_contiguous()
+            and v_cache.is_contiguous()
+            and block_tables.is_contiguous()
+            and k_cache.dtype == v_cache.dtype
+            and k_cache.dtype in self.DTYPES
+            and block_tables.dtype == context_lens.dtype == torch.int64
+        ):
+            raise ValueError(
+                "paged_decode reads raw memory: contiguous float32 or bfloat16 caches and int64 tables only"
+            )
         q32, context_lens = q.float().contiguous(), context_lens.contiguous()
         out = torch.empty_like(q32)
         num_seqs, num_heads, head_dim = q.shape
         num_kv_heads, num_slots, _ = k_cache.shape
-        ints = (q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-                context_lens.data_ptr(), out.data_ptr(), num_heads, num_kv_heads, head_dim, num_slots, block_size,
-                block_tables.shape[1])
+        ints = (
+            q32.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            block_tables.data_ptr(),
+            context_lens.data_ptr(),
+            out.data_ptr(),
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            num_slots,
+            block_size,
+            block_tables.shape[1],
+        )
         if self.threads.run(self._kernels[k_cache.dtype], ints, num_seqs * num_kv_heads, scale):
             raise MemoryError("paged_decode: out of memory for its scratch buffer")
         return out.to(q.dtype)
@@ -149,13 +202,23 @@ class Int8LinearKernel:
 
     @staticmethod
     def _check(q: torch.Tensor, scale: torch.Tensor, group_size: int) -> None:
-        if not (q.is_contiguous() and scale.is_contiguous() and q.dtype == torch.int8
-                and scale.dtype == torch.float32 and group_size > 0 and q.shape[1] % group_size == 0
-                and scale.shape == (q.shape[0], q.shape[1] // group_size)):
-            raise ValueError("the int8 kernels read raw memory: contiguous int8 weights [n, k] and float32 "
-                             "scales [n, k / group_size]")
+        if not (
+            q.is_contiguous()
+            and scale.is_contiguous()
+            and q.dtype == torch.int8
+            and scale.dtype == torch.float32
+            and group_size > 0
+            and q.shape[1] % group_size == 0
+            and scale.shape == (q.shape[0], q.shape[1] // group_size)
+        ):
+            raise ValueError(
+                "the int8 kernels read raw memory: contiguous int8 weights [n, k] and float32 "
+                "scales [n, k / group_size]"
+            )
 
-    def __call__(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group_size: int
+    ) -> torch.Tensor:
         """x [m, k] float32 -> [m, n] float32."""
         self._check(q, scale, group_size)
         if x.dtype != torch.float32 or x.shape[1] != q.shape[1]:
@@ -163,19 +226,26 @@ class Int8LinearKernel:
         x = x.contiguous()
         (m, k), n = x.shape, q.shape[0]
         y = torch.empty(m, n, dtype=torch.float32)
-        self.threads.run(KERNELS["int8_linear"], (x.data_ptr(), q.data_ptr(), scale.data_ptr(), y.data_ptr(), m, n, k,
-                                                  group_size), n)
+        self.threads.run(
+            KERNELS["int8_linear"],
+            (x.data_ptr(), q.data_ptr(), scale.data_ptr(), y.data_ptr(), m, n, k, group_size),
+            n,
+        )
         return y
 
-    def dequantize(self, q: torch.Tensor, scale: torch.Tensor, group_size: int,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+    def dequantize(
+        self, q: torch.Tensor, scale: torch.Tensor, group_size: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """q * scale as float32 [n, k], into `out` (contiguous, that shape) when given."""
         self._check(q, scale, group_size)
         w = torch.empty(q.shape, dtype=torch.float32) if out is None else out
         if w.shape != q.shape or w.dtype != torch.float32 or not w.is_contiguous():
             raise ValueError(f"out must be contiguous float32 {tuple(q.shape)}")
-        self.threads.run(KERNELS["int8_dequantize"], (q.data_ptr(), scale.data_ptr(), w.data_ptr(), *q.shape,
-                                                      group_size), q.shape[0])
+        self.threads.run(
+            KERNELS["int8_dequantize"],
+            (q.data_ptr(), scale.data_ptr(), w.data_ptr(), *q.shape, group_size),
+            q.shape[0],
+        )
         return w
 
 
@@ -189,24 +259,44 @@ class RMSNormKernel:
 
     def runs(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether this kernel can normalize x (rows of x's last dimension) by weight."""
-        return (x.device.type == "cpu" and x.dtype in self._kernels and weight.dtype == x.dtype and x.is_contiguous()
-                and weight.is_contiguous() and x.dim() >= 1 and x.shape[-1] == weight.numel() <= 16384)
+        return (
+            x.device.type == "cpu"
+            and x.dtype in self._kernels
+            and weight.dtype == x.dtype
+            and x.is_contiguous()
+            and weight.is_contiguous()
+            and x.dim() >= 1
+            and x.shape[-1] == weight.numel() <= 16384
+        )
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """F.rms_norm(x, weight.shape, weight, eps); with `residual` (like x), (s, F.rms_norm(s, ...)) for
         s = x + residual."""
-        if not self.runs(x, weight) or (residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
-                                                                  or not residual.is_contiguous())):
-            raise ValueError("rms_norm reads raw memory: contiguous CPU float32 or bfloat16 x, weight and residual "
-                             "of one dtype, x's last dimension the weight's size (at most 16384)")
+        if not self.runs(x, weight) or (
+            residual is not None
+            and (residual.shape != x.shape or residual.dtype != x.dtype or not residual.is_contiguous())
+        ):
+            raise ValueError(
+                "rms_norm reads raw memory: contiguous CPU float32 or bfloat16 x, weight and residual "
+                "of one dtype, x's last dimension the weight's size (at most 16384)"
+            )
         out = torch.empty_like(x)
         total = None if residual is None else torch.empty_like(x)
         dim = x.shape[-1]
         rows = x.numel() // dim
-        ints = (x.data_ptr(), 0 if residual is None else residual.data_ptr(), weight.data_ptr(),
-                0 if total is None else total.data_ptr(), out.data_ptr(), dim)
-        self.threads.run_sized(self._kernels[x.dtype], ints, rows, x.numel(), eps)  # fails only on rows `runs` refuses
+        ints = (
+            x.data_ptr(),
+            0 if residual is None else residual.data_ptr(),
+            weight.data_ptr(),
+            0 if total is None else total.data_ptr(),
+            out.data_ptr(),
+            dim,
+        )
+        self.threads.run_sized(
+            self._kernels[x.dtype], ints, rows, x.numel(), eps
+        )  # fails only on rows `runs` refuses
         return out if total is None else (total, out)
 
 
@@ -221,16 +311,28 @@ class RopeKernel:
 
     def runs(self, heads: torch.Tensor, cos: torch.Tensor) -> bool:
         """Whether this kernel can rotate heads [T, H, D] by cos/sin [T, 1, D / 2] (or [T, D / 2])."""
-        return (heads.device.type == "cpu" and heads.dtype in self._kernels and cos.dtype == heads.dtype
-                and heads.dim() == 3 and heads.is_contiguous() and heads.shape[2] % 2 == 0
-                and cos.numel() == heads.shape[0] * heads.shape[2] // 2)
+        return (
+            heads.device.type == "cpu"
+            and heads.dtype in self._kernels
+            and cos.dtype == heads.dtype
+            and heads.dim() == 3
+            and heads.is_contiguous()
+            and heads.shape[2] % 2 == 0
+            and cos.numel() == heads.shape[0] * heads.shape[2] // 2
+        )
 
     def __call__(self, heads: torch.Tensor, rotated: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """heads[:, :rotated] = apply_rope(heads[:, :rotated], cos, sin), in place."""
-        if not (self.runs(heads, cos) and sin.shape == cos.shape and sin.dtype == cos.dtype
-                and 0 <= rotated <= heads.shape[1]):
-            raise ValueError("rope reads raw memory: contiguous CPU float32 or bfloat16 heads [T, H, D] and cos, "
-                             "sin of its dtype with T x D / 2 values")
+        if not (
+            self.runs(heads, cos)
+            and sin.shape == cos.shape
+            and sin.dtype == cos.dtype
+            and 0 <= rotated <= heads.shape[1]
+        ):
+            raise ValueError(
+                "rope reads raw memory: contiguous CPU float32 or bfloat16 heads [T, H, D] and cos, "
+                "sin of its dtype with T x D / 2 values"
+            )
         cos, sin = cos.contiguous(), sin.contiguous()
         tokens, num_heads, head_dim = heads.shape
         shared = (heads.data_ptr(), cos.data_ptr(), sin.data_ptr(), num_heads, rotated, head_dim)
@@ -247,18 +349,26 @@ class SiluMulKernel:
 
     def runs(self, x: torch.Tensor) -> bool:
         """Whether this kernel can read x [..., 2n]."""
-        return (x.device.type == "cpu" and x.dtype in self._kernels and x.is_contiguous() and x.dim() >= 1
-                and x.shape[-1] % 2 == 0)
+        return (
+            x.device.type == "cpu"
+            and x.dtype in self._kernels
+            and x.is_contiguous()
+            and x.dim() >= 1
+            and x.shape[-1] % 2 == 0
+        )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., 2n] -> [..., n]: what `gate, up = x.chunk(2, dim=-1); F.silu(gate) * up` gives."""
         if not self.runs(x):
-            raise ValueError("silu_mul reads raw memory: a contiguous CPU float32 or bfloat16 x with an even "
-                             "last dimension")
+            raise ValueError(
+                "silu_mul reads raw memory: a contiguous CPU float32 or bfloat16 x with an even "
+                "last dimension"
+            )
         n = x.shape[-1] // 2
         out = x.new_empty(*x.shape[:-1], n)
-        self.threads.run_sized(self._kernels[x.dtype], (x.data_ptr(), out.data_ptr(), n), out.numel() // max(n, 1),
-                               out.numel())
+        self.threads.run_sized(
+            self._kernels[x.dtype], (x.data_ptr(), out.data_ptr(), n), out.numel() // max(n, 1), out.numel()
+        )
         return out
 
 

@@ -56,7 +56,9 @@ def to_grammar(spec: StructuredOutputs) -> str:
         case "regex":
             return llguidance.LLMatcher.grammar_from_regex(spec.regex)
         case "choice":  # JSON string literals are Lark string literals
-            return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.choice))
+            return llguidance.LLMatcher.grammar_from_lark(
+                "start: " + " | ".join(json.dumps(c) for c in spec.choice)
+            )
     grammar = any_to_lark(spec.grammar) if "::=" in spec.grammar else spec.grammar  # GBNF, as vLLM's xgrammar
     return llguidance.LLMatcher.grammar_from_lark(grammar)
 
@@ -69,8 +71,12 @@ class Grammar:
         self.matcher, self.closer = matcher, closer
 
     def accept(self, token_id: int) -> None:
-        if not self.matcher.consume_token(token_id):  # the mask allowed it, so this is a bug, not the request's
-            raise RuntimeError(f"the grammar refused token {token_id}: {self.matcher.get_error()[:MAX_ERROR_CHARS]}")
+        if not self.matcher.consume_token(
+            token_id
+        ):  # the mask allowed it, so this is a bug, not the request's
+            raise RuntimeError(
+                f"the grammar refused token {token_id}: {self.matcher.get_error()[:MAX_ERROR_CHARS]}"
+            )
         if self.closer is not None:
             self.closer.accept(token_id)
 
@@ -91,14 +97,24 @@ class Grammar:
             row[forced >> 5] = (1 << (forced & 31)) - (1 << 32 if forced & 31 == 31 else 0)  # int32 bit 31
             return
         self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
-        if self.matcher.is_error():  # a step over llguidance's per-step fuel: the request's, told without internals
+        if (
+            self.matcher.is_error()
+        ):  # a step over llguidance's per-step fuel: the request's, told without internals
             logger.warning("structured output: a mask failed: %s", self.matcher.get_error()[:MAX_ERROR_CHARS])
-            raise StructuredOutputError("structured output: the constraint could not be applied at this token (it "
-                                        "needs more work per token than allowed); simplify it")
+            raise StructuredOutputError(
+                "structured output: the constraint could not be applied at this token (it "
+                "needs more work per token than allowed); simplify it"
+            )
 
 
-def apply_masks(logits: torch.Tensor, raw: torch.Tensor, rows: list[int], grammars: list[Grammar],
-                budgets: list[int], banned: list[int]) -> None:
+def apply_masks(
+    logits: torch.Tensor,
+    raw: torch.Tensor,
+    rows: list[int],
+    grammars: list[Grammar],
+    budgets: list[int],
+    banned: list[int],
+) -> None:
     """Set to -inf, in place, every token each row's grammar forbids. logits and raw: [num_rows, vocab],
     raw before penalties; budgets: each row's tokens left (Grammar.fill_mask). `banned`: rows whose
     penalties set tokens to -inf (min_tokens); one left with no token (min_tokens bans the end of a
@@ -135,8 +151,14 @@ class GrammarCompiler:
     in worker threads while the engine thread starts them. A compile runs in its caller's thread,
     bounded: first in the sandbox (time and memory), then here."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int],
-                 timeout_s: float = COMPILE_TIMEOUT_S, max_first_mask_s: float = MAX_FIRST_MASK_S) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        eos_token_ids: frozenset[int],
+        timeout_s: float = COMPILE_TIMEOUT_S,
+        max_first_mask_s: float = MAX_FIRST_MASK_S,
+    ) -> None:
         self._hf_tokenizer, self._vocab_size, self._eos_token_ids = tokenizer, vocab_size, eos_token_ids
         self.timeout_s, self.max_first_mask_s = timeout_s, max_first_mask_s
         self._tokenizer: llguidance.LLTokenizer | None = None  # built on first use (~0.2 s)
@@ -180,8 +202,9 @@ class GrammarCompiler:
                 self._compile(spec, job)
             job.done.wait()  # the compiling caller is bounded: the sandbox's wait and timeout, then a proven compile
             if job.is_busy:
-                raise EngineOverloadedError(f"every structured-output compile worker stayed busy for {QUEUE_WAIT_S:g} "
-                                            "s; retry later")
+                raise EngineOverloadedError(
+                    f"every structured-output compile worker stayed busy for {QUEUE_WAIT_S:g} s; retry later"
+                )
             found = job.matcher if job.matcher is not None else job.error
         if isinstance(found, str):
             raise StructuredOutputError(found)
@@ -192,8 +215,12 @@ class GrammarCompiler:
             grammar = to_grammar(spec)
             job.error = self._refusal(spec, self._sandbox_for().check(grammar, self.timeout_s, QUEUE_WAIT_S))
             if job.error is None:  # it compiled in the sandbox within its bounds: so it does here
-                job.matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0,
-                                                   limits=llguidance.LLParserLimits(verbose_errors=False))
+                job.matcher = llguidance.LLMatcher(
+                    self._llg_tokenizer(),
+                    grammar,
+                    log_level=0,
+                    limits=llguidance.LLParserLimits(verbose_errors=False),
+                )
         except SandboxBusy:
             job.is_busy = True
         except Exception as exc:  # noqa: BLE001 - llguidance raises ValueError and others for bad input
@@ -209,8 +236,12 @@ class GrammarCompiler:
         """Why the constraint is refused (None: it is not), in the words a client can act on."""
         what = f"the {spec.kind} constraint"
         if verdict.kind in ("timeout", "memory"):
-            logger.warning("structured output: a %s constraint of %d chars was stopped (%s)", spec.kind, spec.size,
-                           verdict.kind)
+            logger.warning(
+                "structured output: a %s constraint of %d chars was stopped (%s)",
+                spec.kind,
+                spec.size,
+                verdict.kind,
+            )
         match verdict.kind:
             case "invalid":
                 return f"{what} does not compile: {verdict.detail}"
@@ -221,15 +252,18 @@ class GrammarCompiler:
             case "memory":
                 return f"{what} needs more than {MEMORY_BYTES >> 20} MiB to compile; simplify it"
         if verdict.first_mask_s > self.max_first_mask_s:
-            return (f"{what} is too costly: its first token mask took {verdict.first_mask_s * 1000:.0f} ms (at most "
-                    f"{self.max_first_mask_s * 1000:.0f} ms), and every step of the batch would wait for it; simplify it")
+            return (
+                f"{what} is too costly: its first token mask took {verdict.first_mask_s * 1000:.0f} ms (at most "
+                f"{self.max_first_mask_s * 1000:.0f} ms), and every step of the batch would wait for it; simplify it"
+            )
         return None
 
     def _sandbox_for(self) -> CompileSandbox:
         with self._tokenizer_lock:
             if self._sandbox is None:
-                self._sandbox = CompileSandbox(self._tokenizer_json(), self._n_vocab(), sorted(self._eos_token_ids),
-                                               NUM_COMPILE_WORKERS)
+                self._sandbox = CompileSandbox(
+                    self._tokenizer_json(), self._n_vocab(), sorted(self._eos_token_ids), NUM_COMPILE_WORKERS
+                )
             return self._sandbox
 
     def _tokenizer_json(self) -> str:
@@ -248,8 +282,9 @@ class GrammarCompiler:
 
     def _llg_tokenizer_locked(self) -> llguidance.LLTokenizer:
         if self._tokenizer is None:
-            self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json(), n_vocab=self._n_vocab(),
-                                                     eos_token=sorted(self._eos_token_ids) or None)
+            self._tokenizer = llguidance.LLTokenizer(
+                self._tokenizer_json(), n_vocab=self._n_vocab(), eos_token=sorted(self._eos_token_ids) or None
+            )
         return self._tokenizer
 
     def _token_table(self) -> TokenTable:

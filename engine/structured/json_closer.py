@@ -70,8 +70,9 @@ class TokenTable:
             if len(data) == 1 and not special[i]:
                 self.single.setdefault(data, i)
         # fallback choice: the shortest allowed token; special tokens last
-        self.length = torch.tensor([1 << 20 if s else len(b) for s, b in zip(special, self.bytes, strict=True)],
-                                   dtype=torch.int32)
+        self.length = torch.tensor(
+            [1 << 20 if s else len(b) for s, b in zip(special, self.bytes, strict=True)], dtype=torch.int32
+        )
         self.eos = min(eos_token_ids) if eos_token_ids else tokenizer.eos_token
         self._mask = torch.empty((tokenizer.vocab_size + 31) // 32, dtype=torch.int32)
 
@@ -91,8 +92,14 @@ class TokenTable:
                 continue
             if m.is_accepting():  # complete (a top-level value that could go on): end it
                 return path + [self.eos]
-            token = next((t for t in (self.single.get(b) for b in c.preferences())
-                          if t is not None and m.validate_tokens([t]) == 1), None)
+            token = next(
+                (
+                    t
+                    for t in (self.single.get(b) for b in c.preferences())
+                    if t is not None and m.validate_tokens([t]) == 1
+                ),
+                None,
+            )
             if token is None:
                 token = self._shortest_allowed(m)
             if token is None or not m.consume_token(token):
@@ -104,7 +111,7 @@ class TokenTable:
     def _shortest_allowed(self, matcher: llguidance.LLMatcher) -> int | None:
         mask = self._mask
         matcher.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * mask.element_size())
-        allowed = ((mask[:, None] >> _BITS) & 1).flatten()[:self.length.numel()].bool()
+        allowed = ((mask[:, None] >> _BITS) & 1).flatten()[: self.length.numel()].bool()
         if not bool(allowed.any()):
             return None
         return int(self.length.masked_fill(~allowed, 1 << 30).argmin())

@@ -48,10 +48,25 @@ class SandboxBusy(Exception):
 class CompileSandbox:
     """Workers for one tokenizer (its tokenizers-library JSON, vocabulary size and end tokens)."""
 
-    def __init__(self, tokenizer_json: str, n_vocab: int, eos_token_ids: list[int], num_workers: int = 2,
-                 memory_bytes: int = MEMORY_BYTES) -> None:
-        self._setup = json.dumps({"tokenizer": tokenizer_json, "n_vocab": n_vocab, "eos": eos_token_ids,
-                                  "memory_bytes": memory_bytes}) + "\n"
+    def __init__(
+        self,
+        tokenizer_json: str,
+        n_vocab: int,
+        eos_token_ids: list[int],
+        num_workers: int = 2,
+        memory_bytes: int = MEMORY_BYTES,
+    ) -> None:
+        self._setup = (
+            json.dumps(
+                {
+                    "tokenizer": tokenizer_json,
+                    "n_vocab": n_vocab,
+                    "eos": eos_token_ids,
+                    "memory_bytes": memory_bytes,
+                }
+            )
+            + "\n"
+        )
         self._slots = threading.BoundedSemaphore(num_workers)
         self._idle: list[_Worker] = []
         self._lock = threading.Lock()
@@ -81,8 +96,12 @@ class CompileSandbox:
 
 class _Worker:
     def __init__(self, setup: str) -> None:
-        self.process = subprocess.Popen([sys.executable, "-I", __file__], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        self.process = subprocess.Popen(
+            [sys.executable, "-I", __file__],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
         self.process.stdin.write(setup.encode())
         self.process.stdin.flush()
         if self._reply(START_TIMEOUT_S) != {"ready": True}:
@@ -122,12 +141,16 @@ def _serve() -> None:
     import llguidance
 
     setup = json.loads(sys.stdin.readline())
-    tokenizer = llguidance.LLTokenizer(setup["tokenizer"], n_vocab=setup["n_vocab"], eos_token=setup["eos"] or None)
+    tokenizer = llguidance.LLTokenizer(
+        setup["tokenizer"], n_vocab=setup["n_vocab"], eos_token=setup["eos"] or None
+    )
     limits = llguidance.LLParserLimits(verbose_errors=False)
     mask = (ctypes.c_uint32 * ((tokenizer.vocab_size + 31) // 32))()
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     soft = _address_space_bytes() + setup["memory_bytes"]
-    resource.setrlimit(resource.RLIMIT_AS, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
+    resource.setrlimit(
+        resource.RLIMIT_AS, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard)
+    )
     _write({"ready": True})
     for line in sys.stdin:
         _write(_verdict(llguidance, tokenizer, limits, mask, json.loads(line)["grammar"]))

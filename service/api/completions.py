@@ -77,11 +77,15 @@ async def collect(gen: Generation, fmt: _Format) -> web.Response:
         raise
     model = served.served_model if served else gen.prepared.model
     record = gen.record
-    body = fmt.body(gen.id, gen.created, model, protocol.usage(record.prompt_tokens, record.completion_tokens))
+    body = fmt.body(
+        gen.id, gen.created, model, protocol.usage(record.prompt_tokens, record.completion_tokens)
+    )
     return web.json_response(body, headers=gen.headers(served), dumps=_dumps)
 
 
-async def stream(request: web.Request, gen: Generation, fmt: _Format, include_usage: bool) -> web.StreamResponse:
+async def stream(
+    request: web.Request, gen: Generation, fmt: _Format, include_usage: bool
+) -> web.StreamResponse:
     events: EventStream | None = None
     model = gen.prepared.model
     try:
@@ -93,13 +97,22 @@ async def stream(request: web.Request, gen: Generation, fmt: _Format, include_us
                 if routed.continued is not None:  # the rest of the stream comes from another engine
                     await events.comment(f"continued on {routed.served_model} ({routed.continued})")
                 chunks = fmt.stream(index, routed.output, gen.token_text(routed))
-                await events.send_many([protocol.chunk(fmt.chunk_kind, gen.id, gen.created, model, c)
-                                        for c in chunks])
+                await events.send_many(
+                    [protocol.chunk(fmt.chunk_kind, gen.id, gen.created, model, c) for c in chunks]
+                )
         events = events or await _open(request, gen, None)
         if include_usage:
             record = gen.record
-            await events.send(protocol.chunk(fmt.chunk_kind, gen.id, gen.created, model, [],
-                                             protocol.usage(record.prompt_tokens, record.completion_tokens)))
+            await events.send(
+                protocol.chunk(
+                    fmt.chunk_kind,
+                    gen.id,
+                    gen.created,
+                    model,
+                    [],
+                    protocol.usage(record.prompt_tokens, record.completion_tokens),
+                )
+            )
         await events.close()
     except ConnectionResetError:
         if events is None:
@@ -129,8 +142,11 @@ async def _open(request: web.Request, gen: Generation, routed: RoutedOutput | No
 def _error_chunks(gen: Generation, fmt: _Format, model: str) -> list[dict]:
     """A last chunk for every choice not finished yet, with finish_reason "error"."""
     num_choices = len(gen.prepared.prompts) * fmt.n
-    return [protocol.chunk(fmt.chunk_kind, gen.id, gen.created, model, [fmt.error_choice(i)])
-            for i in range(num_choices) if fmt.choices[i].finish_reason is None]
+    return [
+        protocol.chunk(fmt.chunk_kind, gen.id, gen.created, model, [fmt.error_choice(i)])
+        for i in range(num_choices)
+        if fmt.choices[i].finish_reason is None
+    ]
 
 
 async def _send_error(request: web.Request, events: EventStream, exc: Exception, chunks: list[dict]) -> None:
@@ -141,7 +157,9 @@ async def _send_error(request: web.Request, events: EventStream, exc: Exception,
     request[RECORD_KEY].note = f"error_{status}"
     if status >= 500:
         unexpected = status == 500 and code is None  # a bug, not a failure the engine named
-        logger.error("request_id=%s error mid-stream: %r", request_id, exc, exc_info=exc if unexpected else None)
+        logger.error(
+            "request_id=%s error mid-stream: %r", request_id, exc, exc_info=exc if unexpected else None
+        )
         message = f"internal error; request id {request_id}" if unexpected else message
     with contextlib.suppress(ConnectionResetError):
         await events.send_many([*chunks, error_body(status, message, param, code)])
@@ -208,8 +226,9 @@ class _Format:
 class CompletionFormat(_Format):
     chunk_kind = "text_completion"
 
-    def __init__(self, n: int, logprobs: int | None, echo: list[str] | None = None,
-                 prompt_logprobs: bool = False) -> None:
+    def __init__(
+        self, n: int, logprobs: int | None, echo: list[str] | None = None, prompt_logprobs: bool = False
+    ) -> None:
         super().__init__(n, logprobs)
         self.echo = echo  # per prompt: the text each of its choices starts with (None: no echo)
         self.prompt_logprobs = prompt_logprobs  # vLLM's field: each choice carries its prompt's
@@ -224,7 +243,9 @@ class CompletionFormat(_Format):
             self._start(prompt_index, output, out, token_text)
         super().accumulate(prompt_index, output, token_text)
 
-    def _start(self, prompt_index: int, output: RequestOutput, out: CompletionOutput, token_text: TokenText) -> dict | None:
+    def _start(
+        self, prompt_index: int, output: RequestOutput, out: CompletionOutput, token_text: TokenText
+    ) -> dict | None:
         """At a choice's first output: with echo and logprobs, the prompt's logprobs its own start with
         (returned; text_offset then counts from the end of the echoed text)."""
         index = prompt_index * self.n + out.index
@@ -235,7 +256,9 @@ class CompletionFormat(_Format):
         if output.prompt_logprobs is not None and prompt_index not in self.prompts:
             self.prompts[prompt_index] = (output.prompt_token_ids, output.prompt_logprobs)
             if self.prompt_logprobs:
-                self.formatted[prompt_index] = protocol.prompt_logprobs(*self.prompts[prompt_index], token_text)
+                self.formatted[prompt_index] = protocol.prompt_logprobs(
+                    *self.prompts[prompt_index], token_text
+                )
         if self.top_n is None or not self.echo or prompt_index not in self.prompts:
             return None
         logprobs = protocol.completion_logprobs(*self.prompts[prompt_index], token_text, self.top_n, 0)
@@ -243,14 +266,21 @@ class CompletionFormat(_Format):
         choice.offset = len(self._echo(index))
         return logprobs
 
-
     def error_choice(self, index: int) -> dict[str, JSON]:
         return protocol.completion_choice(index, "", None, "error")
 
     def body(self, completion_id: str, created: int, model: str, usage: dict) -> dict[str, JSON]:
-        choices = [protocol.completion_choice(i, self._echo(i) + "".join(c.text), c.logprobs, c.finish_reason,
-                                              c.stop_reason, self.formatted.get(i // self.n))
-                   for i, c in self._sorted()]
+        choices = [
+            protocol.completion_choice(
+                i,
+                self._echo(i) + "".join(c.text),
+                c.logprobs,
+                c.finish_reason,
+                c.stop_reason,
+                self.formatted.get(i // self.n),
+            )
+            for i, c in self._sorted()
+        ]
         return protocol.completion_body(completion_id, created, model, choices, usage)
 
     def stream(self, prompt_index: int, output: RequestOutput, token_text: TokenText) -> list[list[dict]]:
@@ -262,20 +292,34 @@ class CompletionFormat(_Format):
             prompt_part = self._start(prompt_index, output, out, token_text)
             logprobs = self._logprobs(out, choice, token_text)
             if prompt_part is not None:
-                logprobs = protocol.merge_completion_logprobs(prompt_part, logprobs) if logprobs else prompt_part
+                logprobs = (
+                    protocol.merge_completion_logprobs(prompt_part, logprobs) if logprobs else prompt_part
+                )
             self._finish(index, out)
             text = out.text
             if is_first:  # the first chunk of a choice carries the echoed prompt (and vLLM's prompt_logprobs)
                 text = self._echo(index) + text
             if text or out.finish_reason or logprobs or (is_first and prompt_index in self.formatted):
-                chunks.append([protocol.completion_choice(index, text, logprobs, out.finish_reason, out.stop_reason,
-                                                          self.formatted.get(prompt_index) if is_first else None)])
+                chunks.append(
+                    [
+                        protocol.completion_choice(
+                            index,
+                            text,
+                            logprobs,
+                            out.finish_reason,
+                            out.stop_reason,
+                            self.formatted.get(prompt_index) if is_first else None,
+                        )
+                    ]
+                )
         return chunks
 
     def _logprobs(self, out: CompletionOutput, choice: _Choice, token_text: TokenText) -> dict | None:
         if self.top_n is None or not out.logprobs:
             return None
-        logprobs = protocol.completion_logprobs(out.token_ids, out.logprobs, token_text, self.top_n, choice.offset)
+        logprobs = protocol.completion_logprobs(
+            out.token_ids, out.logprobs, token_text, self.top_n, choice.offset
+        )
         choice.offset += sum(len(t) for t in logprobs["tokens"])
         return logprobs
 
@@ -298,8 +342,16 @@ class ChatFormat(_Format):
         for i, c in self._sorted():
             text = "".join(c.text)
             calls = self._calls(text, c.finish_reason)
-            choices.append(protocol.chat_choice(i, None if calls else text, c.logprobs,
-                                                "tool_calls" if calls else c.finish_reason, c.stop_reason, calls))
+            choices.append(
+                protocol.chat_choice(
+                    i,
+                    None if calls else text,
+                    c.logprobs,
+                    "tool_calls" if calls else c.finish_reason,
+                    c.stop_reason,
+                    calls,
+                )
+            )
         return protocol.chat_body(completion_id, created, model, choices, usage)
 
     def _calls(self, text: str, finish_reason: str | None) -> list[dict] | None:
@@ -312,14 +364,21 @@ class ChatFormat(_Format):
             choice = self.choices[index]
             if not choice.is_started:
                 choice.is_started = True
-                chunks.append([protocol.chat_chunk_choice(index, {"role": "assistant", "content": ""}, None, None)])
+                chunks.append(
+                    [protocol.chat_chunk_choice(index, {"role": "assistant", "content": ""}, None, None)]
+                )
                 if self.tool_calling and self.tool_calling.function:  # the call's head: its arguments follow
                     call = protocol.tool_call(self.tool_calling.function, "")
-                    chunks.append([protocol.chat_chunk_choice(index, protocol.tool_call_delta(0, call), None, None)])
+                    chunks.append(
+                        [protocol.chat_chunk_choice(index, protocol.tool_call_delta(0, call), None, None)]
+                    )
             logprobs = self._logprobs(out, choice, token_text)
             self._finish(index, out)
-            chunks += self._tool_chunks(index, choice, out, logprobs) if self.tool_calling else \
-                self._text_chunks(index, out, logprobs)
+            chunks += (
+                self._tool_chunks(index, choice, out, logprobs)
+                if self.tool_calling
+                else self._text_chunks(index, out, logprobs)
+            )
         return chunks
 
     def _text_chunks(self, index: int, out: CompletionOutput, logprobs: dict | None) -> list[list[dict]]:
@@ -328,8 +387,9 @@ class ChatFormat(_Format):
         delta = {"content": out.text} if out.text or logprobs else {}
         return [[protocol.chat_chunk_choice(index, delta, logprobs, out.finish_reason, out.stop_reason)]]
 
-    def _tool_chunks(self, index: int, choice: _Choice, out: CompletionOutput,
-                     logprobs: dict | None) -> list[list[dict]]:
+    def _tool_chunks(
+        self, index: int, choice: _Choice, out: CompletionOutput, logprobs: dict | None
+    ) -> list[list[dict]]:
         choice.text.append(out.text)
         chunks = []
         if self.tool_calling.function and out.text:
@@ -340,8 +400,10 @@ class ChatFormat(_Format):
         text = "".join(choice.text)
         calls = self._calls(text, out.finish_reason)
         if calls and not self.tool_calling.function:
-            chunks += [[protocol.chat_chunk_choice(index, protocol.tool_call_delta(k, call), None, None)]
-                       for k, call in enumerate(calls)]
+            chunks += [
+                [protocol.chat_chunk_choice(index, protocol.tool_call_delta(k, call), None, None)]
+                for k, call in enumerate(calls)
+            ]
         elif not calls and not self.tool_calling.function:  # cut short: what there is, as text
             chunks.append([protocol.chat_chunk_choice(index, {"content": text}, None, None)])
         finish = "tool_calls" if calls else out.finish_reason

@@ -18,18 +18,27 @@ TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")  # chat only
 MAX_NUM_TOOLS = 128
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 # vLLM's constraint fields -> the StructuredOutputs field each sets
-GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+GUIDED = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
 STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 def parse_constraint(body: dict) -> tuple[StructuredOutputs | None, str | None]:
     """The one output constraint (OpenAI's response_format, vLLM's guided_* or structured_outputs)
     and the field it came from; its bounds are StructuredOutputs' own, whether it compiles the engine's."""
-    found = [(name, value) for name in ("response_format", *GUIDED, "structured_outputs")
-             if (value := body.get(name)) is not None and value != {"type": "text"}]
+    found = [
+        (name, value)
+        for name in ("response_format", *GUIDED, "structured_outputs")
+        if (value := body.get(name)) is not None and value != {"type": "text"}
+    ]
     if len(found) > 1:
-        raise InvalidRequestError(f"{found[0][0]} and {found[1][0]} both constrain the output; send one",
-                                  param=found[1][0])
+        raise InvalidRequestError(
+            f"{found[0][0]} and {found[1][0]} both constrain the output; send one", param=found[1][0]
+        )
     if not found:
         return None, None
     name, value = found[0]
@@ -39,7 +48,9 @@ def parse_constraint(body: dict) -> tuple[StructuredOutputs | None, str | None]:
         if name == "structured_outputs":
             if not isinstance(value, dict) or not value.keys() <= set(STRUCTURED_KEYS):
                 raise ValueError(f"structured_outputs must be an object with one of {list(STRUCTURED_KEYS)}")
-            return StructuredOutputs(**{k: v for k, v in value.items() if v is not None and v is not False}), name
+            return StructuredOutputs(
+                **{k: v for k, v in value.items() if v is not None and v is not False}
+            ), name
         if name == "guided_json" and isinstance(value, str):  # vLLM takes the schema as JSON text too
             return StructuredOutputs(json=value), name
         if name == "guided_choice" and not isinstance(value, list):
@@ -64,8 +75,10 @@ def _response_format(value: JSON) -> StructuredOutputs:
     if kind == "json_object":
         return StructuredOutputs(json_object=True)
     if kind != "json_schema":
-        raise ValueError('response_format must be {"type": "text"}, {"type": "json_object"} or '
-                         '{"type": "json_schema", "json_schema": {...}}')
+        raise ValueError(
+            'response_format must be {"type": "text"}, {"type": "json_object"} or '
+            '{"type": "json_schema", "json_schema": {...}}'
+        )
     spec = value.get("json_schema")
     if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
         raise ValueError("response_format json_schema must be an object with a name and a schema")
@@ -93,8 +106,10 @@ class ToolCalling:
             return None
         if self.function is not None:
             return [protocol.tool_call(self.function, text)]
-        return [protocol.tool_call(call["name"], json.dumps(call["parameters"], ensure_ascii=False))
-                for call in value]
+        return [
+            protocol.tool_call(call["name"], json.dumps(call["parameters"], ensure_ascii=False))
+            for call in value
+        ]
 
 
 def parse_tools(body: dict) -> tuple[list[dict[str, JSON]], ToolCalling | None, StructuredOutputs | None]:
@@ -114,15 +129,26 @@ def parse_tools(body: dict) -> tuple[list[dict[str, JSON]], ToolCalling | None, 
         return definitions if choice != "none" else [], None, None
     by_name = {t["name"]: t["parameters"] for t in tools}
     if choice == "required":
-        calls = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
-                  "properties": {"name": {"const": name}, "parameters": schema}} for name, schema in by_name.items()]
-        array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}} | ({"maxItems": 1} if parallel is False
-                                                                                else {})
+        calls = [
+            {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["name", "parameters"],
+                "properties": {"name": {"const": name}, "parameters": schema},
+            }
+            for name, schema in by_name.items()
+        ]
+        array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}} | (
+            {"maxItems": 1} if parallel is False else {}
+        )
         return definitions, ToolCalling(None), _tool_constraint(array)
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or name not in by_name:
-        raise InvalidRequestError('tool_choice must be "none", "auto", "required" or {"type": "function", '
-                                  '"function": {"name": ...}} naming one of the tools', param="tool_choice")
+        raise InvalidRequestError(
+            'tool_choice must be "none", "auto", "required" or {"type": "function", '
+            '"function": {"name": ...}} naming one of the tools',
+            param="tool_choice",
+        )
     return definitions, ToolCalling(name), _tool_constraint(by_name[name])
 
 
@@ -133,15 +159,20 @@ def _tool(tool: JSON, index: int) -> dict[str, JSON]:
         raise InvalidRequestError(f'{param} must be {{"type": "function", "function": {{...}}}}', param=param)
     name = function.get("name")
     if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
-        raise InvalidRequestError(f"{param}.function.name must be 1 to 64 letters, digits, _ or -",
-                                  param=f"{param}.function.name")
+        raise InvalidRequestError(
+            f"{param}.function.name must be 1 to 64 letters, digits, _ or -", param=f"{param}.function.name"
+        )
     parameters = function.get("parameters", {"type": "object", "properties": {}})
     if not isinstance(parameters, dict):
-        raise InvalidRequestError(f"{param}.function.parameters must be a JSON schema (an object)",
-                                  param=f"{param}.function.parameters")
+        raise InvalidRequestError(
+            f"{param}.function.parameters must be a JSON schema (an object)",
+            param=f"{param}.function.parameters",
+        )
     description = function.get("description")
     if description is not None and not isinstance(description, str):
-        raise InvalidRequestError(f"{param}.function.description must be a string", param=f"{param}.function.description")
+        raise InvalidRequestError(
+            f"{param}.function.description must be a string", param=f"{param}.function.description"
+        )
     return {"name": name, "parameters": parameters} | ({"description": description} if description else {})
 
 
@@ -149,7 +180,9 @@ def _tool_constraint(schema: dict) -> StructuredOutputs:
     try:
         return StructuredOutputs(json=schema)
     except ValueError as exc:
-        raise InvalidRequestError(str(exc).replace("structured_outputs json", "tools"), param="tools") from None
+        raise InvalidRequestError(
+            str(exc).replace("structured_outputs json", "tools"), param="tools"
+        ) from None
 
 
 def checked_list(value: JSON, name: str, limit: int) -> list:

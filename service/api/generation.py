@@ -29,7 +29,9 @@ from service.router import GenerateRequest, RoutedOutput
 from service.state import ServerState
 
 T = TypeVar("T")
-TIMEOUT_HEADER = "x-pagedserve-timeout"  # seconds the client gives the whole request (less than --request-timeout)
+TIMEOUT_HEADER = (
+    "x-pagedserve-timeout"  # seconds the client gives the whole request (less than --request-timeout)
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,18 +72,36 @@ async def prepare(request: web.Request, asked: CompletionRequest | ChatRequest) 
     encoded_by, engine = _encoder(state, model)
     record.model = model
     owner = key_owner(request, config.api_keys)
-    prepared = await asyncio.to_thread(_prepare_in_thread, asked, engine, config.default_max_tokens,
-                                       model=model, encoded_by=encoded_by, deadline=deadline, owner=owner)
+    prepared = await asyncio.to_thread(
+        _prepare_in_thread,
+        asked,
+        engine,
+        config.default_max_tokens,
+        model=model,
+        encoded_by=encoded_by,
+        deadline=deadline,
+        owner=owner,
+    )
     if len(state.quarantine):  # nothing to hash while nothing is quarantined (the usual case)
         await _check_quarantine(state, prepared)
     # its prompts are admitted side by side: a request bigger than the whole bulkhead never fits
     num_seqs, max_tokens = len(prepared.prompts) * prepared.params.n, prepared.params.max_tokens or 0
-    state.router.bulkhead(model).check_fits(sum(prepared.num_prompt_tokens) + num_seqs * max_tokens, num_seqs, owner)
+    state.router.bulkhead(model).check_fits(
+        sum(prepared.num_prompt_tokens) + num_seqs * max_tokens, num_seqs, owner
+    )
     return prepared
 
 
-def _prepare_in_thread(asked: CompletionRequest | ChatRequest, engine: EngineClient, default_max_tokens: int, *,
-                       model: str, encoded_by: str, deadline: float, owner: str | None) -> PreparedRequest:
+def _prepare_in_thread(
+    asked: CompletionRequest | ChatRequest,
+    engine: EngineClient,
+    default_max_tokens: int,
+    *,
+    model: str,
+    encoded_by: str,
+    deadline: float,
+    owner: str | None,
+) -> PreparedRequest:
     """Off the event loop (a 4 MiB prompt must not stall it): the model's generation_config for the
     sampling fields the request left out (as vLLM's --generation-config auto), a chat's template
     rendered, every prompt encoded and checked (a prompt too long for the context is a 400 that says
@@ -102,10 +122,25 @@ def _prepare_in_thread(asked: CompletionRequest | ChatRequest, engine: EngineCli
         room = engine.max_model_len - max(len(ids) for ids in prompt_token_ids)
         params = dataclasses.replace(params, max_tokens=min(default_max_tokens, room))
     echo = None
-    if isinstance(asked, CompletionRequest) and asked.echo:  # a text prompt as sent, a token-id prompt decoded
-        echo = [p if isinstance(p, str) else engine.tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
-    return PreparedRequest(model, encoded_by, prompts, prompt_token_ids, params, asked.add_special_tokens,
-                           deadline, asked.priority, owner, echo)
+    if (
+        isinstance(asked, CompletionRequest) and asked.echo
+    ):  # a text prompt as sent, a token-id prompt decoded
+        echo = [
+            p if isinstance(p, str) else engine.tokenizer.decode(p, skip_special_tokens=False)
+            for p in prompts
+        ]
+    return PreparedRequest(
+        model,
+        encoded_by,
+        prompts,
+        prompt_token_ids,
+        params,
+        asked.add_special_tokens,
+        deadline,
+        asked.priority,
+        owner,
+        echo,
+    )
 
 
 def _timeout_s(request: web.Request, limit_s: float) -> float:
@@ -119,8 +154,10 @@ def _timeout_s(request: web.Request, limit_s: float) -> float:
         asked_s = float("nan")
     if not (math.isfinite(asked_s) and asked_s > 0):
         shown = value if len(value) <= 40 else f"{value[:20]}..."
-        raise InvalidRequestError(f"{TIMEOUT_HEADER} must be a positive finite number of seconds, got {shown!r}",
-                                  code="invalid_timeout")
+        raise InvalidRequestError(
+            f"{TIMEOUT_HEADER} must be a positive finite number of seconds, got {shown!r}",
+            code="invalid_timeout",
+        )
     return min(asked_s, limit_s)
 
 
@@ -153,8 +190,11 @@ async def _check_quarantine(state: ServerState, prepared: PreparedRequest) -> No
     never reaches an engine again (nginx does not replay a 4xx)."""
     left_s = state.quarantine.seconds_left(await asyncio.to_thread(prepared.fingerprint))
     if left_s:
-        raise UnprocessableError(f"this request made the engine fail and is quarantined for another "
-                                 f"{math.ceil(left_s)} s; change it, or send it later", code="request_quarantined")
+        raise UnprocessableError(
+            f"this request made the engine fail and is quarantined for another "
+            f"{math.ceil(left_s)} s; change it, or send it later",
+            code="request_quarantined",
+        )
 
 
 class Generation:
@@ -192,12 +232,24 @@ class Generation:
         task = asyncio.current_task()
         self.state.generations.add(task)
         p = self.prepared
-        requests = [GenerateRequest(f"{self.id}-{i}", p.model, prompt, p.params, p.priority, deadline=p.deadline,
-                                    num_prompt_tokens=len(token_ids),
-                                    arrival=self.record.start + self.record.load_wait_s,
-                                    prompt_token_ids=token_ids, encoded_by=p.encoded_by, group_id=self.id,
-                                    owner=p.owner, add_special_tokens=p.add_special_tokens)
-                    for i, (prompt, token_ids) in enumerate(zip(p.prompts, p.prompt_token_ids, strict=True))]
+        requests = [
+            GenerateRequest(
+                f"{self.id}-{i}",
+                p.model,
+                prompt,
+                p.params,
+                p.priority,
+                deadline=p.deadline,
+                num_prompt_tokens=len(token_ids),
+                arrival=self.record.start + self.record.load_wait_s,
+                prompt_token_ids=token_ids,
+                encoded_by=p.encoded_by,
+                group_id=self.id,
+                owner=p.owner,
+                add_special_tokens=p.add_special_tokens,
+            )
+            for i, (prompt, token_ids) in enumerate(zip(p.prompts, p.prompt_token_ids, strict=True))
+        ]
         streams = [self.state.router.generate(r) for r in requests]
         try:
             # one prompt (the usual case): the router's deltas come straight through, no merge between
@@ -236,15 +288,22 @@ class Generation:
         if record.first_scheduled is None:
             record.first_scheduled = output.metrics.get("first_scheduled_time")
         if output.finished:
-            scheduled, arrival = output.metrics.get("first_scheduled_time"), output.metrics.get("arrival_time")
+            scheduled, arrival = (
+                output.metrics.get("first_scheduled_time"),
+                output.metrics.get("arrival_time"),
+            )
             if scheduled and arrival and self._queue_time is None:
                 self._queue_time = max(scheduled - arrival, 0.0)
 
     def _finished(self) -> None:
         record, p = self.record, self.prepared
         model = record.served_model or p.model
-        self.metrics.observe_finished(model, time.monotonic() - record.start, self._queue_time, record.finish_reasons)
-        self.metrics.observe_request(model, p.num_prompt_tokens, self.num_generated, p.params.n, p.params.max_tokens)
+        self.metrics.observe_finished(
+            model, time.monotonic() - record.start, self._queue_time, record.finish_reasons
+        )
+        self.metrics.observe_request(
+            model, p.num_prompt_tokens, self.num_generated, p.params.n, p.params.max_tokens
+        )
 
 
 async def merge(iterators: list[AsyncGenerator[T, None]]) -> AsyncGenerator[tuple[int, T], None]:

@@ -29,28 +29,54 @@ def now() -> int:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 # --- completions ---------------------------------------------------------------------------------
-def completion_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None,
-                      stop_reason: str | int | None = None, prompt_logprobs: list | None = None) -> dict[str, JSON]:
-    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
-              "stop_reason": stop_reason}
+def completion_choice(
+    index: int,
+    text: str,
+    logprobs: dict | None,
+    finish_reason: str | None,
+    stop_reason: str | int | None = None,
+    prompt_logprobs: list | None = None,
+) -> dict[str, JSON]:
+    choice = {
+        "index": index,
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+    }
     if prompt_logprobs is not None:  # vLLM's field, only when asked for
         choice["prompt_logprobs"] = prompt_logprobs
     return choice
 
 
-def completion_body(completion_id: str, created: int, model: str, choices: list[dict],
-                    usage_: dict | None) -> dict[str, JSON]:
-    return {"id": completion_id, "object": "text_completion", "created": created, "model": model,
-            "choices": choices, "usage": usage_}
+def completion_body(
+    completion_id: str, created: int, model: str, choices: list[dict], usage_: dict | None
+) -> dict[str, JSON]:
+    return {
+        "id": completion_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage_,
+    }
 
 
-def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, float] | None], token_text: TokenText,
-                        top_n: int, offset: int) -> dict[str, list]:
+def completion_logprobs(
+    token_ids: list[int],
+    logprobs: list[dict[int, float] | None],
+    token_text: TokenText,
+    top_n: int,
+    offset: int,
+) -> dict[str, list]:
     """`offset`: chars of this choice's text before these tokens (text_offset counts from there). A None
     entry (an echoed prompt's first token, which nothing scores) gives null logprobs, as OpenAI's do."""
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
@@ -73,14 +99,20 @@ def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, float] | 
     return out
 
 
-def prompt_logprobs(token_ids: list[int], logprobs: list[dict[int, float] | None],
-                    token_text: TokenText) -> list[dict[str, dict] | None]:
+def prompt_logprobs(
+    token_ids: list[int], logprobs: list[dict[int, float] | None], token_text: TokenText
+) -> list[dict[str, dict] | None]:
     """vLLM's `prompt_logprobs` of a choice: per prompt token (None for the first), token id -> logprob and
     decoded text, the prompt's own token among them."""
-    return [None if candidates is None else
-            {str(t): {"logprob": _clamp(lp), "decoded_token": token_text(t)} for t, lp in
-             sorted(candidates.items(), key=lambda kv: (kv[0] != token_id, -kv[1]))}
-            for token_id, candidates in zip(token_ids, logprobs, strict=True)]
+    return [
+        None
+        if candidates is None
+        else {
+            str(t): {"logprob": _clamp(lp), "decoded_token": token_text(t)}
+            for t, lp in sorted(candidates.items(), key=lambda kv: (kv[0] != token_id, -kv[1]))
+        }
+        for token_id, candidates in zip(token_ids, logprobs, strict=True)
+    ]
 
 
 def merge_completion_logprobs(into: dict[str, list] | None, more: dict[str, list]) -> dict[str, list]:
@@ -92,22 +124,38 @@ def merge_completion_logprobs(into: dict[str, list] | None, more: dict[str, list
 
 
 # --- chat ----------------------------------------------------------------------------------------
-def chat_choice(index: int, text: str | None, logprobs: dict | None, finish_reason: str | None,
-                stop_reason: str | int | None = None, tool_calls: list[dict] | None = None) -> dict[str, JSON]:
+def chat_choice(
+    index: int,
+    text: str | None,
+    logprobs: dict | None,
+    finish_reason: str | None,
+    stop_reason: str | int | None = None,
+    tool_calls: list[dict] | None = None,
+) -> dict[str, JSON]:
     message: dict[str, JSON] = {"role": "assistant", "content": text}
     if tool_calls:
         message["tool_calls"] = tool_calls
-    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
-            "stop_reason": stop_reason}
+    return {
+        "index": index,
+        "message": message,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+    }
 
 
 def tool_call(name: str, arguments: str) -> dict[str, JSON]:
     """One entry of a message's tool_calls; `arguments` is JSON text, as OpenAI sends it."""
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": arguments}}
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
 
 
-def tool_call_delta(position: int, call: dict[str, JSON] | None = None, arguments: str = "") -> dict[str, JSON]:
+def tool_call_delta(
+    position: int, call: dict[str, JSON] | None = None, arguments: str = ""
+) -> dict[str, JSON]:
     """A stream delta of tool call `position`: its head (id, type, name) when `call` is given, then
     more of its arguments."""
     if call is not None:
@@ -115,20 +163,38 @@ def tool_call_delta(position: int, call: dict[str, JSON] | None = None, argument
     return {"tool_calls": [{"index": position, "function": {"arguments": arguments}}]}
 
 
-def chat_body(completion_id: str, created: int, model: str, choices: list[dict],
-              usage_: dict | None) -> dict[str, JSON]:
-    return {"id": completion_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": usage_}
+def chat_body(
+    completion_id: str, created: int, model: str, choices: list[dict], usage_: dict | None
+) -> dict[str, JSON]:
+    return {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage_,
+    }
 
 
-def chat_chunk_choice(index: int, delta: dict[str, str], logprobs: dict | None,
-                      finish_reason: str | None, stop_reason: str | int | None = None) -> dict[str, JSON]:
-    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
-            "stop_reason": stop_reason}
+def chat_chunk_choice(
+    index: int,
+    delta: dict[str, str],
+    logprobs: dict | None,
+    finish_reason: str | None,
+    stop_reason: str | int | None = None,
+) -> dict[str, JSON]:
+    return {
+        "index": index,
+        "delta": delta,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+    }
 
 
-def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, float]], token_text: TokenText,
-                  top_n: int) -> dict[str, list]:
+def chat_logprobs(
+    token_ids: list[int], logprobs: list[dict[int, float]], token_text: TokenText, top_n: int
+) -> dict[str, list]:
     content = []
     for token_id, candidates in zip(token_ids, logprobs, strict=False):
         entry = _chat_token(token_text(token_id), candidates.get(token_id, MIN_LOGPROB))
@@ -137,11 +203,18 @@ def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, float]], token_
     return {"content": content}
 
 
-def chunk(kind: str, completion_id: str, created: int, model: str, choices: list[dict],
-          usage_: dict | None = None) -> dict[str, JSON]:
+def chunk(
+    kind: str, completion_id: str, created: int, model: str, choices: list[dict], usage_: dict | None = None
+) -> dict[str, JSON]:
     """A stream chunk; `kind` is "text_completion" or "chat.completion.chunk"."""
-    return {"id": completion_id, "object": kind, "created": created, "model": model, "choices": choices,
-            "usage": usage_}
+    return {
+        "id": completion_id,
+        "object": kind,
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage_,
+    }
 
 
 def _chat_token(text: str, logprob: float) -> dict[str, JSON]:

@@ -40,8 +40,14 @@ MAX_NUM_MESSAGES = 1024
 MAX_MODEL_CHARS = 256
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # field -> value that means "not asked for"; anything else is refused with a clear 400
-UNSUPPORTED = {"suffix": None, "functions": None, "use_beam_search": False,
-               "guided_decoding_backend": None, "guided_whitespace_pattern": None, "truncate_prompt_tokens": None}
+UNSUPPORTED = {
+    "suffix": None,
+    "functions": None,
+    "use_beam_search": False,
+    "guided_decoding_backend": None,
+    "guided_whitespace_pattern": None,
+    "truncate_prompt_tokens": None,
+}
 
 _MISSING = object()
 
@@ -90,11 +96,22 @@ def parse_completion(body: JSON) -> CompletionRequest:
         if reader.body.get(name) not in (None, [], "none"):
             raise InvalidRequestError(f"{name} is only supported by chat completions", param=name)
     structured, structured_param = parse_constraint(reader.body)
-    params = _sampling_params(reader, default_max_tokens=16, logprobs=logprobs, structured=structured,
-                              prompt_logprobs=scored)
+    params = _sampling_params(
+        reader, default_max_tokens=16, logprobs=logprobs, structured=structured, prompt_logprobs=scored
+    )
     _check_choices(len(prompts), params.n)
-    return CompletionRequest(reader.model(), prompts, params, *reader.stream(), reader.priority(), echo,
-                             prompt_logprobs is not None, structured_param, reader.unset(SAMPLING_DEFAULTS), reader.bool_("add_special_tokens", True))
+    return CompletionRequest(
+        reader.model(),
+        prompts,
+        params,
+        *reader.stream(),
+        reader.priority(),
+        echo,
+        prompt_logprobs is not None,
+        structured_param,
+        reader.unset(SAMPLING_DEFAULTS),
+        reader.bool_("add_special_tokens", True),
+    )
 
 
 def parse_chat(body: JSON) -> ChatRequest:
@@ -111,13 +128,24 @@ def parse_chat(body: JSON) -> ChatRequest:
     structured, structured_param = parse_constraint(reader.body)
     tools, tool_calling, tool_constraint = parse_tools(reader.body)
     if tool_constraint is not None and structured is not None:
-        raise InvalidRequestError(f"tool_choice and {structured_param} both constrain the output; send one",
-                                  param="tool_choice")
+        raise InvalidRequestError(
+            f"tool_choice and {structured_param} both constrain the output; send one", param="tool_choice"
+        )
     if tool_constraint is not None:
         structured, structured_param = tool_constraint, "tools"
     params = _sampling_params(reader, default_max_tokens=None, logprobs=logprobs, structured=structured)
-    return ChatRequest(reader.model(), messages, params, *reader.stream(), reader.priority(), structured_param,
-                       tool_calling, tools, reader.unset(SAMPLING_DEFAULTS), reader.bool_("add_special_tokens", False))
+    return ChatRequest(
+        reader.model(),
+        messages,
+        params,
+        *reader.stream(),
+        reader.priority(),
+        structured_param,
+        tool_calling,
+        tools,
+        reader.unset(SAMPLING_DEFAULTS),
+        reader.bool_("add_special_tokens", False),
+    )
 
 
 def parse_prompts(prompt: JSON) -> list[str | list[int]]:
@@ -125,13 +153,18 @@ def parse_prompts(prompt: JSON) -> list[str | list[int]]:
     if isinstance(prompt, str):
         return [prompt]
     if not isinstance(prompt, list) or not prompt:
-        raise InvalidRequestError("prompt must be a string, a list of strings, a list of token ids or a "
-                                  "list of token-id lists, and not empty", param="prompt")
+        raise InvalidRequestError(
+            "prompt must be a string, a list of strings, a list of token ids or a "
+            "list of token-id lists, and not empty",
+            param="prompt",
+        )
     if all(_is_int(t) for t in prompt):  # one prompt of token ids, as long as the model allows
         return [_token_ids(prompt)]
     if len(prompt) > MAX_NUM_PROMPTS:
-        raise InvalidRequestError(f"at most {MAX_NUM_PROMPTS} prompts per request, got {len(prompt)}; "
-                                  "send several requests", param="prompt")
+        raise InvalidRequestError(
+            f"at most {MAX_NUM_PROMPTS} prompts per request, got {len(prompt)}; send several requests",
+            param="prompt",
+        )
     if all(isinstance(p, str) for p in prompt):
         return list(prompt)
     if all(isinstance(p, list) for p in prompt):
@@ -141,9 +174,13 @@ def parse_prompts(prompt: JSON) -> list[str | list[int]]:
 
 def parse_messages(messages: JSON) -> list[dict[str, JSON]]:
     if not isinstance(messages, list) or not messages:
-        raise InvalidRequestError("messages must be a non-empty list of {role, content} objects", param="messages")
+        raise InvalidRequestError(
+            "messages must be a non-empty list of {role, content} objects", param="messages"
+        )
     if len(messages) > MAX_NUM_MESSAGES:
-        raise InvalidRequestError(f"at most {MAX_NUM_MESSAGES} messages, got {len(messages)}", param="messages")
+        raise InvalidRequestError(
+            f"at most {MAX_NUM_MESSAGES} messages, got {len(messages)}", param="messages"
+        )
     return [_message(m, i) for i, m in enumerate(messages)]
 
 
@@ -154,16 +191,18 @@ def _message(message: JSON, index: int) -> dict[str, JSON]:
     role = message.get("role")
     if not isinstance(role, str) or role not in CHAT_ROLES:
         shown = repr(role) if isinstance(role, str | None) and len(repr(role)) < 40 else _json_type(role)
-        raise InvalidRequestError(f"{param}.role must be one of {list(CHAT_ROLES)}, got {shown}",
-                                  param=f"{param}.role")
+        raise InvalidRequestError(
+            f"{param}.role must be one of {list(CHAT_ROLES)}, got {shown}", param=f"{param}.role"
+        )
     content = message.get("content")
     if content is None and role in ("assistant", "tool"):
         content = ""
     if isinstance(content, list):
         content = "".join(_text_part(part, f"{param}.content[{i}]") for i, part in enumerate(content))
     if not isinstance(content, str):
-        raise InvalidRequestError(f"{param}.content must be a string or a list of text parts",
-                                  param=f"{param}.content")
+        raise InvalidRequestError(
+            f"{param}.content must be a string or a list of text parts", param=f"{param}.content"
+        )
     return {"role": role, "content": content} | _tool_fields(message, role, param)
 
 
@@ -175,10 +214,17 @@ def _tool_fields(message: dict, role: str, param: str) -> dict[str, JSON]:
         calls = checked_list(message["tool_calls"], f"{param}.tool_calls", MAX_NUM_TOOLS)
         for i, call in enumerate(calls):
             function = call.get("function") if isinstance(call, dict) else None
-            if not (isinstance(function, dict) and isinstance(function.get("name"), str)
-                    and isinstance(function.get("arguments"), str) and isinstance(call.get("id", ""), str)):
-                raise InvalidRequestError(f"{param}.tool_calls[{i}] must be {{id, type, function: {{name, "
-                                          "arguments}}}} with string fields", param=f"{param}.tool_calls[{i}]")
+            if not (
+                isinstance(function, dict)
+                and isinstance(function.get("name"), str)
+                and isinstance(function.get("arguments"), str)
+                and isinstance(call.get("id", ""), str)
+            ):
+                raise InvalidRequestError(
+                    f"{param}.tool_calls[{i}] must be {{id, type, function: {{name, "
+                    "arguments}}}} with string fields",
+                    param=f"{param}.tool_calls[{i}]",
+                )
         fields["tool_calls"] = calls
     for key in ("tool_call_id", "name"):
         value = message.get(key)
@@ -197,8 +243,13 @@ def _text_part(part: JSON, param: str) -> str:
     raise InvalidRequestError(f"{param}: only text content parts are supported, got {kind!r}", param=param)
 
 
-def _sampling_params(reader: _Reader, default_max_tokens: int | None, logprobs: int | None,
-                     structured: StructuredOutputs | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
+def _sampling_params(
+    reader: _Reader,
+    default_max_tokens: int | None,
+    logprobs: int | None,
+    structured: StructuredOutputs | None = None,
+    prompt_logprobs: int | None = None,
+) -> SamplingParams:
     reader.refuse_unsupported()
     max_tokens = reader.int_("max_completion_tokens", _MISSING, 1)
     if max_tokens is _MISSING:
@@ -208,16 +259,25 @@ def _sampling_params(reader: _Reader, default_max_tokens: int | None, logprobs: 
     if best_of is not None and best_of != n:
         raise InvalidRequestError("best_of other than n is not supported", param="best_of")
     fields = dict(
-        n=n, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-        temperature=reader.float_("temperature", 1.0), top_p=reader.float_("top_p", 1.0),
-        top_k=reader.int_("top_k", None, -1, INT32_MAX), min_p=reader.float_("min_p", 0.0),
+        n=n,
+        max_tokens=max_tokens,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        temperature=reader.float_("temperature", 1.0),
+        top_p=reader.float_("top_p", 1.0),
+        top_k=reader.int_("top_k", None, -1, INT32_MAX),
+        min_p=reader.float_("min_p", 0.0),
         repetition_penalty=reader.float_("repetition_penalty", 1.0),
         presence_penalty=reader.float_("presence_penalty", 0.0),
         frequency_penalty=reader.float_("frequency_penalty", 0.0),
-        seed=reader.int_("seed", None, -(2**63), 2**64 - 1), stop=reader.stop(),
-        stop_token_ids=reader.int_list("stop_token_ids"), ignore_eos=reader.bool_("ignore_eos", False),
-        min_tokens=reader.int_("min_tokens", 0, 0), skip_special_tokens=reader.bool_("skip_special_tokens", True),
-        logit_bias=reader.logit_bias(), structured_outputs=structured,
+        seed=reader.int_("seed", None, -(2**63), 2**64 - 1),
+        stop=reader.stop(),
+        stop_token_ids=reader.int_list("stop_token_ids"),
+        ignore_eos=reader.bool_("ignore_eos", False),
+        min_tokens=reader.int_("min_tokens", 0, 0),
+        skip_special_tokens=reader.bool_("skip_special_tokens", True),
+        logit_bias=reader.logit_bias(),
+        structured_outputs=structured,
     )
     reader.string("user")
     try:
@@ -297,28 +357,35 @@ class _Reader:
         if not isinstance(value, list) or not all(_is_int(v) and 0 <= v <= INT64_MAX for v in value):
             raise InvalidRequestError(f"{name} must be a list of non-negative 64-bit integers", param=name)
         if len(value) > MAX_NUM_STOP_TOKEN_IDS:
-            raise InvalidRequestError(f"{name} may hold at most {MAX_NUM_STOP_TOKEN_IDS} ids, got {len(value)}",
-                                      param=name)
+            raise InvalidRequestError(
+                f"{name} may hold at most {MAX_NUM_STOP_TOKEN_IDS} ids, got {len(value)}", param=name
+            )
         return value
 
     def logit_bias(self) -> dict[int, float]:
         """{"token id": bias}: JSON keys are strings; ids against the vocabulary are the engine's check."""
         value = self._get("logit_bias", {})
         if not isinstance(value, dict):
-            raise InvalidRequestError(f"logit_bias must be an object mapping token ids to biases, got "
-                                      f"{_json_type(value)}", param="logit_bias")
+            raise InvalidRequestError(
+                f"logit_bias must be an object mapping token ids to biases, got {_json_type(value)}",
+                param="logit_bias",
+            )
         if len(value) > MAX_LOGIT_BIAS:
-            raise InvalidRequestError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(value)}",
-                                      param="logit_bias")
+            raise InvalidRequestError(
+                f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(value)}", param="logit_bias"
+            )
         bias = {}
         for key, number in value.items():
             shown = key if len(key) <= 40 else f"{key[:20]}..."
             if not (key.isascii() and key.isdigit() and len(key) <= 19 and int(key) <= INT64_MAX):
-                raise InvalidRequestError(f"logit_bias keys must be token ids (non-negative integers as strings), "
-                                          f"got {shown!r}", param="logit_bias")
+                raise InvalidRequestError(
+                    f"logit_bias keys must be token ids (non-negative integers as strings), got {shown!r}",
+                    param="logit_bias",
+                )
             if isinstance(number, bool) or not isinstance(number, int | float) or not -100 <= number <= 100:
-                raise InvalidRequestError(f"logit_bias[{shown!r}] must be a number in [-100, 100]",
-                                          param="logit_bias")
+                raise InvalidRequestError(
+                    f"logit_bias[{shown!r}] must be a number in [-100, 100]", param="logit_bias"
+                )
             bias[int(key)] = float(number)
         return bias
 
@@ -329,9 +396,13 @@ class _Reader:
         if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
             raise InvalidRequestError("stop must be a non-empty string or a list of them", param="stop")
         if len(value) > MAX_NUM_STOP:
-            raise InvalidRequestError(f"stop may hold at most {MAX_NUM_STOP} strings, got {len(value)}", param="stop")
+            raise InvalidRequestError(
+                f"stop may hold at most {MAX_NUM_STOP} strings, got {len(value)}", param="stop"
+            )
         if any(len(s) > MAX_STOP_CHARS for s in value):
-            raise InvalidRequestError(f"each stop string may be at most {MAX_STOP_CHARS} characters", param="stop")
+            raise InvalidRequestError(
+                f"each stop string may be at most {MAX_STOP_CHARS} characters", param="stop"
+            )
         return value
 
     def stream(self) -> tuple[bool, bool]:
@@ -340,13 +411,16 @@ class _Reader:
         if options is None:
             return stream, False
         if not stream:
-            raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
+            raise InvalidRequestError(
+                "stream_options is only allowed when stream is true", param="stream_options"
+            )
         if not isinstance(options, dict):
             raise InvalidRequestError("stream_options must be an object", param="stream_options")
         include_usage = options.get("include_usage", False)
         if not isinstance(include_usage, bool):
-            raise InvalidRequestError("stream_options.include_usage must be a boolean",
-                                      param="stream_options.include_usage")
+            raise InvalidRequestError(
+                "stream_options.include_usage must be a boolean", param="stream_options.include_usage"
+            )
         return stream, include_usage
 
     def refuse_unsupported(self) -> None:
@@ -358,14 +432,17 @@ class _Reader:
 
 def _check_choices(num_prompts: int, n: int) -> None:
     if num_prompts * n > MAX_NUM_CHOICES:
-        raise InvalidRequestError(f"{num_prompts} prompts times n={n} makes more than {MAX_NUM_CHOICES} "
-                                  "completions in one request", param="n")
+        raise InvalidRequestError(
+            f"{num_prompts} prompts times n={n} makes more than {MAX_NUM_CHOICES} completions in one request",
+            param="n",
+        )
 
 
 def _token_ids(ids: JSON) -> list[int]:
     if not isinstance(ids, list) or not ids or not all(_is_int(t) and 0 <= t <= INT64_MAX for t in ids):
-        raise InvalidRequestError("token-id prompts must be non-empty lists of non-negative integers",
-                                  param="prompt")
+        raise InvalidRequestError(
+            "token-id prompts must be non-empty lists of non-negative integers", param="prompt"
+        )
     return ids
 
 

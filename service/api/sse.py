@@ -76,7 +76,11 @@ class EventStream:
 
     async def _write(self, data: bytes) -> None:
         transport = self._request.transport if self._request is not None else None
-        if transport is not None and not transport.get_write_buffer_size() and len(data) < UNBOUNDED_WRITE_BYTES:
+        if (
+            transport is not None
+            and not transport.get_write_buffer_size()
+            and len(data) < UNBOUNDED_WRITE_BYTES
+        ):
             # the socket took every byte before: this write cannot wait for the client, so it needs no
             # timer (one per streamed token cost the event loop ~5 us)
             await self.response.write(data)

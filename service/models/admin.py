@@ -42,8 +42,11 @@ async def load_model(request: web.Request) -> web.Response:
     body = await _object(request, LOAD_FIELDS)
     name = body.get("name")
     if not isinstance(name, str) or not MODEL_NAME.fullmatch(name):
-        raise InvalidRequestError("'name' must be 1 to 128 letters, digits and . _ - : + @, starting with a letter or "
-                                  "digit (no path separator, space or control character)", param="name")
+        raise InvalidRequestError(
+            "'name' must be 1 to 128 letters, digits and . _ - : + @, starting with a letter or "
+            "digit (no path separator, space or control character)",
+            param="name",
+        )
     models_root = request.app[CONFIG_KEY].models_root_path
     files = await asyncio.to_thread(resolve_model_path, body.get("path"), models_root)
     weight_bytes = sum(f.stat().st_size for f in files.weight_files)  # the estimate until it is loaded
@@ -51,8 +54,9 @@ async def load_model(request: web.Request) -> web.Response:
     quota = _size(body, "quota_bytes")
     if quota is not None and options.get("kv_cache_memory") is None:
         if quota <= weight_bytes:
-            raise InvalidRequestError(f"quota_bytes {quota} does not cover the weights ({weight_bytes} bytes)",
-                                      param="quota_bytes")
+            raise InvalidRequestError(
+                f"quota_bytes {quota} does not cover the weights ({weight_bytes} bytes)", param="quota_bytes"
+            )
         options["kv_cache_memory"] = quota - weight_bytes
     try:
         config = dataclasses.replace(engine_config(files.path, options), files_root=str(models_root))
@@ -60,8 +64,9 @@ async def load_model(request: web.Request) -> web.Response:
         raise InvalidRequestError(str(exc)) from exc
     registry = request.app[STATE_KEY].registry
     kv_bytes = config.kv_cache_memory or 0
-    entry = await registry.load(name, config, fallback=body.get("fallback"), quota_bytes=quota,
-                                estimate_bytes=weight_bytes + kv_bytes)
+    entry = await registry.load(
+        name, config, fallback=body.get("fallback"), quota_bytes=quota, estimate_bytes=weight_bytes + kv_bytes
+    )
     return web.json_response(entry.to_dict(registry.clock()))
 
 
@@ -104,9 +109,13 @@ async def inject_fault(request: web.Request) -> web.Response:
     body = await _object(request, FAULT_FIELDS)
     engine = _engine(request, body.get("model"))
     try:
-        fault = Fault(kind=body.get("kind"), seconds=_number(body, "seconds"),
-                      bytes_per_step=int(_number(body, "bytes_per_step") or 0),
-                      delay_ms=float(_number(body, "delay_ms") or 0), marker=body.get("marker"))
+        fault = Fault(
+            kind=body.get("kind"),
+            seconds=_number(body, "seconds"),
+            bytes_per_step=int(_number(body, "bytes_per_step") or 0),
+            delay_ms=float(_number(body, "delay_ms") or 0),
+            marker=body.get("marker"),
+        )
     except (TypeError, ValueError, OverflowError) as exc:
         raise InvalidRequestError(str(exc), param="kind") from exc
     await asyncio.to_thread(engine.faults.inject, fault)  # a call into an engine process waits for it
@@ -122,7 +131,9 @@ async def clear_faults(request: web.Request) -> web.Response:
 
 async def list_faults(request: web.Request) -> web.Response:
     engines = request.app[STATE_KEY].engines
-    return web.json_response({name: await asyncio.to_thread(_describe, engine) for name, engine in engines.items()})
+    return web.json_response(
+        {name: await asyncio.to_thread(_describe, engine) for name, engine in engines.items()}
+    )
 
 
 def _engine(request: web.Request, model: JSON) -> EngineClient:
@@ -142,5 +153,13 @@ def _number(body: dict[str, JSON], key: str) -> float | None:
 
 
 def _describe(engine: EngineClient) -> list[dict[str, JSON]]:
-    return [{"kind": f.kind, "seconds": f.seconds, "bytes_per_step": f.bytes_per_step, "delay_ms": f.delay_ms,
-             "marker": f.marker} for f in engine.faults.active()]
+    return [
+        {
+            "kind": f.kind,
+            "seconds": f.seconds,
+            "bytes_per_step": f.bytes_per_step,
+            "delay_ms": f.delay_ms,
+            "marker": f.marker,
+        }
+        for f in engine.faults.active()
+    ]

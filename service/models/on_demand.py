@@ -29,8 +29,15 @@ RETRY_MAX_WAIT_S = 300.0
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
-async def ensure_loaded(registry: ModelRegistry, name: str, models_dir: Path, options: dict[str, Any], *,
-                        fallback: str | None = None, timeout_s: float = ON_DEMAND_TIMEOUT_S) -> None:
+async def ensure_loaded(
+    registry: ModelRegistry,
+    name: str,
+    models_dir: Path,
+    options: dict[str, Any],
+    *,
+    fallback: str | None = None,
+    timeout_s: float = ON_DEMAND_TIMEOUT_S,
+) -> None:
     """On-demand: load <models_dir>/<name> unless the name is known already (or names no model
     directory: the request then gets its usual 404). Concurrent requests share one load; each
     waits up to `timeout_s`, then goes on: `fallback` answers while the load goes on (without
@@ -50,8 +57,9 @@ async def ensure_loaded(registry: ModelRegistry, name: str, models_dir: Path, op
         weight_bytes = sum(f.stat().st_size for f in files.weight_files)
         config = EngineConfig(model=str(files.path), **options, files_root=str(models_dir))
         estimate_bytes = weight_bytes + (config.kv_cache_memory or 0)
-        task = asyncio.create_task(registry.load(name, config, fallback=fallback, estimate_bytes=estimate_bytes),
-                                   name=f"load-{name}")
+        task = asyncio.create_task(
+            registry.load(name, config, fallback=fallback, estimate_bytes=estimate_bytes), name=f"load-{name}"
+        )
         registry.on_demand_loads[name] = task
         task.add_done_callback(lambda _: registry.on_demand_loads.pop(name, None))
     try:
@@ -64,15 +72,21 @@ async def ensure_loaded(registry: ModelRegistry, name: str, models_dir: Path, op
 
 def _may_retry(registry: ModelRegistry, entry: ModelEntry) -> bool:
     """A failed on-demand load whose backoff is over (start-up models are rebuilt by supervision)."""
-    return (entry.state == ModelState.FAILED and not entry.is_pinned
-            and registry.clock() >= entry.retry_at(RETRY_FIRST_WAIT_S, RETRY_MAX_WAIT_S))
+    return (
+        entry.state == ModelState.FAILED
+        and not entry.is_pinned
+        and registry.clock() >= entry.retry_at(RETRY_FIRST_WAIT_S, RETRY_MAX_WAIT_S)
+    )
 
 
-def on_demand_middleware(models_dir: Path, options: dict[str, Any], fallback: str, wait_s: float) -> Middleware:
+def on_demand_middleware(
+    models_dir: Path, options: dict[str, Any], fallback: str, wait_s: float
+) -> Middleware:
     """Before a generation names a model that is not loaded but is a directory of `models_dir`,
     load it (evicting LRU idle models as any load does); the request waits up to `wait_s` (the
     first-token timeout), then goes on as usual: to the model if it is up, else to `fallback`, whose
     first-token window starts after the wait (the record's `load_wait_s`)."""
+
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.method == "POST" and request.path in GENERATION_PATHS:
@@ -80,7 +94,9 @@ def on_demand_middleware(models_dir: Path, options: dict[str, Any], fallback: st
             state = request.app[STATE_KEY]
             if name is not None and state.registry is not None:
                 start = time.monotonic()
-                await ensure_loaded(state.registry, name, models_dir, options, fallback=fallback, timeout_s=wait_s)
+                await ensure_loaded(
+                    state.registry, name, models_dir, options, fallback=fallback, timeout_s=wait_s
+                )
                 request[RECORD_KEY].load_wait_s = time.monotonic() - start
         return await handler(request)
 

@@ -87,18 +87,36 @@ class ModelEntry:
         return self.engine.num_in_flight if self.engine is not None else 0
 
     def to_dict(self, now: float) -> dict[str, JSON]:
-        return {"name": self.name, "path": self.path, "state": str(self.state), "fallback": self.fallback,
-                "pinned": self.is_pinned, "memory_bytes": self.memory_bytes, "quota_bytes": self.quota_bytes,
-                "weight_bytes": self.weight_bytes, "kv_cache_bytes": self.kv_cache_bytes,
-                "num_in_flight": self.num_in_flight, "idle_seconds": round(now - self.last_used, 3),
-                "load_seconds": self.load_seconds, "error": self.error}
+        return {
+            "name": self.name,
+            "path": self.path,
+            "state": str(self.state),
+            "fallback": self.fallback,
+            "pinned": self.is_pinned,
+            "memory_bytes": self.memory_bytes,
+            "quota_bytes": self.quota_bytes,
+            "weight_bytes": self.weight_bytes,
+            "kv_cache_bytes": self.kv_cache_bytes,
+            "num_in_flight": self.num_in_flight,
+            "idle_seconds": round(now - self.last_used, 3),
+            "load_seconds": self.load_seconds,
+            "error": self.error,
+        }
 
 
 class ModelRegistry:
-    def __init__(self, state: ServerState, engine_factory: Callable[[EngineConfig], EngineClient], *,
-                 memory_budget_bytes: int | None = None, max_loaded_models: int | None = None,
-                 warmup: bool = True, drain_timeout_s: float = 10.0, metrics: Metrics | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        state: ServerState,
+        engine_factory: Callable[[EngineConfig], EngineClient],
+        *,
+        memory_budget_bytes: int | None = None,
+        max_loaded_models: int | None = None,
+        warmup: bool = True,
+        drain_timeout_s: float = 10.0,
+        metrics: Metrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.state = state
         self.engine_factory = engine_factory
         self.memory_budget_bytes = memory_budget_bytes  # None: unlimited
@@ -111,7 +129,9 @@ class ModelRegistry:
         self.fallbacks: dict[str, str | None] = {}  # served name -> fallback: the router reads it
         self.num_evictions = 0
         self._lock = asyncio.Lock()
-        self.on_demand_loads: dict[str, asyncio.Task] = {}  # name -> its load, shared by every request waiting
+        self.on_demand_loads: dict[
+            str, asyncio.Task
+        ] = {}  # name -> its load, shared by every request waiting
 
     # --- reading -----------------------------------------------------------------------------------
     @property
@@ -125,24 +145,47 @@ class ModelRegistry:
 
     def describe(self) -> dict[str, JSON]:
         now = self.clock()
-        return {"memory_budget_bytes": self.memory_budget_bytes, "used_bytes": self.used_bytes,
-                "max_loaded_models": self.max_loaded_models,
-                "models": [e.to_dict(now) for e in self.entries.values()]}
+        return {
+            "memory_budget_bytes": self.memory_budget_bytes,
+            "used_bytes": self.used_bytes,
+            "max_loaded_models": self.max_loaded_models,
+            "models": [e.to_dict(now) for e in self.entries.values()],
+        }
 
     # --- loading -----------------------------------------------------------------------------------
-    async def load(self, name: str, config: EngineConfig, *, fallback: str | None = None,
-                   quota_bytes: int | None = None, estimate_bytes: int = 0, is_pinned: bool = False) -> ModelEntry:
+    async def load(
+        self,
+        name: str,
+        config: EngineConfig,
+        *,
+        fallback: str | None = None,
+        quota_bytes: int | None = None,
+        estimate_bytes: int = 0,
+        is_pinned: bool = False,
+    ) -> ModelEntry:
         """Load one model (engine built in a worker thread, warmed up), making room first; raises
         ConflictError (409), MemoryBudgetError (507) or InvalidRequestError (400: it failed to load)."""
         async with self._lock:
             old = self.entries.get(name)
             if old is not None and old.state != ModelState.FAILED:
-                raise ConflictError(f"model {name!r} is already {old.state}; unload it first", code="model_exists")
-            if fallback is not None and not is_pinned and fallback not in self.entries:  # config checked pinned ones
+                raise ConflictError(
+                    f"model {name!r} is already {old.state}; unload it first", code="model_exists"
+                )
+            if (
+                fallback is not None and not is_pinned and fallback not in self.entries
+            ):  # config checked pinned ones
                 raise InvalidRequestError(f"fallback {fallback!r} is not a loaded model", param="fallback")
-            entry = ModelEntry(name, config.model, fallback, quota_bytes, is_pinned, loaded_at=self.clock(),
-                               memory_bytes=quota_bytes or estimate_bytes, engine_config=config,
-                               num_failures=old.num_failures if old is not None else 0)
+            entry = ModelEntry(
+                name,
+                config.model,
+                fallback,
+                quota_bytes,
+                is_pinned,
+                loaded_at=self.clock(),
+                memory_bytes=quota_bytes or estimate_bytes,
+                engine_config=config,
+                num_failures=old.num_failures if old is not None else 0,
+            )
             await self._make_room(entry)
             self.entries.pop(name, None)
             self.entries[name] = entry
@@ -155,7 +198,9 @@ class ModelRegistry:
 
     async def _build(self, entry: ModelEntry, config: EngineConfig) -> EngineClient:
         start, engine = self.clock(), None
-        logger.info("loading model %s from %s (%d bytes reserved)", entry.name, entry.path, entry.memory_bytes)
+        logger.info(
+            "loading model %s from %s (%d bytes reserved)", entry.name, entry.path, entry.memory_bytes
+        )
         try:
             engine = await asyncio.to_thread(self.engine_factory, config)
             engine.start()
@@ -168,7 +213,9 @@ class ModelRegistry:
             if engine is not None:
                 await asyncio.to_thread(engine.stop)
             self._observe("load", entry.name, self.clock() - start, ok=False)
-            raise InvalidRequestError(f"model {entry.name!r} failed to load: {entry.error}", code="load_failed") from exc
+            raise InvalidRequestError(
+                f"model {entry.name!r} failed to load: {entry.error}", code="load_failed"
+            ) from exc
         entry.load_seconds = round(self.clock() - start, 3)
         self._observe("load", entry.name, entry.load_seconds, ok=True)
         return engine
@@ -194,26 +241,42 @@ class ModelRegistry:
         entry.state, entry.loaded_at, entry.num_failures = ModelState.READY, self.clock(), 0
         self.fallbacks[entry.name] = entry.fallback
         self.state.engines[entry.name] = entry.engine
-        logger.info("model %s ready in %.2f s (%d bytes: weights %s, KV %s)", entry.name, entry.load_seconds,
-                    entry.memory_bytes, entry.weight_bytes, entry.kv_cache_bytes)
+        logger.info(
+            "model %s ready in %.2f s (%d bytes: weights %s, KV %s)",
+            entry.name,
+            entry.load_seconds,
+            entry.memory_bytes,
+            entry.weight_bytes,
+            entry.kv_cache_bytes,
+        )
 
     async def _make_room(self, entry: ModelEntry) -> None:
         """Evict least recently used idle models until `entry` fits; 507 before evicting anything
         when it cannot."""
         victims = self._victims(entry)
         for victim in victims:
-            logger.info("evicting idle model %s (idle %.1f s, %d bytes) to make room for %s", victim.name,
-                        self.clock() - victim.last_used, victim.memory_bytes, entry.name)
+            logger.info(
+                "evicting idle model %s (idle %.1f s, %d bytes) to make room for %s",
+                victim.name,
+                self.clock() - victim.last_used,
+                victim.memory_bytes,
+                entry.name,
+            )
             self.num_evictions += 1
             await self._unload_now(victim)
 
     def _victims(self, entry: ModelEntry) -> list[ModelEntry]:
         others = [e for e in self.entries.values() if e.name != entry.name and e.state != ModelState.FAILED]
-        excess_bytes = 0 if self.memory_budget_bytes is None else \
-            sum(e.memory_bytes for e in others) + entry.memory_bytes - self.memory_budget_bytes
+        excess_bytes = (
+            0
+            if self.memory_budget_bytes is None
+            else sum(e.memory_bytes for e in others) + entry.memory_bytes - self.memory_budget_bytes
+        )
         excess_models = 0 if self.max_loaded_models is None else len(others) + 1 - self.max_loaded_models
-        idle = sorted((e for e in others if e.state == ModelState.READY and not e.is_pinned and
-                       e.num_in_flight == 0), key=lambda e: e.last_used)
+        idle = sorted(
+            (e for e in others if e.state == ModelState.READY and not e.is_pinned and e.num_in_flight == 0),
+            key=lambda e: e.last_used,
+        )
         victims = []
         for candidate in idle:
             if excess_bytes <= 0 and excess_models <= 0:
@@ -226,13 +289,18 @@ class ModelRegistry:
         return victims
 
     def _no_room_message(self, entry: ModelEntry, others: list[ModelEntry]) -> str:
-        busy = [f"{e.name} ({e.memory_bytes} bytes, {e.state}, {e.num_in_flight} in flight"
-                f"{', pinned' if e.is_pinned else ''})" for e in others]
+        busy = [
+            f"{e.name} ({e.memory_bytes} bytes, {e.state}, {e.num_in_flight} in flight"
+            f"{', pinned' if e.is_pinned else ''})"
+            for e in others
+        ]
         budget = "unlimited" if self.memory_budget_bytes is None else f"{self.memory_budget_bytes} bytes"
         limit = "" if self.max_loaded_models is None else f", at most {self.max_loaded_models} models"
-        return (f"model {entry.name!r} needs {entry.memory_bytes} bytes; budget {budget}{limit}, "
-                f"{sum(e.memory_bytes for e in others)} bytes held by models that cannot be evicted now "
-                f"(pinned, busy or loading): {busy}")
+        return (
+            f"model {entry.name!r} needs {entry.memory_bytes} bytes; budget {budget}{limit}, "
+            f"{sum(e.memory_bytes for e in others)} bytes held by models that cannot be evicted now "
+            f"(pinned, busy or loading): {busy}"
+        )
 
     async def recycle(self, name: str) -> None:
         """Replace a model's engine by a fresh one (after a leak, or its loop died): stop, release,
@@ -277,8 +345,12 @@ class ModelRegistry:
         while entry.num_in_flight > 0 and self.clock() < deadline:
             await asyncio.sleep(DRAIN_POLL_S)
         if entry.num_in_flight:
-            logger.warning("model %s: %d requests still in flight after %.1f s; stopping it aborts them",
-                           entry.name, entry.num_in_flight, self.drain_timeout_s)
+            logger.warning(
+                "model %s: %d requests still in flight after %.1f s; stopping it aborts them",
+                entry.name,
+                entry.num_in_flight,
+                self.drain_timeout_s,
+            )
 
     async def _unload_now(self, entry: ModelEntry) -> None:
         start = self.clock()

@@ -55,13 +55,23 @@ WARMUP_BEATS = 3  # the detector ignores the first beats after start or a recycl
 async def supervision_ctx(app: web.Application) -> AsyncIterator[None]:
     config, state = app[CONFIG_KEY], app[STATE_KEY]
     device = _probe_device(app)
-    detector = LeakDetector(LeakDetectorConfig(
-        warmup_s=WARMUP_BEATS * config.heartbeat_interval_s, min_growth_bytes=config.leak_min_growth_bytes,
-        window_s=max(300.0, 10 * config.heartbeat_interval_s)), clock=time.monotonic)
+    detector = LeakDetector(
+        LeakDetectorConfig(
+            warmup_s=WARMUP_BEATS * config.heartbeat_interval_s,
+            min_growth_bytes=config.leak_min_growth_bytes,
+            window_s=max(300.0, 10 * config.heartbeat_interval_s),
+        ),
+        clock=time.monotonic,
+    )
     heartbeat = Heartbeat(
-        make_probe(device), detector, clock=time.monotonic, interval_s=config.heartbeat_interval_s,
+        make_probe(device),
+        detector,
+        clock=time.monotonic,
+        interval_s=config.heartbeat_interval_s,
         load=lambda: engine_load(state.engines.values()),
-        on_leak=lambda report: _on_leak(app, report), on_probe_error=lambda exc: _on_probe_error(app, exc))
+        on_leak=lambda report: _on_leak(app, report),
+        on_probe_error=lambda exc: _on_probe_error(app, exc),
+    )
     state.health.heartbeat = heartbeat
     # memory is only worth watching once the models are in: loading is growth, not a leak
     starter = asyncio.create_task(_start_when_loaded(state, heartbeat), name="heartbeat-start")
@@ -98,8 +108,11 @@ async def _heal(app: web.Application, name: str, engine: EngineClient, deaths: d
     reason = f"the engine loop of {name!r} died: {engine.dead_error!r}"
     state.health.set_rebuilding(name, reason)
     if len(deaths) > config.max_engine_rebuilds:
-        exit_for_supervisor(state, f"{reason}; {len(deaths)} deaths in {REBUILD_WINDOW_S:.0f} s, "
-                                   f"--max-engine-rebuilds is {config.max_engine_rebuilds}")
+        exit_for_supervisor(
+            state,
+            f"{reason}; {len(deaths)} deaths in {REBUILD_WINDOW_S:.0f} s, "
+            f"--max-engine-rebuilds is {config.max_engine_rebuilds}",
+        )
         return
     logger.error("%s; rebuilding it in process", reason)
     try:
@@ -117,8 +130,9 @@ async def _heal(app: web.Application, name: str, engine: EngineClient, deaths: d
 
 def exit_for_supervisor(state: ServerState, reason: str) -> None:
     """Leave for good: liveness fails, the normal graceful stop runs, the exit code says 'replace me'."""
-    logger.error("%s: exiting with code %d so the supervisor replaces this replica", reason,
-                 EXIT_CODE_REPLACE_ME)
+    logger.error(
+        "%s: exiting with code %d so the supervisor replaces this replica", reason, EXIT_CODE_REPLACE_ME
+    )
     state.health.mark_dead(reason)
     state.exit_code = EXIT_CODE_REPLACE_ME
     os.kill(os.getpid(), signal.SIGTERM)
@@ -183,9 +197,11 @@ async def recycle_engines(app: web.Application) -> None:
     heartbeat.reset_detector()
     after = await heartbeat.beat()
     heartbeat.start()
-    state.health.last_recycle = {"baseline_bytes": state.memory_baseline_bytes,
-                                 "before_bytes": before.used_bytes if before else None,
-                                 "after_bytes": after.used_bytes if after else None}
+    state.health.last_recycle = {
+        "baseline_bytes": state.memory_baseline_bytes,
+        "before_bytes": before.used_bytes if before else None,
+        "after_bytes": after.used_bytes if after else None,
+    }
     state.health.set_leak(None)
     logger.info("engines recycled; memory %s", state.health.last_recycle)
 

@@ -25,8 +25,16 @@ def test_a_checkpoint_reads_what_the_loaded_model_reads(random_model, preset, dt
 
 
 def test_the_peer_is_asked_for_batch_1_decode_on_the_same_prompt():
-    request = PeerRequest(model="m", dtype="bfloat16", prompts=[prompt_ids(4096)], out_lens=[1], max_num_seqs=1,
-                          max_num_batched_tokens=PROMPT_LEN + NEW_TOKENS + 8, seed=0, decode_tokens=NEW_TOKENS,
-                          decode_runs=3)
+    request = PeerRequest(
+        model="m",
+        dtype="bfloat16",
+        prompts=[prompt_ids(4096)],
+        out_lens=[1],
+        max_num_seqs=1,
+        max_num_batched_tokens=PROMPT_LEN + NEW_TOKENS + 8,
+        seed=0,
+        decode_tokens=NEW_TOKENS,
+        decode_runs=3,
+    )
     assert PeerRequest.from_json(request.to_json()) == request
     assert len(request.prompts[0]) == PROMPT_LEN and min(request.prompts[0]) >= 5

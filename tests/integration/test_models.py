@@ -57,7 +57,9 @@ def test_shipped_training_report_beats_baseline(shipped):
     assert report["vocab_size"] == len(tokenizer)
     assert report["uniform_baseline"] == pytest.approx(math.log(len(tokenizer)), abs=1e-3)
     assert report["val_loss"] <= 0.6 * math.log(len(tokenizer))
-    assert report["chat_val_loss"] <= 0.6 * math.log(len(tokenizer))  # held-out answers of models/chat_pairs.py
+    assert report["chat_val_loss"] <= 0.6 * math.log(
+        len(tokenizer)
+    )  # held-out answers of models/chat_pairs.py
     assert report["params"] == sum(p.numel() for p in model.parameters())
     assert report["train_tokens"] > 0 and report["train_seconds"] > 0
     assert report["sample"]["prompt"] and report["sample"]["continuation"]
@@ -113,8 +115,10 @@ def test_tiny_presets_exercise_their_architecture(tiny_dirs):
 def test_make_random_model_is_seeded_and_takes_dtype_and_overrides(tiny_dirs, tmp_path):
     out = make_random_model("tiny-llama", tmp_path / "bf16", seed=0, dtype="bfloat16", num_hidden_layers=1)
     assert AutoConfig.from_pretrained(out).num_hidden_layers == 1
-    with safe_open(tiny_dirs["tiny-llama"] / "model.safetensors", "pt") as fa, \
-            safe_open(out / "model.safetensors", "pt") as fb:
+    with (
+        safe_open(tiny_dirs["tiny-llama"] / "model.safetensors", "pt") as fa,
+        safe_open(out / "model.safetensors", "pt") as fb,
+    ):
         # the embedding is drawn first, so it is the same whatever follows it
         wa, wb = fa.get_tensor("model.embed_tokens.weight"), fb.get_tensor("model.embed_tokens.weight")
     assert wb.dtype == torch.bfloat16

@@ -43,12 +43,14 @@ def world_readable_dir(prefix: str) -> Path:
     return path
 
 
-def http(method: str, url: str, body: dict | None = None, headers: dict | None = None,
-         timeout: float = 10.0) -> tuple[int, dict[str, str], bytes]:
+def http(
+    method: str, url: str, body: dict | None = None, headers: dict | None = None, timeout: float = 10.0
+) -> tuple[int, dict[str, str], bytes]:
     """One blocking request; (status, headers, body). Connection errors raise OSError."""
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, method=method,
-                                     headers={"Content-Type": "application/json", **(headers or {})})
+    request = urllib.request.Request(
+        url, data=data, method=method, headers={"Content-Type": "application/json", **(headers or {})}
+    )
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return response.status, dict(response.headers), response.read()
@@ -86,7 +88,9 @@ def stop_process(process: subprocess.Popen, sig: int, timeout_s: float) -> int:
         try:
             process.wait(timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)  # its own session: the group is the process and its children
+            os.killpg(
+                process.pid, signal.SIGKILL
+            )  # its own session: the group is the process and its children
             process.wait(10)
     return process.returncode
 
@@ -128,10 +132,22 @@ class Replica:
         with self.log_path.open("ab") as log:
             log.write(f"\n=== start #{self.num_starts} of {self.name} ===\n".encode())
             log.flush()
-            cmd = [sys.executable, "-m", "service", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-                   *self.args]
-            self.process = self.reaper.add(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log,
-                                                            stderr=subprocess.STDOUT, start_new_session=True))
+            cmd = [
+                sys.executable,
+                "-m",
+                "service",
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                *self.args,
+            ]
+            self.process = self.reaper.add(
+                subprocess.Popen(
+                    cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            )
 
     def is_ready(self) -> bool:
         try:
@@ -143,7 +159,9 @@ class Replica:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if not self.is_running:
-                raise AssertionError(f"replica {self.name} exited with {self.process.returncode}:\n{self.log_tail()}")
+                raise AssertionError(
+                    f"replica {self.name} exited with {self.process.returncode}:\n{self.log_tail()}"
+                )
             if self.is_ready():
                 return
             time.sleep(0.2)
@@ -177,8 +195,10 @@ class Replica:
         return total
 
 
-_HTTP_REQUESTS = re.compile(r'^pagedserve:http_requests_total\{(?=[^}]*route="(?P<route>[^"]*)")'
-                            r'(?=[^}]*status="(?P<status>\d+)")[^}]*\} (?P<value>\S+)$')
+_HTTP_REQUESTS = re.compile(
+    r'^pagedserve:http_requests_total\{(?=[^}]*route="(?P<route>[^"]*)")'
+    r'(?=[^}]*status="(?P<status>\d+)")[^}]*\} (?P<value>\S+)$'
+)
 
 
 def start_and_wait(replicas: list[Replica], timeout_s: float = READY_TIMEOUT_S) -> float:
@@ -203,8 +223,10 @@ class AccessEntry:
     upstream_statuses: list[str]
 
 
-_ACCESS = re.compile(r'"(?P<method>\S+) (?P<path>\S+) [^"]*" (?P<status>\d+) \d+ rid=(?P<rid>\S+) '
-                     r'upstream=(?P<upstream>.*?) upstream_status=(?P<ustatus>.*?) rt=')
+_ACCESS = re.compile(
+    r'"(?P<method>\S+) (?P<path>\S+) [^"]*" (?P<status>\d+) \d+ rid=(?P<rid>\S+) '
+    r"upstream=(?P<upstream>.*?) upstream_status=(?P<ustatus>.*?) rt="
+)
 
 
 @dataclass
@@ -227,12 +249,25 @@ class Nginx:
         if NGINX is None:
             raise RuntimeError("nginx is not installed")
         conf = self.prefix / "nginx.conf"
-        conf.write_text(render(self.primaries, self.backups, f"127.0.0.1:{self.port}", str(self.prefix),
-                               self.options))
-        cmd = [NGINX, "-p", str(self.prefix), "-e", str(self.prefix / "error.log"), "-c", str(conf),
-               "-g", "daemon off;"]
-        self.process = self.reaper.add(subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
-                                                        stderr=subprocess.DEVNULL, start_new_session=True))
+        conf.write_text(
+            render(self.primaries, self.backups, f"127.0.0.1:{self.port}", str(self.prefix), self.options)
+        )
+        cmd = [
+            NGINX,
+            "-p",
+            str(self.prefix),
+            "-e",
+            str(self.prefix / "error.log"),
+            "-c",
+            str(conf),
+            "-g",
+            "daemon off;",
+        ]
+        self.process = self.reaper.add(
+            subprocess.Popen(
+                cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+            )
+        )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -242,7 +277,9 @@ class Nginx:
                 return
             except OSError:
                 time.sleep(0.05)
-        raise RuntimeError(f"nginx did not listen on {self.url} within {timeout_s:.0f} s:\n{self.error_log()}")
+        raise RuntimeError(
+            f"nginx did not listen on {self.url} within {timeout_s:.0f} s:\n{self.error_log()}"
+        )
 
     def stop(self) -> None:
         if self.process is not None:
@@ -264,7 +301,10 @@ class Nginx:
             match = _ACCESS.search(line)
             if match:
                 entries[match["rid"]] = AccessEntry(
-                    match["rid"], match["path"], int(match["status"]),
+                    match["rid"],
+                    match["path"],
+                    int(match["status"]),
                     [u.strip() for u in re.split(r"[,:] (?=\d|-|unix)", match["upstream"])],
-                    [s.strip() for s in re.split(r"[,:] ", match["ustatus"])])
+                    [s.strip() for s in re.split(r"[,:] ", match["ustatus"])],
+                )
         return entries

@@ -40,8 +40,9 @@ class Server:
     def get(self, path: str) -> tuple[int, dict[str, str], bytes]:
         return _request(f"{self.url}{path}")
 
-    def request(self, method: str, path: str, body: dict | None = None,
-                headers: dict | None = None) -> tuple[int, dict[str, str], bytes]:
+    def request(
+        self, method: str, path: str, body: dict | None = None, headers: dict | None = None
+    ) -> tuple[int, dict[str, str], bytes]:
         """Any method, e.g. `DELETE /admin/faults` with the admin key in `headers`."""
         return _request(f"{self.url}{path}", body, headers, method=method)
 
@@ -53,7 +54,9 @@ class Server:
             self.stop()
             raise
 
-    def post(self, path: str, body: dict | bytes, headers: dict | None = None) -> tuple[int, dict[str, str], bytes]:
+    def post(
+        self, path: str, body: dict | bytes, headers: dict | None = None
+    ) -> tuple[int, dict[str, str], bytes]:
         return _request(f"{self.url}{path}", body, {"Authorization": f"Bearer {API_KEY}", **(headers or {})})
 
     def metric(self, name: str, model: str) -> float:
@@ -61,7 +64,7 @@ class Server:
         prefix = f'pagedserve:{name}{{model_name="{model}"}} '
         for line in body.decode().splitlines():
             if line.startswith(prefix):
-                return float(line[len(prefix):])
+                return float(line[len(prefix) :])
         raise AssertionError(f"{prefix!r} not in /metrics")
 
     def stop(self) -> int | None:
@@ -100,8 +103,13 @@ def start(args: list[str], log_path: Path) -> Server:
     for name in ("MODEL", "PORT", "API_KEY", "ADMIN_KEY", "HOST", "MAX_GPU_MEMORY_UTILIZATION"):
         env.pop(name, None)
     log = log_path.open("wb")
-    process = subprocess.Popen([sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(port), *args],
-                               cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(port), *args],
+        cwd=REPO,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     return Server(process, port, log_path)
 
 
@@ -118,18 +126,25 @@ def _wait_ready(server: Server) -> None:
         if status == 200:
             return
         if not server.startup:
-            status, headers, body = _request(f"{server.url}/v1/completions", {"prompt": "hi"},
-                                             {"Authorization": f"Bearer {API_KEY}"})
-            server.startup = {"status": status, "retry_after": headers.get("Retry-After"), "body": json.loads(body)}
+            status, headers, body = _request(
+                f"{server.url}/v1/completions", {"prompt": "hi"}, {"Authorization": f"Bearer {API_KEY}"}
+            )
+            server.startup = {
+                "status": status,
+                "retry_after": headers.get("Retry-After"),
+                "body": json.loads(body),
+            }
         time.sleep(0.3)
     raise AssertionError(f"server not ready in {START_TIMEOUT_S} s:\n{server.log()[-3000:]}")
 
 
-def _request(url: str, body: dict | bytes | None = None, headers: dict | None = None,
-             method: str | None = None) -> tuple[int, dict, bytes]:
+def _request(
+    url: str, body: dict | bytes | None = None, headers: dict | None = None, method: str | None = None
+) -> tuple[int, dict, bytes]:
     data = body if body is None or isinstance(body, bytes) else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})},
-                                     method=method)
+    request = urllib.request.Request(
+        url, data=data, headers={"Content-Type": "application/json", **(headers or {})}, method=method
+    )
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
             return response.status, dict(response.headers), response.read()

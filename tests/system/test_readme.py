@@ -35,7 +35,7 @@ CHAT_SEEDS, CHAT_MIN_PARSED = 10, 6
 def blocks() -> list[tuple[int, str, str]]:
     """(line, language, code) of every fenced block."""
     text = README.read_text()
-    return [(text[:m.start()].count("\n") + 1, m.group(1), m.group(2)) for m in FENCE.finditer(text)]
+    return [(text[: m.start()].count("\n") + 1, m.group(1), m.group(2)) for m in FENCE.finditer(text)]
 
 
 def runnable() -> list[tuple[int, str, str]]:
@@ -58,7 +58,9 @@ def server(tmp_path_factory) -> Server:
 
 
 def _on(code: str, server: Server) -> str:
-    return code.replace("localhost:8000", f"127.0.0.1:{server.port}").replace("127.0.0.1:8000", f"127.0.0.1:{server.port}")
+    return code.replace("localhost:8000", f"127.0.0.1:{server.port}").replace(
+        "127.0.0.1:8000", f"127.0.0.1:{server.port}"
+    )
 
 
 def _json_values(out: str) -> list:
@@ -80,8 +82,14 @@ def _skip_space(text: str, at: int) -> int:
 def test_block_runs(server, line, lang, code):
     env = {**os.environ, "ADMIN_KEY": ADMIN_KEY, "PYTHONPATH": str(REPO)}
     if lang == "python":
-        result = subprocess.run([sys.executable, "-c", _on(code, server)], cwd=REPO, env=env, capture_output=True,
-                                text=True, timeout=BLOCK_TIMEOUT_S)
+        result = subprocess.run(
+            [sys.executable, "-c", _on(code, server)],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=BLOCK_TIMEOUT_S,
+        )
         assert result.returncode == 0, result.stderr[-3000:]
         assert result.stdout.strip(), f"the block at line {line} printed nothing"
         if "LLM(" in code:  # the offline API prints a completion, then its finish reason
@@ -92,8 +100,9 @@ def test_block_runs(server, line, lang, code):
         assert all(c.split("#")[0].strip() in SETUP_COMMANDS for c in code.splitlines()), code
         return
     script = "set -euo pipefail\n" + _on("\n".join(commands), server)
-    result = subprocess.run(["bash", "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
-                            timeout=BLOCK_TIMEOUT_S)
+    result = subprocess.run(
+        ["bash", "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     values = _json_values(result.stdout)
     assert values, f"the block at line {line} printed no JSON: {result.stdout[:500]!r}"
@@ -104,8 +113,11 @@ def test_block_runs(server, line, lang, code):
 def _chat_example() -> dict:
     """The keyword arguments of the README's first `chat.completions.create(...)` call (literals all)."""
     code = next(code for _, lang, code in blocks() if lang == "python" and "chat.completions.create(" in code)
-    call = next(node for node in ast.walk(ast.parse(code)) if isinstance(node, ast.Call)
-                and isinstance(node.func, ast.Attribute) and node.func.attr == "create")
+    call = next(
+        node
+        for node in ast.walk(ast.parse(code))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "create"
+    )
     return {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords}
 
 
@@ -130,20 +142,28 @@ def test_supported_models_table_is_the_engines():
     """docs/models.md's "Supported models" table is what engine.executor.models generates from its registry."""
     from engine.executor.models import supported_models_markdown
 
-    table = re.search(r"<!-- supported-models: .*? -->\n(.*?)<!-- /supported-models -->", MODELS_DOC.read_text(),
-                      re.DOTALL)
+    table = re.search(
+        r"<!-- supported-models: .*? -->\n(.*?)<!-- /supported-models -->", MODELS_DOC.read_text(), re.DOTALL
+    )
     assert table is not None, "docs/models.md lost its supported-models markers"
-    assert table.group(1) == supported_models_markdown(), f"paste this table into docs/models.md:\n{supported_models_markdown()}"
+    assert table.group(1) == supported_models_markdown(), (
+        f"paste this table into docs/models.md:\n{supported_models_markdown()}"
+    )
 
 
 def test_every_doc_the_code_cites_is_in_the_repository():
     """A path like docs/style.md or benchmarks/results/x.json named in the code or the docs exists
     (globs and templated names aside)."""
-    cited = re.compile(r"(?<![\w/.-])((?:docs|deploy|benchmarks|loadtests|models)/[\w./-]*\w"
-                       r"\.(?:md|py|json|sh|conf|yaml|yml))")
+    cited = re.compile(
+        r"(?<![\w/.-])((?:docs|deploy|benchmarks|loadtests|models)/[\w./-]*\w"
+        r"\.(?:md|py|json|sh|conf|yaml|yml))"
+    )
     missing = set()
-    for path in [*REPO.glob("*.md"), *REPO.glob("docs/*.md"),
-                 *(p for d in ("engine", "service", "resilience") for p in (REPO / d).rglob("*.py"))]:
+    for path in [
+        *REPO.glob("*.md"),
+        *REPO.glob("docs/*.md"),
+        *(p for d in ("engine", "service", "resilience") for p in (REPO / d).rglob("*.py")),
+    ]:
         for name in cited.findall(path.read_text()):
             if not (REPO / name).exists():
                 missing.add(f"{path.relative_to(REPO)} -> {name}")

@@ -37,27 +37,38 @@ def test_imports_follow_service_resilience_engine():
 
 
 def test_engine_imports_no_http_or_resilience_library():
-    wrong = [f"{p.relative_to(ROOT)} imports {n}" for p in (ROOT / "engine").rglob("*.py")
-             for n in _imports(p) & NEVER_IN_ENGINE]
+    wrong = [
+        f"{p.relative_to(ROOT)} imports {n}"
+        for p in (ROOT / "engine").rglob("*.py")
+        for n in _imports(p) & NEVER_IN_ENGINE
+    ]
     assert wrong == []
 
 
 def test_the_root_seam_and_core_are_torch_free():
-    paths = [ROOT / "engine" / f"{name}.py" for name in ROOT_SEAM] + sorted((ROOT / "engine" / "core").glob("*.py"))
+    paths = [ROOT / "engine" / f"{name}.py" for name in ROOT_SEAM] + sorted(
+        (ROOT / "engine" / "core").glob("*.py")
+    )
     assert [str(p.relative_to(ROOT)) for p in paths if "torch" in _imports(p)] == []
 
 
 def test_engine_has_no_module_outside_a_wing_but_the_root_seam():
     assert {p.stem for p in (ROOT / "engine").glob("*.py")} == ROOT_SEAM
-    assert {p.name for p in (ROOT / "engine").iterdir() if p.is_dir() and p.name != "__pycache__"} == set(WINGS)
+    assert {p.name for p in (ROOT / "engine").iterdir() if p.is_dir() and p.name != "__pycache__"} == set(
+        WINGS
+    )
 
 
 def test_the_openai_surface_and_model_management_stay_apart():
     """service/api/ (parse, generate, format) and service/models/ (registry, admin, supervision) each use
     the server's root modules, never each other: the app (service/app.py, routes.py) wires them."""
-    wrong = [f"{_module_name(path)} imports {target}" for side, other in (("api", "models"), ("models", "api"))
-             for path in (ROOT / "service" / side).rglob("*.py") for target in _project_imports(path)
-             if target.startswith(f"service.{other}")]
+    wrong = [
+        f"{_module_name(path)} imports {target}"
+        for side, other in (("api", "models"), ("models", "api"))
+        for path in (ROOT / "service" / side).rglob("*.py")
+        for target in _project_imports(path)
+        if target.startswith(f"service.{other}")
+    ]
     assert wrong == []
 
 
@@ -75,7 +86,9 @@ def test_engine_wings_import_only_downward():
 
 
 def test_no_import_circle_in_the_project():
-    graph = {_module_name(p): _project_imports(p) for package in PACKAGES for p in (ROOT / package).rglob("*.py")}
+    graph = {
+        _module_name(p): _project_imports(p) for package in PACKAGES for p in (ROOT / package).rglob("*.py")
+    }
     assert find_circle(graph) is None
 
 
@@ -92,7 +105,7 @@ def find_circle(graph: dict[str, set[str]]) -> list[str] | None:
         state[node] = 1
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state and (found := visit(nxt, [*path, nxt])):
                 return found
         state[node] = 2
@@ -118,8 +131,11 @@ def _project_imports(path: Path, include_type_only: bool = True) -> set[str]:
     """The project modules `path` imports, wherever the import stands (a function's too); `from p
     import m` counts module p.m when m is a module, else p."""
     tree = ast.parse(path.read_text(), str(path))
-    skipped = set() if include_type_only else {id(n) for node in ast.walk(tree) if _is_type_checking(node)
-                                                for n in ast.walk(node)}
+    skipped = (
+        set()
+        if include_type_only
+        else {id(n) for node in ast.walk(tree) if _is_type_checking(node) for n in ast.walk(node)}
+    )
     found = set()
     for node in ast.walk(tree):
         if id(node) in skipped:
@@ -142,6 +158,10 @@ def _is_type_checking(node: ast.AST) -> bool:
 
 def test_no_process_imports_locust():
     # importing locust monkey-patches ssl through gevent: only loadtests/ run it, as their own process
-    wrong = [str(p.relative_to(ROOT)) for pkg in ("engine", "resilience", "service", "tests")
-             for p in (ROOT / pkg).rglob("*.py") if "locust" in _imports(p)]
+    wrong = [
+        str(p.relative_to(ROOT))
+        for pkg in ("engine", "resilience", "service", "tests")
+        for p in (ROOT / pkg).rglob("*.py")
+        if "locust" in _imports(p)
+    ]
     assert wrong == []

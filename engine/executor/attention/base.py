@@ -27,9 +27,18 @@ class StepBatch:
 class StepAttention(Protocol):
     """What an attention layer calls once per step: the backend's metadata for that step."""
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, scale: float, is_windowed: bool, softcap: float | None = None,
-               sinks: torch.Tensor | None = None) -> torch.Tensor:
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        is_windowed: bool,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Write k/v [T, KVH, D] into the layer's caches at the step's slots, attend q [T, H, D]; [T, H, D].
         `softcap`: scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2); `sinks` [H]:
         one logit per head that joins each softmax's denominator and attends to nothing (GPT-OSS). Only

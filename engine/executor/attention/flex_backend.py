@@ -38,13 +38,23 @@ class FlexCall:
     block_mask: BlockMask
     window_block_mask: BlockMask | None  # for windowed layers; None: the window hides nothing here
 
-    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
-               is_windowed: bool) -> torch.Tensor:
+    def attend(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, is_windowed: bool
+    ) -> torch.Tensor:
         """q [L, H, D] (this call's rows), keys/values [1, KVH, S, D] -> [L, H, D]."""
-        mask = self.window_block_mask if is_windowed and self.window_block_mask is not None else self.block_mask
+        mask = (
+            self.window_block_mask if is_windowed and self.window_block_mask is not None else self.block_mask
+        )
         qs = q[:, :, None] if self.batched else q.transpose(0, 1)[None]  # [L, H, 1, D] or [1, H, L, D]
-        out = _flex(q.device.type)(qs, keys, values, block_mask=mask, scale=scale, enable_gqa=True,
-                                   kernel_options=_kernel_options(q, mask.BLOCK_SIZE[1]))
+        out = _flex(q.device.type)(
+            qs,
+            keys,
+            values,
+            block_mask=mask,
+            scale=scale,
+            enable_gqa=True,
+            kernel_options=_kernel_options(q, mask.BLOCK_SIZE[1]),
+        )
         return out[:, :, 0] if self.batched else out[0].transpose(0, 1)
 
 
@@ -53,9 +63,18 @@ class FlexMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
     calls: list[FlexCall]  # the decodes', then the prefill chunks'; either may be absent
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, scale: float, is_windowed: bool, softcap: float | None = None,
-               sinks: torch.Tensor | None = None) -> torch.Tensor:
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        is_windowed: bool,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Write k/v [T, KVH, D] into the caches, attend q [T, H, D]; returns [T, H, D]."""
         if softcap is not None or sinks is not None:  # select_backend never picks flex for such a model
             raise ValueError("the flex backend does not soft-cap scores or take attention sinks")
@@ -63,8 +82,9 @@ class FlexMetadata:
         v_cache.index_copy_(1, self.slot_mapping, v.transpose(0, 1))
         out = torch.empty_like(q)
         for call in self.calls:
-            out[call.start:call.end] = call.attend(q[call.start:call.end], k_cache[None], v_cache[None], scale,
-                                                   is_windowed)
+            out[call.start : call.end] = call.attend(
+                q[call.start : call.end], k_cache[None], v_cache[None], scale, is_windowed
+            )
         return out
 
 
@@ -102,15 +122,29 @@ class FlexBackend:
         self.sliding_window = sliding_window
 
     def build(self, batch: StepBatch) -> "FlexMetadata":
-        return build_metadata(batch.block_size, batch.num_blocks, batch.slot_mapping,
-                              [d.seq.block_table for d in batch.decodes], [d.start + 1 for d in batch.decodes],
-                              [(item.seq.block_table, item.start, item.start + item.num_new_tokens)
-                               for _, _, item in batch.prefills], self.sliding_window)
+        return build_metadata(
+            batch.block_size,
+            batch.num_blocks,
+            batch.slot_mapping,
+            [d.seq.block_table for d in batch.decodes],
+            [d.start + 1 for d in batch.decodes],
+            [
+                (item.seq.block_table, item.start, item.start + item.num_new_tokens)
+                for _, _, item in batch.prefills
+            ],
+            self.sliding_window,
+        )
 
 
-def build_metadata(block_size: int, num_blocks: int, slot_mapping: torch.Tensor,
-                   decode_tables: list[list[int]], decode_lens: list[int],
-                   prefills: list[tuple[list[int], int, int]], window: int | None) -> FlexMetadata:
+def build_metadata(
+    block_size: int,
+    num_blocks: int,
+    slot_mapping: torch.Tensor,
+    decode_tables: list[list[int]],
+    decode_lens: list[int],
+    prefills: list[tuple[list[int], int, int]],
+    window: int | None,
+) -> FlexMetadata:
     """The step's masks. decode_tables / decode_lens: each decode's block table and context length (its
     new token included), rows [0, num_decodes). prefills: (block table, first position, end position)
     of each chunk, rows back to back after the decodes."""
@@ -121,7 +155,9 @@ def build_metadata(block_size: int, num_blocks: int, slot_mapping: torch.Tensor,
         positions = torch.tensor(decode_lens, dtype=torch.int64, device=device) - 1
         calls.append(_decode_call(block_size, group, num_blocks, decode_tables, positions, window))
     if prefills:
-        calls.append(_prefill_call(block_size, group, num_blocks, prefills, len(decode_tables), window, device))
+        calls.append(
+            _prefill_call(block_size, group, num_blocks, prefills, len(decode_tables), window, device)
+        )
     return FlexMetadata(slot_mapping, calls)
 
 
@@ -148,22 +184,31 @@ def _visible(block_size: int, logical: torch.Tensor, seq, pos, kv_idx, window: i
 def _decode_mask_mod(block_size: int, logical: torch.Tensor, positions: torch.Tensor, window: int | None):
     def mask_mod(b, h, q_idx, kv_idx):  # batch row b is decode b
         return _visible(block_size, logical, b, positions[b], kv_idx, window)
+
     return mask_mod
 
 
-def _prefill_mask_mod(block_size: int, logical: torch.Tensor, row_seq: torch.Tensor, row_pos: torch.Tensor,
-                      window: int | None):
+def _prefill_mask_mod(
+    block_size: int, logical: torch.Tensor, row_seq: torch.Tensor, row_pos: torch.Tensor, window: int | None
+):
     def mask_mod(b, h, q_idx, kv_idx):  # packed row q_idx is a token of chunk row_seq[q_idx]
         return _visible(block_size, logical, row_seq[q_idx], row_pos[q_idx], kv_idx, window)
+
     return mask_mod
 
 
-def _decode_call(block_size: int, group: int, num_blocks: int, tables: list[list[int]], positions: torch.Tensor,
-                 window: int | None) -> FlexCall:
+def _decode_call(
+    block_size: int,
+    group: int,
+    num_blocks: int,
+    tables: list[list[int]],
+    positions: torch.Tensor,
+    window: int | None,
+) -> FlexCall:
     device = positions.device
     num_slots = num_blocks * block_size
     num_mask_blocks = -(-num_blocks // group)
-    used = [t[:pos // block_size + 1] for t, pos in zip(tables, positions.tolist(), strict=True)]
+    used = [t[: pos // block_size + 1] for t, pos in zip(tables, positions.tolist(), strict=True)]
     logical = _logical_blocks(used, num_blocks, device)
     reads = [sorted({b // group for b in t}) for t in used]  # each mask block once
     width = max(map(len, reads))
@@ -174,26 +219,41 @@ def _decode_call(block_size: int, group: int, num_blocks: int, tables: list[list
     num = len(used)
 
     def block_mask(win: int | None) -> BlockMask:
-        return BlockMask.from_kv_blocks(counts.view(num, 1, 1), indices.view(num, 1, 1, num_mask_blocks),
-                                        BLOCK_SIZE=(Q_BLOCK, block_size * group), seq_lengths=(1, num_slots),
-                                        compute_q_blocks=False,  # q-side indices serve only the backward
-                                        mask_mod=_decode_mask_mod(block_size, logical, positions, win))
+        return BlockMask.from_kv_blocks(
+            counts.view(num, 1, 1),
+            indices.view(num, 1, 1, num_mask_blocks),
+            BLOCK_SIZE=(Q_BLOCK, block_size * group),
+            seq_lengths=(1, num_slots),
+            compute_q_blocks=False,  # q-side indices serve only the backward
+            mask_mod=_decode_mask_mod(block_size, logical, positions, win),
+        )
 
     needs_window = window is not None and int(positions.max()) >= window
     return FlexCall(0, num, True, block_mask(None), block_mask(window) if needs_window else None)
 
 
-def _prefill_call(block_size: int, group: int, num_blocks: int, chunks: list[tuple[list[int], int, int]],
-                  row0: int, window: int | None, device: torch.device) -> FlexCall:
+def _prefill_call(
+    block_size: int,
+    group: int,
+    num_blocks: int,
+    chunks: list[tuple[list[int], int, int]],
+    row0: int,
+    window: int | None,
+    device: torch.device,
+) -> FlexCall:
     num_slots = num_blocks * block_size
     num_mask_blocks = -(-num_blocks // group)
     # a chunk reads its sequence's blocks up to the one holding its last position
-    used = [table[:(end - 1) // block_size + 1] for table, _, end in chunks]
+    used = [table[: (end - 1) // block_size + 1] for table, _, end in chunks]
     logical = _logical_blocks(used, num_blocks, device)
-    row_seq = torch.tensor([i for i, (_, start, end) in enumerate(chunks) for _ in range(start, end)],
-                           dtype=torch.int64, device=device)
-    row_pos = torch.tensor([p for _, start, end in chunks for p in range(start, end)], dtype=torch.int64,
-                           device=device)
+    row_seq = torch.tensor(
+        [i for i, (_, start, end) in enumerate(chunks) for _ in range(start, end)],
+        dtype=torch.int64,
+        device=device,
+    )
+    row_pos = torch.tensor(
+        [p for _, start, end in chunks for p in range(start, end)], dtype=torch.int64, device=device
+    )
     num_rows = len(row_seq)
     num_q_blocks = -(-num_rows // Q_BLOCK)
     # which sequences each block of query rows holds, then the union of their KV blocks
@@ -203,13 +263,21 @@ def _prefill_call(block_size: int, group: int, num_blocks: int, chunks: list[tup
     reads = torch.nn.functional.pad(reads, (0, num_mask_blocks * group - num_blocks))
     reads = reads.view(num_q_blocks, num_mask_blocks, group).any(-1)  # [num_q_blocks, num_mask_blocks]
     counts = reads.sum(-1, dtype=torch.int32)
-    indices = torch.argsort((~reads).to(torch.int8), dim=-1, stable=True).to(torch.int32)  # the read ones first
+    indices = torch.argsort((~reads).to(torch.int8), dim=-1, stable=True).to(
+        torch.int32
+    )  # the read ones first
 
     def block_mask(win: int | None) -> BlockMask:
-        return BlockMask.from_kv_blocks(counts.view(1, 1, -1), indices.view(1, 1, num_q_blocks, num_mask_blocks),
-                                        BLOCK_SIZE=(Q_BLOCK, block_size * group), seq_lengths=(num_rows, num_slots),
-                                        compute_q_blocks=False,
-                                        mask_mod=_prefill_mask_mod(block_size, logical, row_seq, row_pos, win))
+        return BlockMask.from_kv_blocks(
+            counts.view(1, 1, -1),
+            indices.view(1, 1, num_q_blocks, num_mask_blocks),
+            BLOCK_SIZE=(Q_BLOCK, block_size * group),
+            seq_lengths=(num_rows, num_slots),
+            compute_q_blocks=False,
+            mask_mod=_prefill_mask_mod(block_size, logical, row_seq, row_pos, win),
+        )
 
     needs_window = window is not None and max(end for _, _, end in chunks) > window
-    return FlexCall(row0, row0 + num_rows, False, block_mask(None), block_mask(window) if needs_window else None)
+    return FlexCall(
+        row0, row0 + num_rows, False, block_mask(None), block_mask(window) if needs_window else None
+    )

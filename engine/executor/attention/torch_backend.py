@@ -56,9 +56,17 @@ class TorchBackend:
 
     def build(self, batch: StepBatch) -> "AttentionMetadata":
         tables, lengths, mask, window_mask = self._decode_context(batch.decodes, batch.block_size)
-        return AttentionMetadata(batch.block_size, batch.slot_mapping, len(batch.decodes), tables, lengths, mask,
-                                 self.decode_kernel, [self._segment(r0, r1, item, batch.block_size)
-                                                      for r0, r1, item in batch.prefills], window_mask)
+        return AttentionMetadata(
+            batch.block_size,
+            batch.slot_mapping,
+            len(batch.decodes),
+            tables,
+            lengths,
+            mask,
+            self.decode_kernel,
+            [self._segment(r0, r1, item, batch.block_size) for r0, r1, item in batch.prefills],
+            window_mask,
+        )
 
     def _decode_context(self, decodes: list[ScheduledSeq], bs: int) -> tuple:
         """(block tables padded with block 0, context lengths, the torch path's additive mask, the mask of
@@ -67,8 +75,11 @@ class TorchBackend:
             return None, None, None, None
         dev, window = self.device, self.sliding_window
         max_blocks = max(len(d.seq.block_table) for d in decodes)
-        tables = torch.tensor([d.seq.block_table + [0] * (max_blocks - len(d.seq.block_table)) for d in decodes],
-                              dtype=torch.long, device=dev)
+        tables = torch.tensor(
+            [d.seq.block_table + [0] * (max_blocks - len(d.seq.block_table)) for d in decodes],
+            dtype=torch.long,
+            device=dev,
+        )
         lengths = torch.tensor([d.start + 1 for d in decodes], dtype=torch.long, device=dev)
         key_pos, lens = torch.arange(max_blocks * bs, device=dev)[None, :], lengths[:, None]
         mask = None if self.decode_kernel is not None else self._additive(key_pos >= lens)
@@ -79,7 +90,9 @@ class TorchBackend:
 
     def _additive(self, masked: torch.Tensor) -> torch.Tensor:
         """[num_decodes, num_keys] bool, True = hidden -> [1, num_decodes, 1, num_keys] 0 or -inf."""
-        mask = torch.zeros(masked.shape, dtype=self.dtype, device=self.device).masked_fill_(masked, float("-inf"))
+        mask = torch.zeros(masked.shape, dtype=self.dtype, device=self.device).masked_fill_(
+            masked, float("-inf")
+        )
         return mask[None, :, None, :]
 
     def _segment(self, row_start: int, row_end: int, item: ScheduledSeq, bs: int) -> "PrefillSegment":
@@ -92,9 +105,16 @@ class TorchBackend:
         causal = key_pos <= q_pos
         if start == 0:  # the chunk is its whole context: no slots to read, a causal mask only where windowed
             return PrefillSegment(row_start, row_end, None, None, causal & (key_pos > q_pos - window))
-        context_slots = block_slots(item.seq.block_table[:math.ceil(context_len / bs)], bs, self.device)[:context_len]
-        return PrefillSegment(row_start, row_end, context_slots, causal,
-                              causal & (key_pos > q_pos - window) if needs_window else None)
+        context_slots = block_slots(item.seq.block_table[: math.ceil(context_len / bs)], bs, self.device)[
+            :context_len
+        ]
+        return PrefillSegment(
+            row_start,
+            row_end,
+            context_slots,
+            causal,
+            causal & (key_pos > q_pos - window) if needs_window else None,
+        )
 
 
 @dataclass
@@ -107,21 +127,39 @@ class AttentionMetadata:
     decode_tables: torch.Tensor | None  # [num_decodes, max_blocks] block ids, each table padded with block 0
     decode_lens: torch.Tensor | None  # [num_decodes] context lengths, the new token included
     decode_mask: torch.Tensor | None  # torch path: [1, num_decodes, 1, max_blocks * block_size], 0 or -inf
-    decode_kernel: cpu_kernel.DecodeKernel | None  # engine.kernels.cpu's, where it runs (CPU, float32 or bfloat16)
+    decode_kernel: (
+        cpu_kernel.DecodeKernel | None
+    )  # engine.kernels.cpu's, where it runs (CPU, float32 or bfloat16)
     prefills: list[PrefillSegment]
     decode_window_mask: torch.Tensor | None = None  # like decode_mask, for windowed layers past their window
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, scale: float, is_windowed: bool, softcap: float | None = None,
-               sinks: torch.Tensor | None = None) -> torch.Tensor:
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        is_windowed: bool,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if softcap is not None or sinks is not None:
             return eager_paged_attention(q, k, v, k_cache, v_cache, self, scale, is_windowed, softcap, sinks)
         return paged_attention(q, k, v, k_cache, v_cache, self, scale, is_windowed)
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                    is_windowed: bool = False) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    is_windowed: bool = False,
+) -> torch.Tensor:
     """Write k/v [T, KVH, D] into the caches, attend q [T, H, D]; returns [T, H, D]."""
     k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
     v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
@@ -134,40 +172,60 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         out[:num_decodes] = _decode(q[:num_decodes], k_cache, v_cache, meta, scale, window_mask)
     for seg in meta.prefills:
         mask = seg.window_mask if is_windowed and seg.window_mask is not None else seg.mask
-        out[seg.start:seg.end] = _prefill(q, k, v, k_cache, v_cache, seg, mask, scale)
+        out[seg.start : seg.end] = _prefill(q, k, v, k_cache, v_cache, seg, mask, scale)
     return out
 
 
-def eager_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                          v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, is_windowed: bool,
-                          softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+def eager_paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    is_windowed: bool,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
     """paged_attention's result for models whose scores SDPA cannot compute (soft-capping, sinks): the
     scores written out, one sequence at a time, in HF's eager order."""
     k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
     v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
     out = torch.empty_like(q)
     if meta.num_decodes:
-        out[:meta.num_decodes] = _eager_decode(q[:meta.num_decodes], k_cache, v_cache, meta, scale, is_windowed,
-                                               softcap, sinks)
+        out[: meta.num_decodes] = _eager_decode(
+            q[: meta.num_decodes], k_cache, v_cache, meta, scale, is_windowed, softcap, sinks
+        )
     for seg in meta.prefills:
         mask = seg.window_mask if is_windowed and seg.window_mask is not None else seg.mask
         if seg.context_slots is None:
-            ks, vs = k[seg.start:seg.end].transpose(0, 1), v[seg.start:seg.end].transpose(0, 1)
+            ks, vs = k[seg.start : seg.end].transpose(0, 1), v[seg.start : seg.end].transpose(0, 1)
         else:
             ks, vs = _gather(k_cache, seg.context_slots, 1), _gather(v_cache, seg.context_slots, 1)
-        out[seg.start:seg.end] = _eager(q[seg.start:seg.end], ks, vs, mask, scale, softcap, sinks)
+        out[seg.start : seg.end] = _eager(q[seg.start : seg.end], ks, vs, mask, scale, softcap, sinks)
     return out
 
 
-def _eager_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                  scale: float, is_windowed: bool, softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+def _eager_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    is_windowed: bool,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
     """Every decode at once: q [B, H, D] over its blocks gathered padded ([KVH, B, S, D], as the torch
     decode path reads them), each row masked to its own context (and window) -> [B, H, D]."""
     num_decodes, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[0]
     block_ids = meta.decode_tables.flatten()
-    keys, values = (_gather(c, block_ids, meta.block_size).view(num_kv_heads, num_decodes, -1, head_dim)
-                    for c in (k_cache, v_cache))
+    keys, values = (
+        _gather(c, block_ids, meta.block_size).view(num_kv_heads, num_decodes, -1, head_dim)
+        for c in (k_cache, v_cache)
+    )
     qs = q.view(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)
     scores = torch.einsum("bkgd,kbsd->bkgs", qs, keys) * scale  # [B, KVH, groups, S]
     if is_windowed and meta.decode_window_mask is not None:
@@ -179,8 +237,15 @@ def _eager_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return torch.einsum("bkgs,kbsd->bkgd", probs, values).reshape(num_decodes, num_heads, head_dim)
 
 
-def _eager(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor | None, scale: float,
-           softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+def _eager(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    visible: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
     """q [L, H, D] over keys/values [KVH, S, D]; `visible` [L, S] bool (None: causal, the queries being the
     last L positions) -> [L, H, D]."""
     num_queries, num_heads, _ = q.shape
@@ -189,13 +254,20 @@ def _eager(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: t
     scores = q.transpose(0, 1) @ keys.transpose(1, 2) * scale  # [H, L, S]
     if visible is None:
         num_keys = keys.shape[1]
-        visible = torch.ones(num_queries, num_keys, dtype=torch.bool, device=q.device).tril(num_keys - num_queries)
+        visible = torch.ones(num_queries, num_keys, dtype=torch.bool, device=q.device).tril(
+            num_keys - num_queries
+        )
     sinks = None if sinks is None else sinks.reshape(-1, 1, 1).expand(-1, num_queries, 1)
     return (_eager_probs(scores, visible, softcap, sinks, values.dtype) @ values).transpose(0, 1)
 
 
-def _eager_probs(scores: torch.Tensor, visible: torch.Tensor, softcap: float | None, sinks: torch.Tensor | None,
-                 dtype: torch.dtype) -> torch.Tensor:
+def _eager_probs(
+    scores: torch.Tensor,
+    visible: torch.Tensor,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
     """Attention weights, in HF's eager order: soft-cap, mask (`visible` broadcasts to scores), softmax in
     float32; `sinks` (scores' shape with a last axis of 1) join the denominator and are dropped."""
     if softcap is not None:
@@ -208,16 +280,26 @@ def _eager_probs(scores: torch.Tensor, visible: torch.Tensor, softcap: float | N
     return torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(dtype)
 
 
-def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-            scale: float, window_mask: torch.Tensor | None) -> torch.Tensor:
+def _decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window_mask: torch.Tensor | None,
+) -> torch.Tensor:
     """q [B, H, D] -> [B, H, D]."""
     if meta.decode_kernel is not None and window_mask is None:  # reads the blocks in place
-        return meta.decode_kernel(q, k_cache, v_cache, meta.decode_tables, meta.decode_lens, meta.block_size, scale)
+        return meta.decode_kernel(
+            q, k_cache, v_cache, meta.decode_tables, meta.decode_lens, meta.block_size, scale
+        )
     num_decodes, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[0]
     block_ids = meta.decode_tables.flatten()
-    keys, values = (_gather(c, block_ids, meta.block_size).view(num_kv_heads, num_decodes, -1, head_dim)
-                    for c in (k_cache, v_cache))  # [KVH, B, max_blocks * block_size, D]
+    keys, values = (
+        _gather(c, block_ids, meta.block_size).view(num_kv_heads, num_decodes, -1, head_dim)
+        for c in (k_cache, v_cache)
+    )  # [KVH, B, max_blocks * block_size, D]
     # one query token: the query heads of a KV group become the "sequence" axis (no K/V repeat)
     q = q.view(num_decodes, num_kv_heads, -1, head_dim).transpose(0, 1)  # [KVH, B, groups, D]
     mask = window_mask if window_mask is not None else meta.decode_mask
@@ -225,18 +307,33 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta:
     return out.transpose(0, 1).reshape(num_decodes, num_heads, head_dim)
 
 
-def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             seg: PrefillSegment, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+def _prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seg: PrefillSegment,
+    mask: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
     """One chunk: rows [seg.start, seg.end) of q [T, H, D] -> [L, H, D]."""
-    qs = q[seg.start:seg.end].transpose(0, 1)  # [H, L, D]
+    qs = q[seg.start : seg.end].transpose(0, 1)  # [H, L, D]
     if seg.context_slots is None:
-        ks, vs = k[seg.start:seg.end].transpose(0, 1), v[seg.start:seg.end].transpose(0, 1)
+        ks, vs = k[seg.start : seg.end].transpose(0, 1), v[seg.start : seg.end].transpose(0, 1)
     else:
         ks, vs = _gather(k_cache, seg.context_slots, 1), _gather(v_cache, seg.context_slots, 1)
     # grouped-query K/V read as they are (enable_gqa), not repeated per query head into a copy: the same
     # result, bit for bit, and 10-40% faster on CPU at 64-256 tokens
-    out = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], attn_mask=mask, is_causal=mask is None,
-                                         scale=scale, enable_gqa=ks.shape[0] != qs.shape[0])
+    out = F.scaled_dot_product_attention(
+        qs[None],
+        ks[None],
+        vs[None],
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=ks.shape[0] != qs.shape[0],
+    )
     return out[0].transpose(0, 1)
 
 
@@ -249,4 +346,3 @@ def _gather(cache: torch.Tensor, ids: torch.Tensor, rows_per_id: int) -> torch.T
     for head in range(num_kv_heads):
         torch.index_select(src[head], 0, ids, out=out[head])
     return out.view(num_kv_heads, -1, head_dim)
-

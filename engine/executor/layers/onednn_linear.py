@@ -57,12 +57,19 @@ class PackedLinear(nn.Module):
 @dataclass(frozen=True)
 class LinearChoice:
     chosen: str  # "onednn" or "aten"
-    seconds: dict[str, dict[int, float]]  # kernel -> rows -> median time of CHOICE_LAYERS layers' dense halves
+    seconds: dict[
+        str, dict[int, float]
+    ]  # kernel -> rows -> median time of CHOICE_LAYERS layers' dense halves
     error: str | None = None  # why oneDNN could not run here
 
     def to_dict(self) -> dict:
-        return {"chosen": self.chosen, "error": self.error, "layers_timed": CHOICE_LAYERS, "margin": MARGIN,
-                "seconds": {k: {str(r): round(s, 6) for r, s in v.items()} for k, v in self.seconds.items()}}
+        return {
+            "chosen": self.chosen,
+            "error": self.error,
+            "layers_timed": CHOICE_LAYERS,
+            "margin": MARGIN,
+            "seconds": {k: {str(r): round(s, 6) for r, s in v.items()} for k, v in self.seconds.items()},
+        }
 
 
 _CHOICES: dict[tuple, LinearChoice] = {}  # one choice per model shape, dtype and process
@@ -97,15 +104,25 @@ def _time_kernels(model: nn.Module, dtype: torch.dtype, row_counts: tuple[int, .
     if error is not None:
         return LinearChoice("aten", {}, error)
     layers = model.layers[:CHOICE_LAYERS]
-    slots = [(layers.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2], linear)
-             for name, linear in layers.named_modules() if type(linear) is nn.Linear]
-    kernels = {"aten": [linear for _, _, linear in slots],
-               "onednn": [PackedLinear(linear.weight, linear.bias) for _, _, linear in slots]}
+    slots = [
+        (layers.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2], linear)
+        for name, linear in layers.named_modules()
+        if type(linear) is nn.Linear
+    ]
+    kernels = {
+        "aten": [linear for _, _, linear in slots],
+        "onednn": [PackedLinear(linear.weight, linear.bias) for _, _, linear in slots],
+    }
     a, device = model.args, model.norm.weight.device
     gen = torch.Generator(device=device).manual_seed(0)
-    inputs = {rows: (torch.randn(rows, a.hidden_size, generator=gen, device=device).to(dtype) * 0.1,
-                     torch.ones(rows, 1, a.rotary_dim // 2, dtype=dtype, device=device),
-                     torch.zeros(rows, a.num_heads, a.head_dim, dtype=dtype, device=device)) for rows in row_counts}
+    inputs = {
+        rows: (
+            torch.randn(rows, a.hidden_size, generator=gen, device=device).to(dtype) * 0.1,
+            torch.ones(rows, 1, a.rotary_dim // 2, dtype=dtype, device=device),
+            torch.zeros(rows, a.num_heads, a.head_dim, dtype=dtype, device=device),
+        )
+        for rows in row_counts
+    }
 
     def run(rows: int) -> float:
         x, cos_sin, attn = inputs[rows]
@@ -118,7 +135,7 @@ def _time_kernels(model: nn.Module, dtype: torch.dtype, row_counts: tuple[int, .
     samples: dict[str, dict[int, list[float]]] = {k: {r: [] for r in row_counts} for k in kernels}
     try:
         for turn in range(CHOICE_ROUNDS + 1):  # the first round warms up (oneDNN's primitives, first touch)
-            for kernel in (kernels if turn % 2 else reversed(kernels)):
+            for kernel in kernels if turn % 2 else reversed(kernels):
                 for (parent, leaf, _), module in zip(slots, kernels[kernel], strict=True):
                     setattr(parent, leaf, module)
                 for rows in row_counts:
@@ -146,5 +163,7 @@ def bucket(rows: int) -> int:
     """The row count a product of `rows` rows runs at (see EXACT_ROWS)."""
     if rows <= EXACT_ROWS:
         return rows
-    step = 1 << ((rows - 1).bit_length() - STEPS_PER_OCTAVE.bit_length())  # rows in (2^k, 2^(k+1)]: 2^k / STEPS
+    step = 1 << (
+        (rows - 1).bit_length() - STEPS_PER_OCTAVE.bit_length()
+    )  # rows in (2^k, 2^(k+1)]: 2^k / STEPS
     return -(-rows // step) * step

@@ -30,7 +30,9 @@ from torch import nn
 from engine.config import QUANTIZATIONS as METHODS
 from engine.kernels import cpu as cpu_kernel
 
-KERNEL_MAX_ROWS = 32  # rows of x up to which a layer reads int8 directly, until calibrate_kernel_rows measures
+KERNEL_MAX_ROWS = (
+    32  # rows of x up to which a layer reads int8 directly, until calibrate_kernel_rows measures
+)
 CALIBRATION_ROWS = (8, 16, 32, 64)
 SCRATCH_ELEMENTS = 1 << 20  # float32 weights dequantized at a time for a GEMM (4 MiB, stays in cache)
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # AWQ packs columns 0,2,4,6,1,3,5,7 into nibbles 0..7
@@ -49,7 +51,9 @@ class QuantConfig:
 
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
-FP8_SCALE = "weight_scale_inv"  # the leaf of an FP8 weight's scale: w = fp8 * scale, per block of weight_block_size
+FP8_SCALE = (
+    "weight_scale_inv"  # the leaf of an FP8 weight's scale: w = fp8 * scale, per block of weight_block_size
+)
 
 
 def fp8_block_size(model_config: dict) -> tuple[int, int] | None | bool:
@@ -68,14 +72,15 @@ def fp8_block_size(model_config: dict) -> tuple[int, int] | None | bool:
     return block[0], block[1]
 
 
-def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
-                   dtype: torch.dtype) -> torch.Tensor:
+def dequantize_fp8(
+    weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, dtype: torch.dtype
+) -> torch.Tensor:
     """weight [out, in] float8 times its scale ([ceil(out / rows), ceil(in / columns)], or one), in dtype."""
     w = weight.to(torch.float32)
     s = scale.to(torch.float32)
     if block is not None:
         rows, cols = block
-        s = s.repeat_interleave(rows, 0)[:w.shape[0]].repeat_interleave(cols, 1)[:, :w.shape[1]]
+        s = s.repeat_interleave(rows, 0)[: w.shape[0]].repeat_interleave(cols, 1)[:, : w.shape[1]]
     return (w * s).to(dtype)
 
 
@@ -91,8 +96,10 @@ def resolve(requested: str | None, model_config: dict) -> QuantConfig | None:
         spec = None
     if not spec:
         if requested in ("awq", "gptq"):
-            raise ValueError(f"quantization {requested!r} needs a {requested.upper()} checkpoint; this one has no "
-                             "quantization_config (use 'int8' to quantize a float checkpoint at load)")
+            raise ValueError(
+                f"quantization {requested!r} needs a {requested.upper()} checkpoint; this one has no "
+                "quantization_config (use 'int8' to quantize a float checkpoint at load)"
+            )
         return QuantConfig("int8", None) if requested == "int8" else None
     method = str(spec.get("quant_method", "")).lower()
     if method not in ("awq", "gptq"):
@@ -104,17 +111,23 @@ def resolve(requested: str | None, model_config: dict) -> QuantConfig | None:
         raise ValueError(f"{method.upper()} checkpoints with {bits} bits are not supported (4 bits only)")
     group_size = spec.get("group_size", spec.get("q_group_size"))
     if not isinstance(group_size, int) or group_size == 0 or group_size < -1:
-        raise ValueError(f"{method.upper()} group_size must be a positive integer (or -1 in GPTQ), got {group_size!r}")
+        raise ValueError(
+            f"{method.upper()} group_size must be a positive integer (or -1 in GPTQ), got {group_size!r}"
+        )
     if method == "awq":
         version = str(spec.get("version", "gemm")).lower()
         if version != "gemm" or spec.get("zero_point", True) is not True:
-            raise ValueError(f"AWQ version {version!r} with zero_point={spec.get('zero_point')!r} is not supported "
-                             "(GEMM packing with zero points only)")
+            raise ValueError(
+                f"AWQ version {version!r} with zero_point={spec.get('zero_point')!r} is not supported "
+                "(GEMM packing with zero points only)"
+            )
         return QuantConfig("awq", group_size)
     fmt = spec.get("checkpoint_format", "gptq")
     if fmt not in ("gptq", "gptq_v2"):
         raise ValueError(f"GPTQ checkpoint_format {fmt!r} is not supported; supported: gptq, gptq_v2")
-    return QuantConfig("gptq", None if group_size == -1 else group_size, zero_offset=1 if fmt == "gptq" else 0)
+    return QuantConfig(
+        "gptq", None if group_size == -1 else group_size, zero_offset=1 if fmt == "gptq" else 0
+    )
 
 
 def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,8 +156,9 @@ def _unpack_4bit(packed: torch.Tensor, dim: int) -> torch.Tensor:
     return (values & 0xF).to(torch.uint8).flatten(dim, dim + 1)
 
 
-def unpack_layer(quant: QuantConfig, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-                    name: str) -> tuple[torch.Tensor, torch.Tensor]:
+def unpack_layer(
+    quant: QuantConfig, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, name: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One AWQ or GPTQ layer (its packed tensors as stored) -> (q - zero as int8 [n, k], scale [n, groups])."""
     if quant.method == "awq":  # qweight [k, n/8] and qzeros [groups, n/8], columns interleaved in each word
         order = torch.arange(qweight.shape[1] * 8).view(-1, 8)[:, list(AWQ_REVERSE_ORDER)].flatten()
@@ -154,8 +168,10 @@ def unpack_layer(quant: QuantConfig, qweight: torch.Tensor, qzeros: torch.Tensor
     k, n = values.shape
     groups = scales.shape[0]
     if zeros.shape != (groups, n) or scales.shape != (groups, n) or k % groups:
-        raise ValueError(f"{name}: qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)} and scales "
-                         f"{tuple(scales.shape)} do not fit one {quant.method.upper()} layer")
+        raise ValueError(
+            f"{name}: qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)} and scales "
+            f"{tuple(scales.shape)} do not fit one {quant.method.upper()} layer"
+        )
     centered = values.to(torch.int16) - zeros.to(torch.int16).repeat_interleave(k // groups, dim=0)
     return centered.to(torch.int8).T.contiguous(), scales.float().T.contiguous()
 
@@ -165,23 +181,33 @@ def check_g_idx(g_idx: torch.Tensor, group_size: int | None, name: str) -> None:
     is supported: act-order (desc_act) checkpoints permute it."""
     k = g_idx.numel()
     if not torch.equal(g_idx.long(), torch.arange(k) // (group_size or k)):
-        raise ValueError(f"{name}: GPTQ act-order (desc_act) checkpoints are not supported (g_idx is not in "
-                         "input order)")
+        raise ValueError(
+            f"{name}: GPTQ act-order (desc_act) checkpoints are not supported (g_idx is not in input order)"
+        )
 
 
 class Int8Linear(nn.Module):
     """y = x @ (weight * scales)^T + bias, weight int8 [out, in], scales float32 [out, in / group_size]."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, group_size: int | None,
-                 dtype: torch.dtype) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, group_size: int | None, dtype: torch.dtype
+    ) -> None:
         super().__init__()
         self.group_size = group_size or in_features
         if in_features % self.group_size:
-            raise ValueError(f"quantization group_size {group_size} does not divide the layer's {in_features} inputs")
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.int8), requires_grad=False)
-        self.scales = nn.Parameter(torch.empty(out_features, in_features // self.group_size, dtype=torch.float32),
-                                   requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+            raise ValueError(
+                f"quantization group_size {group_size} does not divide the layer's {in_features} inputs"
+            )
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=torch.int8), requires_grad=False
+        )
+        self.scales = nn.Parameter(
+            torch.empty(out_features, in_features // self.group_size, dtype=torch.float32),
+            requires_grad=False,
+        )
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        )
         self.kernel_max_rows = KERNEL_MAX_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -200,8 +226,9 @@ class Int8Linear(nn.Module):
         y = torch.empty(x.shape[0], out_features, dtype=x.dtype)
         for lo in range(0, out_features, rows):
             hi = min(lo + rows, out_features)
-            w = kernel.dequantize(self.weight[lo:hi], self.scales[lo:hi], self.group_size, out=_scratch(hi - lo,
-                                                                                                        in_features))
+            w = kernel.dequantize(
+                self.weight[lo:hi], self.scales[lo:hi], self.group_size, out=_scratch(hi - lo, in_features)
+            )
             y[:, lo:hi] = F.linear(x, w.to(x.dtype))
         return y
 

@@ -35,31 +35,61 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
 }  # its keys are the loader's OWN_ARCHITECTURES (tests/integration/engine/test_config_and_loader.py)
 # generic-backend architectures held to HF `generate` in `make test` (tiny presets of benchmarks/make_model.py,
 # tests/integration/engine/test_equivalence.py and test_generic_backend.py); any other decoder-only one loads untested
-TESTED_GENERIC = ("GPT2LMHeadModel", "GPTNeoXForCausalLM",
-                  "Olmo2ForCausalLM", "GraniteForCausalLM", "StableLmForCausalLM", "Starcoder2ForCausalLM",
-                  "SmolLM3ForCausalLM", "GptOssForCausalLM")
+TESTED_GENERIC = (
+    "GPT2LMHeadModel",
+    "GPTNeoXForCausalLM",
+    "Olmo2ForCausalLM",
+    "GraniteForCausalLM",
+    "StableLmForCausalLM",
+    "Starcoder2ForCausalLM",
+    "SmolLM3ForCausalLM",
+    "GptOssForCausalLM",
+)
 
 
 def supported_models_markdown() -> str:
     """docs/models.md's "Supported models" table, from MODEL_CLASSES and TESTED_GENERIC (tests/system/test_readme.py
     holds the page to it)."""
-    own_tests = "greedy = HF fp32 (chunked prefill, preemption, prefix cache, block sizes, flex), tensor parallel 2"
+    own_tests = (
+        "greedy = HF fp32 (chunked prefill, preemption, prefix cache, block sizes, flex), tensor parallel 2"
+    )
     generic_tests = "greedy = HF fp32 (chunked prefill, n = 2, prefix cache, preemption), bf16 logprobs"
     four_bit = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")  # tested
-    rows = [(a, f"own (`{MODEL_CLASSES[a].__module__.rsplit('.', 1)[-1]}.py`)",
-             ("AWQ, GPTQ (4-bit), " if a in four_bit else "") + "int8; FP8 dequantized at load", "yes",
-             own_tests.replace(", flex", "") if a == "Gemma2ForCausalLM" else own_tests)  # flex: no soft-capping
-            for a in MODEL_CLASSES]
+    rows = [
+        (
+            a,
+            f"own (`{MODEL_CLASSES[a].__module__.rsplit('.', 1)[-1]}.py`)",
+            ("AWQ, GPTQ (4-bit), " if a in four_bit else "") + "int8; FP8 dequantized at load",
+            "yes",
+            own_tests.replace(", flex", "") if a == "Gemma2ForCausalLM" else own_tests,
+        )  # flex: no soft-capping
+        for a in MODEL_CLASSES
+    ]
     rows += [(a, "generic", "none", "no", generic_tests) for a in TESTED_GENERIC]
-    rows.append(("any other decoder-only `*ForCausalLM` of transformers", "generic", "none", "no",
-                 "untested; refused at load, with the reason, where its layers are not all attention"))
-    lines = ["| Architecture | Backend | Quantization | Tensor parallel | Tested in `make test` |",
-             "|---|---|---|---|---|"]
+    rows.append(
+        (
+            "any other decoder-only `*ForCausalLM` of transformers",
+            "generic",
+            "none",
+            "no",
+            "untested; refused at load, with the reason, where its layers are not all attention",
+        )
+    )
+    lines = [
+        "| Architecture | Backend | Quantization | Tensor parallel | Tested in `make test` |",
+        "|---|---|---|---|---|",
+    ]
     return "\n".join(lines + [f"| {' | '.join(row)} |" for row in rows]) + "\n"
 
 
-def load_model(files: ModelFiles, dtype: torch.dtype, device: torch.device, quant: QuantConfig | None = None,
-               tp: TPGroup | None = None, backend: str = "own") -> LlamaForCausalLM | GenericForCausalLM:
+def load_model(
+    files: ModelFiles,
+    dtype: torch.dtype,
+    device: torch.device,
+    quant: QuantConfig | None = None,
+    tp: TPGroup | None = None,
+    backend: str = "own",
+) -> LlamaForCausalLM | GenericForCausalLM:
     """The checkpoint's model on `backend` (loader.check_backend_options's: it has refused what that backend
     cannot do); with `tp`, this rank's share of it (engine/executor/parallel.py)."""
     if backend == "generic":
@@ -71,8 +101,12 @@ def load_model(files: ModelFiles, dtype: torch.dtype, device: torch.device, quan
     headers = _headers(files.weight_files)
     fp8 = fp8_block_size(files.config)
     if quant is None or not quant.from_checkpoint:  # AWQ / GPTQ tensors are checked as they are unpacked
-        _check_tensors(files.path, {n: h for n, h in headers.items() if not model.skips(n)},
-                       model.checkpoint_shapes(), fp8 is not False)
+        _check_tensors(
+            files.path,
+            {n: h for n, h in headers.items() if not model.skips(n)},
+            model.checkpoint_shapes(),
+            fp8 is not False,
+        )
     model.load_weights(_read_safetensors(headers, fp8, dtype))
     model.generation_config = _generation_config(files.path, config)  # EOS ids, as HF models carry it
     return model.eval()
@@ -88,26 +122,40 @@ def _headers(paths: tuple[Path, ...]) -> dict[str, tuple[Path, tuple[int, ...]]]
     return found
 
 
-def _check_tensors(path: Path, headers: dict[str, tuple[Path, tuple[int, ...]]],
-                   expected: dict[str, tuple[int, ...]], fp8: bool) -> None:
+def _check_tensors(
+    path: Path,
+    headers: dict[str, tuple[Path, tuple[int, ...]]],
+    expected: dict[str, tuple[int, ...]],
+    fp8: bool,
+) -> None:
     """Missing, misshapen and unknown tensors, named as the checkpoint names them, before any is read."""
     scales = {n for n in headers if fp8 and n.endswith((f".{FP8_SCALE}", ".input_scale"))}
     missing = sorted(n for n in expected if n not in headers)
-    wrong = [f"{n} {headers[n][1]} (expected {shape})" for n, shape in expected.items()
-             if n in headers and headers[n][1] != shape]
+    wrong = [
+        f"{n} {headers[n][1]} (expected {shape})"
+        for n, shape in expected.items()
+        if n in headers and headers[n][1] != shape
+    ]
     unknown = sorted(n for n in headers if n not in expected and n not in scales)
-    for problems, what in ((missing, "lacks"), (wrong, "has misshapen"), (unknown, "has tensors no layer takes:")):
+    for problems, what in (
+        (missing, "lacks"),
+        (wrong, "has misshapen"),
+        (unknown, "has tensors no layer takes:"),
+    ):
         if problems:
             more = f" and {len(problems) - 3} more" if len(problems) > 3 else ""
             raise ValueError(f"{path}: the checkpoint {what} {', '.join(problems[:3])}{more}")
 
 
-def _read_safetensors(headers: dict[str, tuple[Path, tuple[int, ...]]], fp8: tuple[int, int] | None | bool,
-                      dtype: torch.dtype):
+def _read_safetensors(
+    headers: dict[str, tuple[Path, tuple[int, ...]]], fp8: tuple[int, int] | None | bool, dtype: torch.dtype
+):
     """(name, tensor) for each weight, file by file; FP8 weights dequantized to dtype by their scales."""
     with ExitStack() as stack:
-        opened = {path: stack.enter_context(safe_open(path, framework="pt", device="cpu"))
-                  for path in dict.fromkeys(p for p, _ in headers.values())}
+        opened = {
+            path: stack.enter_context(safe_open(path, framework="pt", device="cpu"))
+            for path in dict.fromkeys(p for p, _ in headers.values())
+        }
         for name, (path, _) in headers.items():
             if fp8 is not False and name.endswith((f".{FP8_SCALE}", ".input_scale")):
                 continue

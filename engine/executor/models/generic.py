@@ -65,24 +65,46 @@ class _Step:
     seen: dict[int, LayerAttention] | None = None  # filled on the dry forward
 
 
-def paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                    sliding_window: int | None = None, softcap: float | None = None,
-                    s_aux: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+def paged_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """transformers' attention interface: query [1, H, rows, D], key/value [1, KVH, rows, D] -> [1, rows, H, D]."""
     step: _Step = module.pagedserve_step
     rows, num_tokens, layer = query.shape[2], step.num_tokens, module.layer_idx
     if step.seen is not None:
-        step.seen[layer] = LayerAttention(key.shape[1], key.shape[3], sliding_window, softcap, s_aux is not None)
+        step.seen[layer] = LayerAttention(
+            key.shape[1], key.shape[3], sliding_window, softcap, s_aux is not None
+        )
         if value.shape[3] != key.shape[3]:
-            raise ValueError(f"layer {layer}: V head dim {value.shape[3]} differs from K's {key.shape[3]}; the KV "
-                             "pool holds one head dim")
+            raise ValueError(
+                f"layer {layer}: V head dim {value.shape[3]} differs from K's {key.shape[3]}; the KV "
+                "pool holds one head dim"
+            )
     if step.meta is None:  # dry forward
         return query.new_zeros(1, rows, query.shape[1], value.shape[3]), None
     q, k, v = (x[0, :, :num_tokens].transpose(0, 1) for x in (query, key, value))  # [T, heads, D]
     k_cache, v_cache = step.kv_caches[layer]
-    out = step.meta.attend(q, k, v, k_cache, v_cache, scaling if scaling is not None else key.shape[3] ** -0.5,
-                           sliding_window is not None, softcap=softcap, sinks=s_aux)
+    out = step.meta.attend(
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        scaling if scaling is not None else key.shape[3] ** -0.5,
+        sliding_window is not None,
+        softcap=softcap,
+        sinks=s_aux,
+    )
     if rows > num_tokens:
         out = F.pad(out, (0, 0, 0, 0, 0, rows - num_tokens))
     return out[None], None
@@ -111,8 +133,13 @@ class GenericForCausalLM(nn.Module):
     @classmethod
     def from_pretrained(cls, path: Path, dtype: torch.dtype, device: torch.device) -> GenericForCausalLM:
         hf, info = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION, local_files_only=True, trust_remote_code=False,
-            output_loading_info=True)
+            path,
+            dtype=dtype,
+            attn_implementation=ATTN_IMPLEMENTATION,
+            local_files_only=True,
+            trust_remote_code=False,
+            output_loading_info=True,
+        )
         problems = {kind: info.get(kind) for kind in ("missing_keys", "mismatched_keys") if info.get(kind)}
         if problems:
             raise ValueError(f"{path}: the checkpoint does not fit {type(hf).__name__}: {problems}")
@@ -122,26 +149,37 @@ class GenericForCausalLM(nn.Module):
     def _dry_run(self) -> GenericArgs:
         self.step.seen = {}
         try:
-            self._hidden(torch.zeros(DRY_RUN_TOKENS, dtype=torch.long, device=self._device),
-                         torch.arange(DRY_RUN_TOKENS, device=self._device))
+            self._hidden(
+                torch.zeros(DRY_RUN_TOKENS, dtype=torch.long, device=self._device),
+                torch.arange(DRY_RUN_TOKENS, device=self._device),
+            )
             seen = self.step.seen
         finally:
             self.step.seen = None
         num_layers = self.config.num_hidden_layers
         name = type(self.hf).__name__
         if sorted(seen) != list(range(num_layers)):
-            raise ValueError(f"{name}: {num_layers - len(seen)} of its {num_layers} layers do not attend through "
-                             "transformers' attention interface (recurrent or state-space layers keep state of "
-                             "their own, which a paged KV cache does not hold)")
+            raise ValueError(
+                f"{name}: {num_layers - len(seen)} of its {num_layers} layers do not attend through "
+                "transformers' attention interface (recurrent or state-space layers keep state of "
+                "their own, which a paged KV cache does not hold)"
+            )
         layers = [seen[i] for i in range(num_layers)]
         shapes = {(a.num_kv_heads, a.head_dim) for a in layers}
         windows = {a.sliding_window for a in layers} - {None}
         if len(shapes) > 1 or len(windows) > 1:
-            raise ValueError(f"{name}: its layers differ in K/V heads and head dims {sorted(shapes)} or window sizes "
-                             f"{sorted(windows)}; the KV pool and the attention backend hold one of each")
-        (num_kv_heads, head_dim), = shapes
-        return GenericArgs(num_layers, num_kv_heads, head_dim, tuple(a.sliding_window for a in layers),
-                           any(a.softcap is not None or a.has_sinks for a in layers))
+            raise ValueError(
+                f"{name}: its layers differ in K/V heads and head dims {sorted(shapes)} or window sizes "
+                f"{sorted(windows)}; the KV pool and the attention backend hold one of each"
+            )
+        ((num_kv_heads, head_dim),) = shapes
+        return GenericArgs(
+            num_layers,
+            num_kv_heads,
+            head_dim,
+            tuple(a.sliding_window for a in layers),
+            any(a.softcap is not None or a.has_sinks for a in layers),
+        )
 
     def _logits_tail(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """The LM head with what the config says comes after it, checked against the HF forward's logits."""
@@ -166,8 +204,10 @@ class GenericForCausalLM(nn.Module):
             expected = self.hf(input_ids=ids[None], position_ids=positions[None], use_cache=False).logits[0]
             got = tail(self._hidden(ids, positions))
         if not torch.allclose(got.float(), expected.float(), rtol=1e-3, atol=1e-3):
-            raise ValueError(f"{type(self.hf).__name__}: its forward does more to the logits than the LM head and "
-                             "the soft-capping or scaling its config names; not served by the generic backend")
+            raise ValueError(
+                f"{type(self.hf).__name__}: its forward does more to the logits than the LM head and "
+                "the soft-capping or scaling its config names; not served by the generic backend"
+            )
         return tail
 
     @property
@@ -184,7 +224,7 @@ class GenericForCausalLM(nn.Module):
             input_ids = F.pad(input_ids, (0, rows - input_ids.shape[0]))
             positions = F.pad(positions, (0, rows - positions.shape[0]))
         out = self.hf.base_model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)
-        return out.last_hidden_state[0, :self.step.num_tokens]
+        return out.last_hidden_state[0, : self.step.num_tokens]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepAttention) -> torch.Tensor:
         self.step.meta = meta
@@ -204,8 +244,10 @@ class GenericForCausalLM(nn.Module):
         counts = sorted({bucket(n) for n in range(1, max_tokens + 1)})
         head_counts = {bucket(n) for n in range(1, max_logit_rows + 1)}
         for rows in counts:
-            hidden = self._hidden(torch.zeros(rows, dtype=torch.long, device=self._device),
-                                  torch.arange(rows, device=self._device))
+            hidden = self._hidden(
+                torch.zeros(rows, dtype=torch.long, device=self._device),
+                torch.arange(rows, device=self._device),
+            )
             if rows in head_counts:
                 self.compute_logits(hidden)
         return counts

@@ -48,8 +48,13 @@ from engine.executor.parallel import TPGroup
 from engine.kernels import cpu as cpu_kernel
 
 # HF projection name -> (our fused module, its part); parts stack along the output rows in this order
-FUSED_PARTS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+FUSED_PARTS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
 # a checkpoint's fused projection (Phi-3) -> the HF names of its parts, in row order
 FUSED_IN_CHECKPOINT = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 MIXTRAL_NAMES = {"block_sparse_moe": "mlp", "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -102,33 +107,51 @@ class LlamaArgs:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         rope = getattr(config, "rope_parameters", None) or {}
         return cls(
-            config.vocab_size, config.hidden_size, config.intermediate_size, config.num_hidden_layers,
-            config.num_attention_heads, config.num_key_value_heads, head_dim,
-            config.rms_norm_eps, qkv_bias=attention_bias or family == "qwen2",
-            o_bias=attention_bias and family != "qwen2", mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            config.vocab_size,
+            config.hidden_size,
+            config.intermediate_size,
+            config.num_hidden_layers,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            head_dim,
+            config.rms_norm_eps,
+            qkv_bias=attention_bias or family == "qwen2",
+            o_bias=attention_bias and family != "qwen2",
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
             qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text"),
             tie_word_embeddings=bool(config.tie_word_embeddings),
             sliding_windows=_sliding_windows(config),
-            rotary_dim=int(head_dim * rope.get("partial_rotary_factor", 1.0)) if family == "phi3"
+            rotary_dim=int(head_dim * rope.get("partial_rotary_factor", 1.0))
+            if family == "phi3"
             else head_dim,
-            moe=MoEArgs.from_hf(config), gemma=gemma,
+            moe=MoEArgs.from_hf(config),
+            gemma=gemma,
             attn_scale=config.query_pre_attn_scalar**-0.5 if gemma else None,
             attn_softcap=getattr(config, "attn_logit_softcapping", None) if gemma else None,
-            final_softcap=getattr(config, "final_logit_softcapping", None) if gemma else None)
+            final_softcap=getattr(config, "final_logit_softcapping", None) if gemma else None,
+        )
 
     def shard(self, size: int) -> "LlamaArgs":
         """One rank's share under tensor parallelism over `size` ranks: its attention heads, K/V heads
         and intermediate columns, each expert's too (engine/executor/parallel.py)."""
-        sizes = {"num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads,
-                 "intermediate_size": self.intermediate_size}
+        sizes = {
+            "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "intermediate_size": self.intermediate_size,
+        }
         if self.moe is not None:
             sizes["moe_intermediate_size"] = self.moe.intermediate_size
         for name, value in sizes.items():
             if value % size:
                 raise ValueError(f"tensor_parallel_size {size} does not divide the model's {name} ({value})")
         moe = self.moe and replace(self.moe, intermediate_size=self.moe.intermediate_size // size)
-        return replace(self, num_heads=self.num_heads // size, num_kv_heads=self.num_kv_heads // size,
-                       intermediate_size=self.intermediate_size // size, moe=moe)
+        return replace(
+            self,
+            num_heads=self.num_heads // size,
+            num_kv_heads=self.num_kv_heads // size,
+            intermediate_size=self.intermediate_size // size,
+            moe=moe,
+        )
 
 
 @dataclass(frozen=True)
@@ -147,15 +170,28 @@ class MoEArgs:
     def from_hf(cls, config: PretrainedConfig) -> "MoEArgs | None":
         n = config.num_hidden_layers
         if config.model_type == "mixtral":
-            return cls(config.num_local_experts, config.num_experts_per_tok, config.intermediate_size,
-                       renormalize=True, weights_fp32=True, layers=(True,) * n)
+            return cls(
+                config.num_local_experts,
+                config.num_experts_per_tok,
+                config.intermediate_size,
+                renormalize=True,
+                weights_fp32=True,
+                layers=(True,) * n,
+            )
         if config.model_type == "qwen3_moe":
             dense = set(config.mlp_only_layers or ())
             step = config.decoder_sparse_step
-            layers = tuple(i not in dense and config.num_experts > 0 and (i + 1) % step == 0
-                           for i in range(n))
-            return cls(config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
-                       bool(config.norm_topk_prob), False, layers)
+            layers = tuple(
+                i not in dense and config.num_experts > 0 and (i + 1) % step == 0 for i in range(n)
+            )
+            return cls(
+                config.num_experts,
+                config.num_experts_per_tok,
+                config.moe_intermediate_size,
+                bool(config.norm_topk_prob),
+                False,
+                layers,
+            )
         return None
 
 
@@ -176,8 +212,9 @@ def rope_kinds(config: PretrainedConfig) -> tuple[str | None, ...]:
     return tuple(layer_types) if keyed else (None,) * config.num_hidden_layers
 
 
-def rope_frequencies(config: PretrainedConfig, head_dim: int, device: torch.device,
-                     layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+def rope_frequencies(
+    config: PretrainedConfig, head_dim: int, device: torch.device, layer_type: str | None = None
+) -> tuple[torch.Tensor, float]:
     """(inv_freq [head_dim / 2] float32, the cos/sin scale), as HF's rotary embedding computes them (for
     `layer_type`'s own rope_parameters where they are keyed by layer type)."""
     rope = config.rope_parameters if layer_type is None else config.rope_parameters[layer_type]
@@ -200,7 +237,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def _cpu_kernel(factory: Callable[[int], Any], x: torch.Tensor) -> Any:
     """engine.kernels.cpu's kernel from `factory` where x is on CPU, else None (CUDA; and while torch.compile
     traces: it cannot trace a ctypes call, and --compile's fused code replaces the kernels)."""
-    return factory(torch.get_num_threads()) if x.device.type == "cpu" and not torch.compiler.is_compiling() else None
+    return (
+        factory(torch.get_num_threads())
+        if x.device.type == "cpu" and not torch.compiler.is_compiling()
+        else None
+    )
 
 
 class RMSNorm(nn.Module):
@@ -209,8 +250,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The norm of x; with `residual`, (x + residual, the norm of that sum).
 
         F.rms_norm: in float32 bit-identical to HF's three ops; in half precision it sums in float32 and
@@ -232,8 +274,9 @@ class RMSNorm(nn.Module):
         return x, F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
-def linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
-           quant: QuantConfig | None) -> nn.Module:
+def linear(
+    in_features: int, out_features: int, bias: bool, dtype: torch.dtype, quant: QuantConfig | None
+) -> nn.Module:
     if quant is None:
         return nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
     return Int8Linear(in_features, out_features, bias, quant.group_size, dtype)
@@ -243,7 +286,9 @@ class Attention(nn.Module):
     """q/k/v in one GEMM and RoPE (`project`), paged attention over this layer's own views of the KV
     pool (`attend`); o_proj is applied by the layer."""
 
-    def __init__(self, args: LlamaArgs, layer_idx: int, dtype: torch.dtype, quant: QuantConfig | None) -> None:
+    def __init__(
+        self, args: LlamaArgs, layer_idx: int, dtype: torch.dtype, quant: QuantConfig | None
+    ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         q_size, kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
@@ -267,7 +312,7 @@ class Attention(nn.Module):
             return apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin), v
         if self.rotary_dim < self.head_dim:  # partial RoPE: the leading dims turn, the rest pass (HF's order)
             r = self.rotary_dim
-            qk = heads[:, :self.num_heads + self.num_kv_heads]
+            qk = heads[:, : self.num_heads + self.num_kv_heads]
             qk = torch.cat((apply_rope(qk[..., :r], cos, sin), qk[..., r:]), dim=-1)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             return q, k, v
@@ -276,18 +321,34 @@ class Attention(nn.Module):
         if kernel is not None and kernel.runs(heads, cos):
             kernel(heads, self.num_heads + self.num_kv_heads, cos, sin)  # in place, what apply_rope gives
             return heads.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
-        q, k = apply_rope(heads[:, :self.num_heads + self.num_kv_heads], cos, sin).split(
-            [self.num_heads, self.num_kv_heads], dim=1)
+        q, k = apply_rope(heads[:, : self.num_heads + self.num_kv_heads], cos, sin).split(
+            [self.num_heads, self.num_kv_heads], dim=1
+        )
         return q, k, v
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StepAttention) -> torch.Tensor:
-        return meta.attend(q, k, v, self.k_cache, self.v_cache, self.scale, self.sliding_window is not None,
-                           softcap=self.softcap)
+        return meta.attend(
+            q,
+            k,
+            v,
+            self.k_cache,
+            self.v_cache,
+            self.scale,
+            self.sliding_window is not None,
+            softcap=self.softcap,
+        )
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype,
-                 quant: QuantConfig | None, gelu: bool = False) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool,
+        dtype: torch.dtype,
+        quant: QuantConfig | None,
+        gelu: bool = False,
+    ) -> None:
         super().__init__()
         self.gate_up_proj = linear(hidden_size, 2 * intermediate_size, bias, dtype, quant)
         self.down_proj = linear(intermediate_size, hidden_size, bias, dtype, quant)
@@ -327,7 +388,8 @@ class SparseMoE(nn.Module):
         self.moe = moe
         self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False, dtype=dtype)  # never quantized
         self.experts: nn.ModuleList | None = nn.ModuleList(
-            MLP(hidden_size, moe.intermediate_size, False, dtype, quant) for _ in range(moe.num_experts))
+            MLP(hidden_size, moe.intermediate_size, False, dtype, quant) for _ in range(moe.num_experts)
+        )
         self.register_buffer("w13", None)  # [E, 2 I, H]: each expert's gate_up rows, once stacked
         self.register_buffer("w2", None)  # [E, H, I]
         self.row_bucket: Callable[[int], int] | None = None
@@ -365,8 +427,9 @@ class SparseMoE(nn.Module):
             padded = [self.row_bucket(n) if n else 0 for n in counts]
             padded_starts = [0, *itertools.accumulate(padded)][:-1]
             shift = torch.tensor([p - s for p, s in zip(padded_starts, starts, strict=True)], device=x.device)
-            experts = torch.repeat_interleave(torch.arange(len(counts), device=x.device),
-                                              torch.tensor(counts, device=x.device))
+            experts = torch.repeat_interleave(
+                torch.arange(len(counts), device=x.device), torch.tensor(counts, device=x.device)
+            )
             back = torch.arange(len(tokens), device=x.device) + shift[experts]  # each pair's padded row
             rows = torch.zeros(sum(padded), dtype=tokens.dtype, device=x.device).index_copy_(0, back, tokens)
             spans = list(zip(padded_starts, padded, strict=True))
@@ -379,12 +442,12 @@ class SparseMoE(nn.Module):
         gate_up = hidden.new_empty(hidden.shape[0], self.w13.shape[1])
         for w, (start, n) in zip(self.w13, spans, strict=True):
             if n:
-                torch.mm(hidden[start:start + n], w.t(), out=gate_up[start:start + n])
+                torch.mm(hidden[start : start + n], w.t(), out=gate_up[start : start + n])
         act = silu_mul(gate_up)
         y = hidden.new_empty(hidden.shape[0], self.w2.shape[1])
         for w, (start, n) in zip(self.w2, spans, strict=True):
             if n:
-                torch.mm(act[start:start + n], w.t(), out=y[start:start + n])
+                torch.mm(act[start : start + n], w.t(), out=y[start : start + n])
         return y if back is None else y[back]
 
     def _per_module(self, x: torch.Tensor, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -392,7 +455,7 @@ class SparseMoE(nn.Module):
         outputs, start = [], 0
         for expert, n in zip(self.experts, counts, strict=True):
             if n:
-                hidden = x[tokens[start:start + n]]
+                hidden = x[tokens[start : start + n]]
                 if self.row_bucket is not None:
                     hidden = _pad_rows(hidden, self.row_bucket(n))
                 outputs.append(expert(hidden)[:n])
@@ -445,8 +508,14 @@ class DecoderLayer(nn.Module):
     """`reduce`: sums a row-parallel layer's partial outputs over the tensor-parallel ranks (identity
     on one rank)."""
 
-    def __init__(self, args: LlamaArgs, layer_idx: int, dtype: torch.dtype, quant: QuantConfig | None,
-                 reduce: Callable[[torch.Tensor], torch.Tensor] = _no_reduce) -> None:
+    def __init__(
+        self,
+        args: LlamaArgs,
+        layer_idx: int,
+        dtype: torch.dtype,
+        quant: QuantConfig | None,
+        reduce: Callable[[torch.Tensor], torch.Tensor] = _no_reduce,
+    ) -> None:
         super().__init__()
         self.reduce = reduce
         norm_dtype = args.norm_dtype(dtype)
@@ -460,11 +529,13 @@ class DecoderLayer(nn.Module):
         if args.moe and args.moe.layers[layer_idx]:
             self.mlp: MLP | SparseMoE = SparseMoE(args.hidden_size, args.moe, dtype, quant)
         else:
-            self.mlp = MLP(args.hidden_size, args.intermediate_size, args.mlp_bias, dtype, quant,
-                           gelu=args.gemma)
+            self.mlp = MLP(
+                args.hidden_size, args.intermediate_size, args.mlp_bias, dtype, quant, gelu=args.gemma
+            )
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: StepAttention,
-                num_tokens: int) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: StepAttention, num_tokens: int
+    ) -> torch.Tensor:
         """x [rows, hidden]: the step's num_tokens tokens, then padding rows (see row_bucket) that the
         dense halves carry along and attention never sees."""
         q, k, v = self.before_attention(x, cos, sin)
@@ -472,7 +543,9 @@ class DecoderLayer(nn.Module):
         return self.after_attention(x, _pad_rows(attn, x.shape[0]))
 
     # the two dense halves of a layer around the paged attention: what --compile compiles
-    def before_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def before_attention(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         return self.self_attn.project(self.input_layernorm(x), cos, sin)
 
     def after_attention(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
@@ -495,24 +568,39 @@ class LlamaForCausalLM(nn.Module):
     `compute_logits` runs the LM head only on the rows that are sampled. With `quant`, the decoder
     layers' linear weights are int8 (engine/executor/layers/quantization.py)."""
 
-    def __init__(self, config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
-                 quant: QuantConfig | None = None, tp: TPGroup | None = None) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        quant: QuantConfig | None = None,
+        tp: TPGroup | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         self.quant = quant
         self.tp = tp
-        self.args = args = LlamaArgs.from_hf(config) if tp is None else LlamaArgs.from_hf(config).shard(tp.size)
+        self.args = args = (
+            LlamaArgs.from_hf(config) if tp is None else LlamaArgs.from_hf(config).shard(tp.size)
+        )
         reduce = _no_reduce if tp is None else tp.all_reduce
         with torch.device("meta"):  # every parameter comes from the checkpoint: no random init
             self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype)
-            self.layers = nn.ModuleList(DecoderLayer(args, i, dtype, quant, reduce) for i in range(args.num_layers))
+            self.layers = nn.ModuleList(
+                DecoderLayer(args, i, dtype, quant, reduce) for i in range(args.num_layers)
+            )
             self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.norm_dtype(dtype))
-            self.lm_head = None if args.tie_word_embeddings else nn.Linear(
-                args.hidden_size, args.vocab_size, bias=False, dtype=dtype)
+            self.lm_head = (
+                None
+                if args.tie_word_embeddings
+                else nn.Linear(args.hidden_size, args.vocab_size, bias=False, dtype=dtype)
+            )
         self.to_empty(device=device).requires_grad_(False)
         self.layer_ropes = rope_kinds(config)  # each layer's key into ropes
-        self.ropes = {kind: rope_frequencies(config, args.rotary_dim, device, kind)
-                      for kind in dict.fromkeys(self.layer_ropes)}  # kind -> (inv_freq, cos/sin scale)
+        self.ropes = {
+            kind: rope_frequencies(config, args.rotary_dim, device, kind)
+            for kind in dict.fromkeys(self.layer_ropes)
+        }  # kind -> (inv_freq, cos/sin scale)
         self.row_bucket = None
 
     @property
@@ -557,8 +645,12 @@ class LlamaForCausalLM(nn.Module):
             layer.compile_dense()
         a = self.args
         for num_tokens in (2, 1):
-            x = torch.zeros(num_tokens, a.hidden_size, dtype=self.embed_tokens.weight.dtype,
-                            device=self.norm.weight.device)
+            x = torch.zeros(
+                num_tokens,
+                a.hidden_size,
+                dtype=self.embed_tokens.weight.dtype,
+                device=self.norm.weight.device,
+            )
             cos_sin = torch.ones(num_tokens, 1, a.rotary_dim // 2, dtype=x.dtype, device=x.device)
             attn = torch.zeros(num_tokens, a.num_heads, a.head_dim, dtype=x.dtype, device=x.device)
             for layer in self.layers:
@@ -611,27 +703,46 @@ class LlamaForCausalLM(nn.Module):
             shapes["lm_head.weight"] = (a.vocab_size, h)
         family = self.config.model_type
         for i in range(a.num_layers):
-            layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
-                     "self_attn.q_proj.weight": (a.num_heads * d, h), "self_attn.k_proj.weight": (a.num_kv_heads * d, h),
-                     "self_attn.v_proj.weight": (a.num_kv_heads * d, h),
-                     "self_attn.o_proj.weight": (h, a.num_heads * d)}
+            layer = {
+                "input_layernorm.weight": (h,),
+                "post_attention_layernorm.weight": (h,),
+                "self_attn.q_proj.weight": (a.num_heads * d, h),
+                "self_attn.k_proj.weight": (a.num_kv_heads * d, h),
+                "self_attn.v_proj.weight": (a.num_kv_heads * d, h),
+                "self_attn.o_proj.weight": (h, a.num_heads * d),
+            }
             if a.moe is not None and a.moe.layers[i]:
                 e_inter = a.moe.intermediate_size
                 expert = {"gate_proj": (e_inter, h), "up_proj": (e_inter, h), "down_proj": (h, e_inter)}
                 layer["mlp.gate.weight"] = (a.moe.num_experts, h)
-                layer |= {f"mlp.experts.{e}.{p}.weight": shape for e in range(a.moe.num_experts)
-                          for p, shape in expert.items()}
+                layer |= {
+                    f"mlp.experts.{e}.{p}.weight": shape
+                    for e in range(a.moe.num_experts)
+                    for p, shape in expert.items()
+                }
             else:
-                layer |= {"mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h),
-                          "mlp.down_proj.weight": (h, inter)}
+                layer |= {
+                    "mlp.gate_proj.weight": (inter, h),
+                    "mlp.up_proj.weight": (inter, h),
+                    "mlp.down_proj.weight": (h, inter),
+                }
             if a.qkv_bias:
-                layer |= {f"self_attn.{p}_proj.bias": (rows[0],) for p, rows in
-                          (("q", layer["self_attn.q_proj.weight"]), ("k", layer["self_attn.k_proj.weight"]),
-                           ("v", layer["self_attn.v_proj.weight"]))}
+                layer |= {
+                    f"self_attn.{p}_proj.bias": (rows[0],)
+                    for p, rows in (
+                        ("q", layer["self_attn.q_proj.weight"]),
+                        ("k", layer["self_attn.k_proj.weight"]),
+                        ("v", layer["self_attn.v_proj.weight"]),
+                    )
+                }
             if a.o_bias:
                 layer["self_attn.o_proj.bias"] = (h,)
             if a.mlp_bias:
-                layer |= {"mlp.gate_proj.bias": (inter,), "mlp.up_proj.bias": (inter,), "mlp.down_proj.bias": (h,)}
+                layer |= {
+                    "mlp.gate_proj.bias": (inter,),
+                    "mlp.up_proj.bias": (inter,),
+                    "mlp.down_proj.bias": (h,),
+                }
             if a.qk_norm:
                 layer |= {"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)}
             if a.gemma:
@@ -645,7 +756,9 @@ class LlamaForCausalLM(nn.Module):
 
     def skips(self, hf_name: str) -> bool:
         """A checkpoint tensor that is not loaded: recomputed (RoPE's inv_freq) or tied to the embedding."""
-        return hf_name.endswith("rotary_emb.inv_freq") or (hf_name == "lm_head.weight" and self.lm_head is None)
+        return hf_name.endswith("rotary_emb.inv_freq") or (
+            hf_name == "lm_head.weight" and self.lm_head is None
+        )
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -654,7 +767,9 @@ class LlamaForCausalLM(nn.Module):
         Unknown names, wrong shapes and missing weights raise, naming the tensor."""
         params = dict(self.named_parameters())
         missing = {(name, part) for name, p in params.items() for part in range(self._num_parts(name))}
-        packed: dict[tuple[str, int], dict[str, torch.Tensor]] = {}  # an AWQ / GPTQ layer's tensors as they come
+        packed: dict[
+            tuple[str, int], dict[str, torch.Tensor]
+        ] = {}  # an AWQ / GPTQ layer's tensors as they come
         for hf_name, tensor in self._split_fused(weights):
             if self.skips(hf_name):
                 continue
@@ -692,12 +807,15 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(layer.mlp, SparseMoE):
                 layer.mlp.stack_experts()
 
-    def _rows(self, params: dict[str, torch.Tensor], name: str, part: int, shape: torch.Size,
-              hf_name: str) -> torch.Tensor:
+    def _rows(
+        self, params: dict[str, torch.Tensor], name: str, part: int, shape: torch.Size, hf_name: str
+    ) -> torch.Tensor:
         """The rows of params[name] that part `part` fills, checked to have `shape`."""
         target = self._part_rows(params[name], name, part)
         if target.shape != shape:
-            raise ValueError(f"checkpoint tensor {hf_name}: shape {tuple(shape)}, expected {tuple(target.shape)}")
+            raise ValueError(
+                f"checkpoint tensor {hf_name}: shape {tuple(shape)}, expected {tuple(target.shape)}"
+            )
         return target
 
     def _shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -726,14 +844,17 @@ class LlamaForCausalLM(nn.Module):
                 yield hf_name, tensor
                 continue
             if leaf not in ("weight", "bias"):
-                raise ValueError(f"checkpoint tensor {hf_name}: a quantized fused projection is not "
-                                 "supported; quantize the float checkpoint at load (--quantization int8)")
+                raise ValueError(
+                    f"checkpoint tensor {hf_name}: a quantized fused projection is not "
+                    "supported; quantize the float checkpoint at load (--quantization int8)"
+                )
             parts = FUSED_IN_CHECKPOINT[module]
             sizes = self._part_sizes(f"{module}.", whole=True)
             if tensor.shape[0] != sum(sizes):
-                raise ValueError(f"checkpoint tensor {hf_name}: shape {tuple(tensor.shape)}, expected "
-                                 f"{sum(sizes)} rows")
-            prefix = hf_name[:-len(f"{module}.{leaf}")]
+                raise ValueError(
+                    f"checkpoint tensor {hf_name}: shape {tuple(tensor.shape)}, expected {sum(sizes)} rows"
+                )
+            prefix = hf_name[: -len(f"{module}.{leaf}")]
             for part, rows in zip(parts, tensor.split(sizes), strict=True):
                 yield f"{prefix}{part}.{leaf}", rows
 

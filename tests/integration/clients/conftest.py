@@ -3,4 +3,6 @@ tests/conftest.py (`start`, `sdk`) over real tiny engines, served to them by URL
 
 import os
 
-os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm fetches its price list at import otherwise
+os.environ.setdefault(
+    "LITELLM_LOCAL_MODEL_COST_MAP", "True"
+)  # litellm fetches its price list at import otherwise

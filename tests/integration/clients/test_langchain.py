@@ -13,8 +13,13 @@ class Verdict(BaseModel):
 
 async def chat(start, **options) -> ChatOpenAI:
     h = await start(api_keys=("k",))
-    return ChatOpenAI(base_url=str(h.client.make_url("/v1")), api_key="k", model="primary", max_retries=0,
-                      **{"max_tokens": 8, "temperature": 0.0, **options})
+    return ChatOpenAI(
+        base_url=str(h.client.make_url("/v1")),
+        api_key="k",
+        model="primary",
+        max_retries=0,
+        **{"max_tokens": 8, "temperature": 0.0, **options},
+    )
 
 
 async def test_invoke_stream_and_batch(start):
@@ -46,7 +51,9 @@ class RunTests(BaseModel):
 async def test_bind_tools_with_a_named_tool_returns_its_call(start):
     llm = await chat(start, max_tokens=48)
     # strict: LangChain closes the schema (additionalProperties false), as OpenAI's strict mode asks
-    message = await llm.bind_tools([RunTests], tool_choice="RunTests", strict=True).ainvoke("Run the engine tests")
+    message = await llm.bind_tools([RunTests], tool_choice="RunTests", strict=True).ainvoke(
+        "Run the engine tests"
+    )
     (call,) = message.tool_calls
     assert call["name"] == "RunTests" and RunTests(**call["args"]), message
     assert message.response_metadata["finish_reason"] == "tool_calls"

@@ -24,7 +24,9 @@ def test_a_text_prompt_gets_the_bos_and_the_tokens_hf_generate_gives(bos_model, 
     ids = tokenizer(TEXT, return_tensors="pt").input_ids
     assert ids[0, 0].item() == BOS_ID
     model = AutoModelForCausalLM.from_pretrained(bos_model, dtype=torch.float32)
-    expected = model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, ids.shape[1]:].tolist()
+    expected = model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)[
+        0, ids.shape[1] :
+    ].tolist()
     (output,) = llm.generate(TEXT, GREEDY, use_tqdm=False)
     assert output.prompt_token_ids == ids[0].tolist() and output.prompt == TEXT
     assert output.outputs[0].token_ids == expected
@@ -52,19 +54,30 @@ def sentencepiece_model(tmp_path_factory) -> str:
 
     from benchmarks.make_model import make_random_model
 
-    path = make_random_model("tiny-llama", tmp_path_factory.mktemp("sp") / "tiny-llama-sp", seed=1, vocab_size=500,
-                             eos_token_id=2)
+    path = make_random_model(
+        "tiny-llama", tmp_path_factory.mktemp("sp") / "tiny-llama-sp", seed=1, vocab_size=500, eos_token_id=2
+    )
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
         (path / name).unlink(missing_ok=True)
     corpus = path.parent / "corpus.txt"
     corpus.write_text(inspect.getsource(os))
-    sentencepiece.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(path / "tokenizer"), vocab_size=500,
-                                             model_type="bpe", unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
-                                             byte_fallback=True, minloglevel=2)
+    sentencepiece.SentencePieceTrainer.train(
+        input=str(corpus),
+        model_prefix=str(path / "tokenizer"),
+        vocab_size=500,
+        model_type="bpe",
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        byte_fallback=True,
+        minloglevel=2,
+    )
     (path / "tokenizer.vocab").unlink()
     (path / "tokenizer_config.json").write_text(
         '{"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", '
-        '"add_bos_token": true}')
+        '"add_bos_token": true}'
+    )
     return str(path)
 
 
@@ -73,8 +86,12 @@ def test_a_sentencepiece_only_tokenizer_loads_and_encodes_as_hf(sentencepiece_mo
     ids = tokenizer(TEXT, return_tensors="pt").input_ids
     assert ids[0, 0].item() == 1  # <s>
     model = AutoModelForCausalLM.from_pretrained(sentencepiece_model, dtype=torch.float32)
-    expected = model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, ids.shape[1]:].tolist()
-    (output,) = LLM(sentencepiece_model, dtype="float32", max_model_len=128).generate(TEXT, GREEDY, use_tqdm=False)
+    expected = model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)[
+        0, ids.shape[1] :
+    ].tolist()
+    (output,) = LLM(sentencepiece_model, dtype="float32", max_model_len=128).generate(
+        TEXT, GREEDY, use_tqdm=False
+    )
     assert output.prompt_token_ids == ids[0].tolist()
     assert output.outputs[0].token_ids == expected
     assert output.outputs[0].text == tokenizer.decode(expected)

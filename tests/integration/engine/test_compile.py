@@ -3,7 +3,6 @@ inductor's artifacts in TORCHINDUCTOR_CACHE_DIR; the engine then gives the eager
 (on the shipped tiny model, whose trained logits are not the near-ties of a random model, so a
 reordered float sum cannot flip them) and a second engine compiles from that cache."""
 
-
 from engine import LLM, SamplingParams
 from tests.harness import SHIPPED_TINY
 
@@ -40,7 +39,11 @@ def test_moe_layers_run_eager_inside_compiled_layers(random_model, tmp_path, mon
     path = random_model("tiny-qwen3-moe")
     prompt = list(range(10, 70))
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-    eager, compiled = (LLM(path, dtype="float32", max_model_len=128, compile=c).generate(
-        [{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].prompt_logprobs for c in (False, True))
+    eager, compiled = (
+        LLM(path, dtype="float32", max_model_len=128, compile=c)
+        .generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+        .prompt_logprobs
+        for c in (False, True)
+    )
     for i in range(1, len(prompt)):
         assert abs(eager[i][prompt[i]] - compiled[i][prompt[i]]) < 1e-4

@@ -59,8 +59,9 @@ def test_bad_config_and_remote_code(model_dir):
     _fails_fast(model_dir, "config.json is not valid JSON")
 
 
-@pytest.mark.parametrize("name", ["chat_template.jinja", "tokenizer_config.json", "special_tokens_map.json",
-                                  "sub/vocab.txt"])
+@pytest.mark.parametrize(
+    "name", ["chat_template.jinja", "tokenizer_config.json", "special_tokens_map.json", "sub/vocab.txt"]
+)
 def test_a_file_linked_out_of_the_model_directory_is_refused(model_dir, tmp_path, name):
     """transformers opens whatever tokenizer files it finds: a link to a file outside would let any API
     user read it (/tokenize renders the chat template)."""
@@ -71,7 +72,9 @@ def test_a_file_linked_out_of_the_model_directory_is_refused(model_dir, tmp_path
     link.unlink(missing_ok=True)
     link.symlink_to(secret)
     _fails_fast(model_dir, f"{name} links outside .*refused")
-    assert validate_model_dir(model_dir, files_root=tmp_path).path == model_dir.resolve()  # inside the root given
+    assert (
+        validate_model_dir(model_dir, files_root=tmp_path).path == model_dir.resolve()
+    )  # inside the root given
 
 
 def test_links_inside_the_directory_or_its_root_are_followed(model_dir, tmp_path):
@@ -93,7 +96,9 @@ def _shard(model_dir) -> dict:
     (model_dir / "model.safetensors").rename(model_dir / shard)
     with safe_open(model_dir / shard, "pt") as f:
         weight_map = dict.fromkeys(f.keys(), shard)
-    (model_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (model_dir / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
     return weight_map
 
 
@@ -105,7 +110,9 @@ def test_an_index_chooses_the_weight_files_and_strays_are_left_out_with_a_warnin
     (model_dir / "model.safetensors").write_bytes(b"stale")
     files = validate_model_dir(model_dir)
     assert [p.name for p in files.weight_files] == ["model-00001-of-00001.safetensors"]
-    assert "['consolidated.safetensors', 'model.safetensors'] not in model.safetensors.index.json" in caplog.text
+    assert (
+        "['consolidated.safetensors', 'model.safetensors'] not in model.safetensors.index.json" in caplog.text
+    )
 
 
 def test_an_index_naming_a_missing_or_foreign_file_is_refused(model_dir):
@@ -127,10 +134,13 @@ def test_a_sharded_repo_serves_the_same_tokens(model_dir, random_model):
     from engine import LLM, SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    whole = LLM(random_model("tiny-llama"), dtype="float32", max_model_len=64).generate([[5, 6, 7]], params,
-                                                                                        use_tqdm=False)
+    whole = LLM(random_model("tiny-llama"), dtype="float32", max_model_len=64).generate(
+        [[5, 6, 7]], params, use_tqdm=False
+    )
     _shard(model_dir)
-    sharded = LLM(str(model_dir), dtype="float32", max_model_len=64).generate([[5, 6, 7]], params, use_tqdm=False)
+    sharded = LLM(str(model_dir), dtype="float32", max_model_len=64).generate(
+        [[5, 6, 7]], params, use_tqdm=False
+    )
     assert sharded[0].outputs[0].token_ids == whole[0].outputs[0].token_ids
 
 
@@ -140,8 +150,15 @@ def test_max_model_len_follows_yarn_and_above_the_model_is_an_error(random_model
     from engine import LLM
     from engine.executor.loader import supported_max_len
 
-    yarn = LlamaConfig(max_position_embeddings=1024, rope_parameters={
-        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "rope_theta": 10000.0})
+    yarn = LlamaConfig(
+        max_position_embeddings=1024,
+        rope_parameters={
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 1024,
+            "rope_theta": 10000.0,
+        },
+    )
     assert supported_max_len(yarn) == 4096
     assert supported_max_len(LlamaConfig(max_position_embeddings=1024)) == 1024
     with pytest.raises(ValueError, match="max_model_len 4096 is above what the model supports \\(1024"):
@@ -154,25 +171,52 @@ def test_the_loader_refuses_what_no_forward_serves_and_knows_every_forward(model
 
     assert set(MODEL_CLASSES) == set(OWN_ARCHITECTURES)
     config = json.loads((model_dir / "config.json").read_text())
-    (model_dir / "config.json").write_text(json.dumps({**config, "architectures": ["Gemma3ForConditionalGeneration"]}))
-    _fails_fast(model_dir, "architecture Gemma3ForConditionalGeneration is not supported: neither an own forward")
-    (model_dir / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3NextForCausalLM"],
-                                                       "layer_types": ["linear_attention", "full_attention"]}))
+    (model_dir / "config.json").write_text(
+        json.dumps({**config, "architectures": ["Gemma3ForConditionalGeneration"]})
+    )
+    _fails_fast(
+        model_dir, "architecture Gemma3ForConditionalGeneration is not supported: neither an own forward"
+    )
+    (model_dir / "config.json").write_text(
+        json.dumps(
+            {
+                **config,
+                "architectures": ["Qwen3NextForCausalLM"],
+                "layer_types": ["linear_attention", "full_attention"],
+            }
+        )
+    )
     _fails_fast(model_dir, "has linear_attention layers, whose state a paged KV cache does not hold")
     (model_dir / "config.json").write_text(json.dumps({**config, "architectures": ["GPTNeoXForCausalLM"]}))
     assert validate_model_dir(model_dir).architecture == "GPTNeoXForCausalLM"  # the generic backend's
-    (model_dir / "config.json").write_text(json.dumps({**config, "rope_parameters": {"rope_type": "longrope"}}))
+    (model_dir / "config.json").write_text(
+        json.dumps({**config, "rope_parameters": {"rope_type": "longrope"}})
+    )
     _fails_fast(model_dir, "rope_type 'longrope' is not supported")
 
 
-@pytest.mark.parametrize(("edit", "message"), [
-    (lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"), "lacks model.layers.1.self_attn.k_proj.weight$"),
-    (lambda t: t.update({"model.layers.0.mlp.up_proj.weight": t["model.layers.0.mlp.up_proj.weight"][:64]}),
-     r"misshapen model.layers.0.mlp.up_proj.weight \(64, 64\) \(expected \(128, 64\)\)"),
-    (lambda t: t.update({"model.layers.0.mlp.extra.weight": t["model.norm.weight"].clone()}),
-     "has tensors no layer takes: model.layers.0.mlp.extra.weight"),
-])
-def test_a_checkpoint_that_does_not_fit_fails_before_any_weight_is_read(model_dir, monkeypatch, edit, message):
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"),
+            "lacks model.layers.1.self_attn.k_proj.weight$",
+        ),
+        (
+            lambda t: t.update(
+                {"model.layers.0.mlp.up_proj.weight": t["model.layers.0.mlp.up_proj.weight"][:64]}
+            ),
+            r"misshapen model.layers.0.mlp.up_proj.weight \(64, 64\) \(expected \(128, 64\)\)",
+        ),
+        (
+            lambda t: t.update({"model.layers.0.mlp.extra.weight": t["model.norm.weight"].clone()}),
+            "has tensors no layer takes: model.layers.0.mlp.extra.weight",
+        ),
+    ],
+)
+def test_a_checkpoint_that_does_not_fit_fails_before_any_weight_is_read(
+    model_dir, monkeypatch, edit, message
+):
     """Found from the safetensors headers, named as the checkpoint names it (k_proj, not our fused qkv)."""
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -182,19 +226,29 @@ def test_a_checkpoint_that_does_not_fit_fails_before_any_weight_is_read(model_di
     with safe_open(model_dir / "model.safetensors", "pt") as f:
         tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is no dict)
     edit(tensors)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, model_dir / "model.safetensors", metadata={"format": "pt"})
-    monkeypatch.setattr("engine.executor.models._read_safetensors", lambda *a: pytest.fail("a weight was read"))
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()},
+        model_dir / "model.safetensors",
+        metadata={"format": "pt"},
+    )
+    monkeypatch.setattr(
+        "engine.executor.models._read_safetensors", lambda *a: pytest.fail("a weight was read")
+    )
     with pytest.raises(ValueError, match=message):
         LLM(str(model_dir), dtype="float32", max_model_len=64)
 
 
-@pytest.mark.parametrize(("preset", "name"), [
-    ("tiny-phi3", "model.layers.1.self_attn.qkv_proj.weight"),  # fused in the checkpoint
-    ("tiny-mixtral", "model.layers.0.block_sparse_moe.experts.3.w3.weight"),
-    ("tiny-qwen3-moe", "model.layers.1.mlp.gate.weight"),
-])
-def test_own_forwards_name_a_missing_tensor_as_their_checkpoint_does(random_model, tmp_path, monkeypatch, preset,
-                                                                      name):
+@pytest.mark.parametrize(
+    ("preset", "name"),
+    [
+        ("tiny-phi3", "model.layers.1.self_attn.qkv_proj.weight"),  # fused in the checkpoint
+        ("tiny-mixtral", "model.layers.0.block_sparse_moe.experts.3.w3.weight"),
+        ("tiny-qwen3-moe", "model.layers.1.mlp.gate.weight"),
+    ],
+)
+def test_own_forwards_name_a_missing_tensor_as_their_checkpoint_does(
+    random_model, tmp_path, monkeypatch, preset, name
+):
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -206,6 +260,8 @@ def test_own_forwards_name_a_missing_tensor_as_their_checkpoint_does(random_mode
         assert name in f.keys()  # noqa: SIM118 (safe_open is no dict)
         tensors = {n: f.get_tensor(n) for n in f.keys() if n != name}  # noqa: SIM118
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    monkeypatch.setattr("engine.executor.models._read_safetensors", lambda *a: pytest.fail("a weight was read"))
+    monkeypatch.setattr(
+        "engine.executor.models._read_safetensors", lambda *a: pytest.fail("a weight was read")
+    )
     with pytest.raises(ValueError, match=f"lacks {name}$"):
         LLM(str(path), dtype="float32", max_model_len=64)

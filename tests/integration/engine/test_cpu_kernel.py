@@ -12,8 +12,10 @@ import torch
 from engine import LLM
 from engine.kernels import cpu as cpu_kernel
 
-pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
-                                reason="no C compiler: the engine runs its pure-torch path")
+pytestmark = pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None,
+    reason="no C compiler: the engine runs its pure-torch path",
+)
 
 
 def _reference(q, k_cache, v_cache, tables, lens, block_size, scale):
@@ -23,7 +25,9 @@ def _reference(q, k_cache, v_cache, tables, lens, block_size, scale):
     out = torch.empty_like(q, dtype=torch.float64)
     for s in range(num_seqs):
         n = int(lens[s])
-        slots = torch.tensor([int(tables[s, p // block_size]) * block_size + p % block_size for p in range(n)])
+        slots = torch.tensor(
+            [int(tables[s, p // block_size]) * block_size + p % block_size for p in range(n)]
+        )
         for h in range(num_heads):
             k = k_cache[h // groups, slots].double()
             v = v_cache[h // groups, slots].double()
@@ -32,8 +36,10 @@ def _reference(q, k_cache, v_cache, tables, lens, block_size, scale):
     return out
 
 
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"),
-                         [(9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 16, 1), (6, 2, 64, 32)])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size"),
+    [(9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 16, 1), (6, 2, 64, 32)],
+)
 @pytest.mark.parametrize("num_threads", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_matches_reference(num_heads, num_kv_heads, head_dim, block_size, num_threads, dtype):
@@ -57,22 +63,29 @@ def test_kernel_matches_reference(num_heads, num_kv_heads, head_dim, block_size,
     got = kernel(q, k_cache, v_cache, tables, lens, block_size, scale)
     assert got.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 2**-8  # bfloat16 output: 8 bits of mantissa
-    torch.testing.assert_close(got.double(), _reference(q, k_cache, v_cache, tables, lens, block_size, scale),
-                               rtol=tol, atol=tol)
+    torch.testing.assert_close(
+        got.double(), _reference(q, k_cache, v_cache, tables, lens, block_size, scale), rtol=tol, atol=tol
+    )
 
 
 def test_the_build_has_the_paths_this_cpu_can_run():
     """The AVX-512 kernel (and its AVX512-BF16 scores) is built where the CPU has it, so the test above ran
     it (its head_dims are multiples of 32 but one); elsewhere only the portable one is."""
     flags = set(cpu_kernel._cpu_flags().split())
-    expected = ({"avx512f", "avx512bw"} <= flags) | (2 if {"avx512f", "avx512bw", "avx512_bf16"} <= flags else 0)
+    expected = ({"avx512f", "avx512bw"} <= flags) | (
+        2 if {"avx512f", "avx512bw", "avx512_bf16"} <= flags else 0
+    )
     assert cpu_kernel.load(1).features == expected
 
 
 def test_engine_uses_kernel_on_cpu_fp32_and_bf16(random_model):
     for dtype in ("float32", "bfloat16"):
-        assert LLM(random_model("tiny-llama"), dtype=dtype, max_model_len=128).engine.model_runner.attention.decode_kernel \
+        assert (
+            LLM(
+                random_model("tiny-llama"), dtype=dtype, max_model_len=128
+            ).engine.model_runner.attention.decode_kernel
             is not None
+        )
     llm = LLM(random_model("tiny-llama"), dtype="float16", max_model_len=128)
     assert llm.engine.model_runner.attention.decode_kernel is None
 
@@ -85,8 +98,15 @@ def test_kernel_works_in_a_forked_child():
     """A child forked after the kernel's thread pool started gets a pool of its own (no hang)."""
     kernel = cpu_kernel.load(2)
     k_cache, v_cache = torch.randn(2, 64, 16), torch.randn(2, 64, 16)
-    args = (torch.randn(3, 4, 16), k_cache, v_cache, torch.tensor([[0, 1], [2, 3], [3, 0]]),
-            torch.tensor([20, 32, 5]), 16, 0.25)
+    args = (
+        torch.randn(3, 4, 16),
+        k_cache,
+        v_cache,
+        torch.tensor([[0, 1], [2, 3], [3, 0]]),
+        torch.tensor([20, 32, 5]),
+        16,
+        0.25,
+    )
     expected = kernel(*args)  # the pool has run work before the fork
     ctx = multiprocessing.get_context("fork")
     queue = ctx.Queue()
@@ -160,9 +180,10 @@ def test_the_kv_pool_memory_comes_in_huge_pages_where_the_kernel_allows():
     assert _anon_huge_kib(pool.data_ptr() + (32 << 20)) >= 2048  # at least one 2 MiB page
 
 
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("rows", "dim"), [(1, 64), (7, 576), (300, 96), (2048, 576)])  # the last split over threads
+@pytest.mark.parametrize(
+    ("rows", "dim"), [(1, 64), (7, 576), (300, 96), (2048, 576)]
+)  # the last split over threads
 @pytest.mark.parametrize("num_threads", [1, 2])
 def test_rms_norm_matches_torch(dtype, rows, dim, num_threads):
     kernel = cpu_kernel.rms_norm(num_threads)
@@ -195,12 +216,16 @@ def test_rms_norm_keeps_nan_and_inf():
     x = torch.tensor([[float("nan"), 1.0, 2.0, 3.0], [float("inf"), 1.0, 1.0, 1.0]]).to(torch.bfloat16)
     normed = kernel(x, torch.ones(4, dtype=torch.bfloat16), 1e-5)
     assert normed[0].isnan().all() and normed[1].isnan().any()  # as F.rms_norm: inf / inf
-    assert torch.equal(normed.isnan(), torch.nn.functional.rms_norm(x, (4,), torch.ones(4, dtype=torch.bfloat16),
-                                                                      1e-5).isnan())
+    assert torch.equal(
+        normed.isnan(),
+        torch.nn.functional.rms_norm(x, (4,), torch.ones(4, dtype=torch.bfloat16), 1e-5).isnan(),
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("tokens", "heads", "rotated", "head_dim"), [(1, 3, 2, 8), (37, 15, 12, 64), (2048, 15, 12, 64)])
+@pytest.mark.parametrize(
+    ("tokens", "heads", "rotated", "head_dim"), [(1, 3, 2, 8), (37, 15, 12, 64), (2048, 15, 12, 64)]
+)
 @pytest.mark.parametrize("num_threads", [1, 2])
 def test_rope_is_bit_for_bit_apply_rope(dtype, tokens, heads, rotated, head_dim, num_threads):
     from engine.executor.models.llama import apply_rope
@@ -230,7 +255,9 @@ def _silu_mul(x):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("rows", "n"), [(1, 8), (1, 1536), (37, 1000), (2048, 576)])  # the last split over threads
+@pytest.mark.parametrize(
+    ("rows", "n"), [(1, 8), (1, 1536), (37, 1000), (2048, 576)]
+)  # the last split over threads
 @pytest.mark.parametrize("num_threads", [1, 2])
 def test_silu_mul_matches_torch(dtype, rows, n, num_threads):
     torch.manual_seed(rows)

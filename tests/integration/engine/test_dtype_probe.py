@@ -18,9 +18,13 @@ def fresh_probe():
 def test_dtype_auto_on_cpu_serves_in_what_the_probe_chose(random_model):
     from engine import AsyncEngine, EngineConfig
 
-    engine = AsyncEngine(EngineConfig(model=random_model("tiny-llama"), dtype="auto", device="cpu", block_size=8))
+    engine = AsyncEngine(
+        EngineConfig(model=random_model("tiny-llama"), dtype="auto", device="cpu", block_size=8)
+    )
     probe = engine.dtype_probe
     assert probe is not None and engine.dtype == probe.chosen
     assert engine.engine.model_runner.dtype == getattr(torch, probe.chosen)
-    pinned = AsyncEngine(EngineConfig(model=random_model("tiny-llama"), dtype="float32", device="cpu", block_size=8))
+    pinned = AsyncEngine(
+        EngineConfig(model=random_model("tiny-llama"), dtype="float32", device="cpu", block_size=8)
+    )
     assert (pinned.dtype, pinned.dtype_probe) == ("float32", None)

@@ -23,8 +23,16 @@ LONG = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def engine(random_model):
-    return LLMEngine(EngineConfig(model=random_model("tiny-llama"), dtype="float32", block_size=4,
-                                  max_num_batched_tokens=8, max_model_len=256, max_num_waiting=4))
+    return LLMEngine(
+        EngineConfig(
+            model=random_model("tiny-llama"),
+            dtype="float32",
+            block_size=4,
+            max_num_batched_tokens=8,
+            max_model_len=256,
+            max_num_waiting=4,
+        )
+    )
 
 
 def _all_free(engine: LLMEngine) -> bool:
@@ -61,8 +69,15 @@ def test_requests_that_can_never_fit_are_rejected_with_numbers(engine):
 def test_a_pool_smaller_than_one_full_sequence_is_refused(random_model):
     # 1 KiB per 4-token block here: 8 blocks hold 32 tokens, less than max_model_len 64
     with pytest.raises(ValueError, match="too few for one sequence of max_model_len 64"):
-        LLMEngine(EngineConfig(model=random_model("tiny-llama"), dtype="float32", block_size=4,
-                               max_model_len=64, kv_cache_memory=8 * 1024))
+        LLMEngine(
+            EngineConfig(
+                model=random_model("tiny-llama"),
+                dtype="float32",
+                block_size=4,
+                max_model_len=64,
+                kv_cache_memory=8 * 1024,
+            )
+        )
 
 
 def test_full_waiting_queue_is_an_overload(engine):
@@ -78,6 +93,7 @@ def test_full_waiting_queue_is_an_overload(engine):
 
 def test_stop_strings_n_and_seed(random_model):
     from engine import LLM
+
     llm = LLM(random_model("tiny-qwen2"), dtype="float32")
     params = SamplingParams(temperature=1.0, n=3, seed=11, max_tokens=12, logprobs=1)
     first = llm.generate(["def main():"], params)[0]
@@ -85,11 +101,15 @@ def test_stop_strings_n_and_seed(random_model):
     assert [o.token_ids for o in first.outputs] == [o.token_ids for o in again.outputs]
     assert [o.index for o in first.outputs] == [0, 1, 2]
     assert all(len(o.logprobs) == len(o.token_ids) for o in first.outputs)
-    whole = llm.generate(["x = "], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0]
+    whole = llm.generate(["x = "], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[
+        0
+    ]
     stop = whole.text[3:6]
-    cut = llm.generate(["x = "], SamplingParams(temperature=0, max_tokens=12, stop=[stop], ignore_eos=True))[0]
+    cut = llm.generate(["x = "], SamplingParams(temperature=0, max_tokens=12, stop=[stop], ignore_eos=True))[
+        0
+    ]
     assert cut.outputs[0].finish_reason == "stop" and cut.outputs[0].stop_reason == stop
-    assert cut.outputs[0].text == whole.text[:whole.text.index(stop)]
+    assert cut.outputs[0].text == whole.text[: whole.text.index(stop)]
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
 
@@ -112,14 +132,20 @@ def _folded(deltas: dict[str, list]) -> dict[str, list[tuple]]:
             merge_into(finals[out.request_id], out)
         else:
             finals[out.request_id] = copy.deepcopy(out)
-    return {r: [(o.index, o.text, o.token_ids, o.logprobs, o.finish_reason) for o in whole.outputs]
-            for r, whole in finals.items()}
+    return {
+        r: [(o.index, o.text, o.token_ids, o.logprobs, o.finish_reason) for o in whole.outputs]
+        for r, whole in finals.items()
+    }
 
 
 def test_a_stream_interval_sends_fewer_bigger_deltas_with_the_same_tokens(random_model):
     params = SamplingParams(temperature=1.0, n=2, seed=5, max_tokens=11, logprobs=1, stop=["\n\n"])
-    every, fourth = (LLMEngine(EngineConfig(model=random_model("tiny-qwen2"), dtype="float32", block_size=4,
-                                            stream_interval=k)) for k in (1, 4))
+    every, fourth = (
+        LLMEngine(
+            EngineConfig(model=random_model("tiny-qwen2"), dtype="float32", block_size=4, stream_interval=k)
+        )
+        for k in (1, 4)
+    )
     one_by_one, by_four = _deltas(every, params), _deltas(fourth, params)
     assert _folded(by_four) == _folded(one_by_one)
     for request_id, deltas in by_four.items():
@@ -127,9 +153,13 @@ def test_a_stream_interval_sends_fewer_bigger_deltas_with_the_same_tokens(random
         assert len(deltas) < len(one_by_one[request_id])
         started: set[int] = set()
         for delta in deltas[:-1]:  # each went out for a choice's first token, its end, or 4 tokens unsent
-            assert any(p.index not in started or p.finished or len(p.token_ids) >= 4 for p in delta.outputs), delta
+            assert any(
+                p.index not in started or p.finished or len(p.token_ids) >= 4 for p in delta.outputs
+            ), delta
             started.update(p.index for p in delta.outputs)
-        assert all(len(p.token_ids) <= 4 for d in deltas for p in d.outputs)  # and it goes out at 4, not later
+        assert all(
+            len(p.token_ids) <= 4 for d in deltas for p in d.outputs
+        )  # and it goes out at 4, not later
     bm = fourth.block_manager
     assert bm.num_free_blocks == bm.num_blocks and not fourth.requests
     with pytest.raises(ValueError, match="stream_interval"):
@@ -138,16 +168,21 @@ def test_a_stream_interval_sends_fewer_bigger_deltas_with_the_same_tokens(random
 
 def test_generate_takes_one_sampling_params_per_prompt_and_leaves_nothing_queued_on_a_bad_one(random_model):
     from engine import LLM
+
     llm = LLM(random_model("tiny-llama"), dtype="float32")
     short, longer = (SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 9))
     outs = llm.generate(["a", "b"], [short, longer])
     assert [len(o.outputs[0].token_ids) for o in outs] == [3, 9]
     with pytest.raises(ValueError, match="1 sampling_params for 2 prompts"):
         llm.generate(["a", "b"], [short])
-    with pytest.raises(ValueError, match="vocabulary"):  # the second prompt is refused after the first was queued
+    with pytest.raises(
+        ValueError, match="vocabulary"
+    ):  # the second prompt is refused after the first was queued
         llm.generate(["a", {"prompt_token_ids": [10**9]}], short)
     assert not llm.engine.requests or all(r.is_aborted for r in llm.engine.requests.values())
-    assert llm.generate(["c"], short)[0].outputs[0].finish_reason == "length"  # the aborted one never surfaces
+    assert (
+        llm.generate(["c"], short)[0].outputs[0].finish_reason == "length"
+    )  # the aborted one never surfaces
     assert not llm.engine.requests
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
@@ -175,8 +210,12 @@ async def _wait_idle(eng: AsyncEngine, timeout_s: float = 10.0) -> None:
 
 
 async def test_async_stream_and_abort_on_close(async_engine):
-    chunks = [d async for d in async_engine.generate("def f(", SamplingParams(temperature=0, max_tokens=5,
-                                                                                ignore_eos=True), "a")]
+    chunks = [
+        d
+        async for d in async_engine.generate(
+            "def f(", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), "a"
+        )
+    ]
     assert chunks[-1].finished and sum(len(c.outputs[0].token_ids) for c in chunks) == 5
     stream = async_engine.generate("def f(", LONG, "b")
     await anext(stream)
@@ -213,17 +252,29 @@ async def test_a_steps_outputs_wake_the_event_loop_once(async_engine):
 
 
 def _delta(*choices, finished=False, prompt_logprobs=None, intervals=()) -> RequestOutput:
-    return RequestOutput("r", None, [1, 2], [CompletionOutput(*c) for c in choices], finished=finished,
-                         prompt_logprobs=prompt_logprobs, token_intervals=list(intervals))
+    return RequestOutput(
+        "r",
+        None,
+        [1, 2],
+        [CompletionOutput(*c) for c in choices],
+        finished=finished,
+        prompt_logprobs=prompt_logprobs,
+        token_intervals=list(intervals),
+    )
 
 
 def test_merged_deltas_append_per_choice_and_keep_the_newer_finish():
-    first = _delta((0, "a", [5], None, None, [{5: -0.1}]), (1, "x", [7]), prompt_logprobs=[None, {2: -1.0}],
-                   intervals=[(0.1, 2)])
+    first = _delta(
+        (0, "a", [5], None, None, [{5: -0.1}]),
+        (1, "x", [7]),
+        prompt_logprobs=[None, {2: -1.0}],
+        intervals=[(0.1, 2)],
+    )
     then = _delta((0, "b", [6], "stop", "\n", [{6: -0.2}]), finished=True, intervals=[(0.2, 1)])
     merge_into(first, then)
-    assert [(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason, c.logprobs) for c in first.outputs] == [
-        (0, "ab", [5, 6], "stop", "\n", [{5: -0.1}, {6: -0.2}]), (1, "x", [7], None, None, None)]
+    assert [
+        (c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason, c.logprobs) for c in first.outputs
+    ] == [(0, "ab", [5, 6], "stop", "\n", [{5: -0.1}, {6: -0.2}]), (1, "x", [7], None, None, None)]
     assert first.finished and first.prompt_logprobs == [None, {2: -1.0}]
     assert first.token_intervals == [(0.1, 2), (0.2, 1)]
     assert then.outputs[0].text == "b" and then.token_intervals == [(0.2, 1)]  # the newer one is not changed
@@ -254,15 +305,22 @@ async def test_a_slow_consumer_gets_fewer_bigger_deltas_with_the_same_tokens_and
     async for delta in async_engine.generate("def h(", params, "slow"):
         slow.append(delta)
         await asyncio.sleep(0.05)  # a client that reads slower than the engine decodes
-    assert len(slow) < 12, len(slow)  # 24 steps made tokens (the fast side may merge a few itself, on a busy box)
+    assert len(slow) < 12, len(
+        slow
+    )  # 24 steps made tokens (the fast side may merge a few itself, on a busy box)
     for deltas in (fast, slow):
         assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
         # the engine measured the intervals: a token of each choice a step, 23 intervals after the first
         intervals = [i for d in deltas for i in d.token_intervals]
         assert [num for _, num in intervals] == [2] * 23 and all(s >= 0 for s, _ in intervals)
     for index in (0, 1):
-        texts, tokens = ([[x for d in deltas for o in d.outputs if o.index == index for x in getattr(o, field)]
-                          for deltas in (fast, slow)] for field in ("text", "token_ids"))
+        texts, tokens = (
+            [
+                [x for d in deltas for o in d.outputs if o.index == index for x in getattr(o, field)]
+                for deltas in (fast, slow)
+            ]
+            for field in ("text", "token_ids")
+        )
         assert tokens[0] == tokens[1] and len(tokens[0]) == 24 and texts[0] == texts[1]
 
 
@@ -272,6 +330,7 @@ async def test_cancelled_consumer_aborts(async_engine):
     async def consume():
         async for _ in async_engine.generate("x", SamplingParams(max_tokens=1000, ignore_eos=True), "c"):
             generating.set()
+
     task = asyncio.create_task(consume())
     await asyncio.wait_for(generating.wait(), 30)  # cancelled mid-decode, not before it started
     task.cancel()
@@ -308,11 +367,13 @@ def test_a_timed_fault_runs_out_by_itself():
 async def test_dead_loop_fails_every_waiter_at_once(async_engine):
     def boom():
         raise RuntimeError("simulated kernel crash")
+
     async_engine.engine.step = boom  # the next step raises inside the loop thread
 
     async def one(i):
         async for _ in async_engine.generate("x", LONG, f"dead{i}"):
             pass
+
     results = await asyncio.wait_for(asyncio.gather(*[one(i) for i in range(3)], return_exceptions=True), 30)
     # a request that arrives after the loop died is refused with its subclass EngineNotRunningError
     assert all(isinstance(r, EngineDeadError) for r in results), results
@@ -329,4 +390,6 @@ def test_async_engine_implements_the_engine_client_seam(async_engine):
     assert not [n for n in sorted(members) if not hasattr(async_engine, n)]
     weights, kv_pool = async_engine.memory_bytes()
     assert weights > 0 and kv_pool == async_engine.engine.model_runner.layout.total_bytes > 0
-    assert async_engine.vocab_size >= len(async_engine.tokenizer)  # the embedding may be padded past the tokenizer
+    assert async_engine.vocab_size >= len(
+        async_engine.tokenizer
+    )  # the embedding may be padded past the tokenizer

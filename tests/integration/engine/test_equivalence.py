@@ -30,9 +30,14 @@ def references(random_model):
             prompts = parity_prompts(7, model.config.vocab_size)
             outs = []
             for ids in prompts:
-                gen = model.generate(torch.tensor([ids]), max_new_tokens=NUM_NEW, min_new_tokens=NUM_NEW,
-                                     do_sample=False, pad_token_id=0)
-                outs.append(gen[0, len(ids):].tolist())
+                gen = model.generate(
+                    torch.tensor([ids]),
+                    max_new_tokens=NUM_NEW,
+                    min_new_tokens=NUM_NEW,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
+                outs.append(gen[0, len(ids) :].tolist())
             cache[preset] = (path, prompts, outs)
         return cache[preset]
 
@@ -72,7 +77,8 @@ def test_prefix_cache_hits_give_same_tokens(references, preset):
     hits_before = llm.engine.block_manager.num_prefix_hits
     check_parity(llm, prompts, expected)  # the second reads most prompts from it
     assert llm.engine.block_manager.num_prefix_hits - hits_before >= 8 * sum(
-        (len(p) - 1) // 8 for p in prompts)
+        (len(p) - 1) // 8 for p in prompts
+    )
 
 
 @pytest.mark.parametrize("preset", FAMILIES)
@@ -80,8 +86,9 @@ def test_flex_backend_matches_transformers(references, preset):
     """attention_backend "flex" (CUDA's default; unfused on CPU): decodes batched and every prefill
     chunk in one call per layer, mixed in each step by chunked prefill, then again from the prefix cache."""
     path, prompts, expected = references(preset)
-    options = dict(dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=32,
-                   **SCENARIOS["chunked_prefill"])
+    options = dict(
+        dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=32, **SCENARIOS["chunked_prefill"]
+    )
     if preset == "tiny-gemma2":  # soft-capped scores: the torch backend's alone (auto picks it on CUDA too)
         with pytest.raises(ValueError, match="'flex' does not soft-cap scores"):
             LLM(path, attention_backend="flex", **options)
@@ -99,8 +106,14 @@ def test_flex_backend_matches_transformers(references, preset):
 def test_linear_kernels_match_transformers(references, preset, kernel):
     """Both CPU linear kernels (`choose` picks one per machine at load), under chunked prefill."""
     path, prompts, expected = references(preset)
-    llm = LLM(path, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=32, linear_kernel=kernel,
-              **SCENARIOS["chunked_prefill"])
+    llm = LLM(
+        path,
+        dtype="float32",
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=32,
+        linear_kernel=kernel,
+        **SCENARIOS["chunked_prefill"],
+    )
     assert llm.engine.model_runner.linear_kernel == kernel
     assert (llm.engine.model_runner.row_counts is not None) == (kernel == "onednn")  # steps padded to them
     check_parity(llm, prompts, expected)
@@ -112,8 +125,14 @@ def test_generic_backend_matches_transformers(references, preset):
     NoPE layers, as each family has them; the own forwards' families too, with model_impl "generic"):
     chunked prefill with n = 2, then prefix-cache hits, then preemption by recompute and by swap."""
     path, prompts, expected = references(preset)
-    llm = LLM(path, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=32, model_impl="generic",
-              **SCENARIOS["chunked_prefill"])
+    llm = LLM(
+        path,
+        dtype="float32",
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=32,
+        model_impl="generic",
+        **SCENARIOS["chunked_prefill"],
+    )
     runner = llm.engine.model_runner
     assert runner.generic
     check_parity(llm, prompts, expected, n=2)
@@ -123,8 +142,17 @@ def test_generic_backend_matches_transformers(references, preset):
     args = runner.model.args
     bytes_per_block = 2 * args.num_layers * args.num_kv_heads * args.head_dim * 4 * 8
     for mode in ("recompute", "swap"):
-        small = LLM(path, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=32, block_size=8, model_impl="generic",
-                    kv_cache_memory=24 * bytes_per_block, preemption_mode=mode, swap_space=0.01)
+        small = LLM(
+            path,
+            dtype="float32",
+            max_model_len=MAX_MODEL_LEN,
+            max_num_seqs=32,
+            block_size=8,
+            model_impl="generic",
+            kv_cache_memory=24 * bytes_per_block,
+            preemption_mode=mode,
+            swap_space=0.01,
+        )
         check_parity(small, prompts, expected)
         assert small.engine.stats().num_preemptions > 0
 

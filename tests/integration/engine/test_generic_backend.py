@@ -23,8 +23,11 @@ def test_bfloat16_logprobs_within_tolerance_of_float32_transformers(random_model
     rng = random.Random(3)
     prompts = [[rng.randrange(4, hf.config.vocab_size) for _ in range(n)] for n in (2, 9, 30, 60)]
     llm = LLM(path, dtype="bfloat16", max_model_len=128, block_size=8, max_num_batched_tokens=24)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=1, logprobs=5), use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=1, logprobs=5),
+        use_tqdm=False,
+    )
     for prompt, out in zip(prompts, outs, strict=True):
         with torch.no_grad():
             expected = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1], dim=-1)
@@ -36,10 +39,12 @@ def test_bfloat16_logprobs_within_tolerance_of_float32_transformers(random_model
 
 def test_what_the_generic_backend_cannot_do_is_refused(random_model):
     path = random_model("tiny-gpt-neox")
-    for options, reason in [(dict(quantization="int8"), "generic backend, which has no quantization \\(own"),
-                            (dict(compile=True), "generic backend, which has no --compile"),
-                            (dict(tensor_parallel_size=2), "generic backend, which has no tensor parallelism"),
-                            (dict(model_impl="own"), "model_impl 'own' asked for, but GPTNeoXForCausalLM has no own")]:
+    for options, reason in [
+        (dict(quantization="int8"), "generic backend, which has no quantization \\(own"),
+        (dict(compile=True), "generic backend, which has no --compile"),
+        (dict(tensor_parallel_size=2), "generic backend, which has no tensor parallelism"),
+        (dict(model_impl="own"), "model_impl 'own' asked for, but GPTNeoXForCausalLM has no own"),
+    ]:
         with pytest.raises(ValueError, match=reason):
             LLM(path, dtype="float32", max_model_len=64, **options)
 
@@ -77,4 +82,6 @@ def test_the_tested_architectures_are_the_presets_the_tests_run():
 
     from benchmarks.make_model import PRESETS
 
-    assert {MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[PRESETS[p][0].model_type] for p in GENERIC_FAMILIES} == set(TESTED_GENERIC)
+    assert {MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[PRESETS[p][0].model_type] for p in GENERIC_FAMILIES} == set(
+        TESTED_GENERIC
+    )

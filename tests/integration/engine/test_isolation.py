@@ -20,8 +20,18 @@ PROMPTS = {f"r{i}": [3 + i, 40 + i, 7, 9 + 2 * i] for i in range(5)}
 
 
 def _config(random_model, **overrides) -> EngineConfig:
-    return EngineConfig(**({"model": random_model("tiny-llama"), "dtype": "float32", "block_size": 4,
-                            "max_model_len": 128, "max_num_batched_tokens": 64} | overrides))
+    return EngineConfig(
+        **(
+            {
+                "model": random_model("tiny-llama"),
+                "dtype": "float32",
+                "block_size": 4,
+                "max_model_len": 128,
+                "max_num_batched_tokens": 64,
+            }
+            | overrides
+        )
+    )
 
 
 def _run(engine: LLMEngine, poisoned: set[str], params: SamplingParams = GREEDY) -> dict:
@@ -61,8 +71,9 @@ def test_a_poisoned_row_fails_alone_and_its_batch_mates_are_unchanged(random_mod
 
 def test_two_poisoned_rows_among_seeded_sampled_rows(random_model):
     engine = LLMEngine(_config(random_model))
-    params = SamplingParams(temperature=0.9, top_p=0.8, top_k=20, min_p=0.05, seed=11, max_tokens=8,
-                            ignore_eos=True, n=2)
+    params = SamplingParams(
+        temperature=0.9, top_p=0.8, top_k=20, min_p=0.05, seed=11, max_tokens=8, ignore_eos=True, n=2
+    )
     clean = _run(engine, poisoned=set(), params=params)
     isolated = _run(engine, poisoned={"r0", "r4"}, params=params)
     assert [rid for rid, r in isolated.items() if r["error"] is not None] == ["r0", "r4"]
@@ -95,8 +106,11 @@ async def _collect(engine: AsyncEngine, prompt: str, request_id: str) -> list[in
 
 async def test_poison_fault_fails_only_the_marked_request(async_engine):
     async_engine.faults.inject(Fault("poison", marker="POISON"))
-    results = await asyncio.gather(*[_collect(async_engine, f"def f{i}(x):", f"ok{i}") for i in range(6)],
-                                   _collect(async_engine, "x = 'POISON'", "bad"), return_exceptions=True)
+    results = await asyncio.gather(
+        *[_collect(async_engine, f"def f{i}(x):", f"ok{i}") for i in range(6)],
+        _collect(async_engine, "x = 'POISON'", "bad"),
+        return_exceptions=True,
+    )
     assert isinstance(results[-1], RequestFailedError)
     assert all(r == results[0] or len(r) == GREEDY.max_tokens for r in results[:-1])
     assert all(isinstance(r, list) and len(r) == GREEDY.max_tokens for r in results[:-1])
@@ -120,11 +134,19 @@ async def test_crash_fault_kills_the_loop_and_fails_every_waiter(async_engine):
         await _collect(async_engine, "later", "later")
 
 
-@pytest.mark.parametrize(("template", "message"), [
-    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "did not render within"),
-    ("{% for i in range(100000) %}{% for j in range(100000) %}xxxxxxxx{% endfor %}{% endfor %}",
-     "did not render within|more than"),
-])
+@pytest.mark.parametrize(
+    ("template", "message"),
+    [
+        (
+            "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+            "did not render within",
+        ),
+        (
+            "{% for i in range(100000) %}{% for j in range(100000) %}xxxxxxxx{% endfor %}{% endfor %}",
+            "did not render within|more than",
+        ),
+    ],
+)
 def test_a_hostile_chat_template_is_stopped_and_the_engine_goes_on(random_model, template, message):
     engine = LLMEngine(_config(random_model))
     engine.chat_template = template
@@ -134,15 +156,23 @@ def test_a_hostile_chat_template_is_stopped_and_the_engine_goes_on(random_model,
     assert engine.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi"
 
 
-@pytest.mark.parametrize(("template", "message"), [
-    ("{{ raise_exception('only user and assistant roles') }}", "TemplateError.*only user and assistant roles"),
-    ("{{ messages[0].content.nope() }}", "UndefinedError"),
-    ("{{ ''.__class__.__mro__ }}", "SecurityError|UndefinedError"),
-    ("{% for m in messages %}{{ m.content }", "TemplateSyntaxError"),
-])
+@pytest.mark.parametrize(
+    ("template", "message"),
+    [
+        (
+            "{{ raise_exception('only user and assistant roles') }}",
+            "TemplateError.*only user and assistant roles",
+        ),
+        ("{{ messages[0].content.nope() }}", "UndefinedError"),
+        ("{{ ''.__class__.__mro__ }}", "SecurityError|UndefinedError"),
+        ("{% for m in messages %}{{ m.content }", "TemplateSyntaxError"),
+    ],
+)
 def test_a_chat_template_that_fails_is_the_requests_error(template, message):
     tokenizer = AutoTokenizer.from_pretrained(TINY)
-    with pytest.raises(RequestRejectedError, match=f"the chat template failed on these messages \\(({message})"):
+    with pytest.raises(
+        RequestRejectedError, match=f"the chat template failed on these messages \\(({message})"
+    ):
         chat_prompt(tokenizer, template, [{"role": "user", "content": "hi"}])
 
 
@@ -211,8 +241,9 @@ def test_a_grammar_failure_in_a_step_is_the_requests_error(random_model):
     """A constraint that passed the edge but fails a later mask (llguidance's per-step fuel) ends its
     request with a 4xx-class error, even alone in the step: not the model's fault, no probe."""
     engine = LLMEngine(_config(random_model))
-    engine.add_request("json", [5, 6, 7], SamplingParams(max_tokens=8, structured_outputs=StructuredOutputs(
-        regex="[0-9]+")))
+    engine.add_request(
+        "json", [5, 6, 7], SamplingParams(max_tokens=8, structured_outputs=StructuredOutputs(regex="[0-9]+"))
+    )
     seq = engine.requests["json"].seqs[0]
 
     def over_fuel(row, budget):

@@ -9,8 +9,16 @@ from engine.sampling_params import SamplingParams
 
 
 def test_the_engine_refuses_ids_outside_its_vocabulary(random_model):
-    engine = LLMEngine(EngineConfig(model=random_model("tiny-llama"), dtype="float32", block_size=4,
-                                    kv_cache_memory=2**20, max_model_len=64, num_threads=1))
+    engine = LLMEngine(
+        EngineConfig(
+            model=random_model("tiny-llama"),
+            dtype="float32",
+            block_size=4,
+            kv_cache_memory=2**20,
+            max_model_len=64,
+            num_threads=1,
+        )
+    )
     vocab = engine.vocab_size
     engine.check_request([1, 2], SamplingParams(logit_bias={vocab - 1: 5.0}))
     with pytest.raises(RequestRejectedError, match=rf"logit_bias: {vocab} is outside the vocabulary"):

@@ -34,7 +34,9 @@ def test_packed_linear_computes_the_linear_product(rows, bias):
     linear = nn.Linear(96, 160, bias=bias)
     x = torch.randn(rows, 96)
     with torch.inference_mode():
-        torch.testing.assert_close(PackedLinear(linear.weight, linear.bias)(x), linear(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            PackedLinear(linear.weight, linear.bias)(x), linear(x), rtol=1e-5, atol=1e-5
+        )
 
 
 def test_row_counts_are_bounded_with_little_padding():
@@ -52,20 +54,29 @@ def _rss_mib() -> float:
     return read_kib_field(Path("/proc/self/status").read_text(), "VmRSS") / 2**20
 
 
-@pytest.mark.parametrize(("dtype", "kernel"), [("bfloat16", "aten"), ("float32", "onednn"), ("float32", "aten")])
+@pytest.mark.parametrize(
+    ("dtype", "kernel"), [("bfloat16", "aten"), ("float32", "onednn"), ("float32", "aten")]
+)
 def test_steps_of_every_size_keep_memory_flat_after_load(random_model, dtype, kernel):
     """Where the products run through oneDNN (aten's bf16 ones, the packed ones), each step runs at one of
     the row counts that were all run at load; unbounded, 150 distinct step sizes kept ~0.7 MiB each per
     weight shape. aten's float32 products need no bounds."""
-    llm = LLM(random_model("tiny-llama"), dtype=dtype, max_model_len=512, max_num_batched_tokens=512,
-              linear_kernel=kernel)
+    llm = LLM(
+        random_model("tiny-llama"),
+        dtype=dtype,
+        max_model_len=512,
+        max_num_batched_tokens=512,
+        linear_kernel=kernel,
+    )
     runner = llm.engine.model_runner
     if dtype == "float32" and kernel == "aten":
         assert runner.row_counts is None and runner.model.row_bucket is None
     else:
         assert runner.row_counts == sorted({bucket(n) for n in range(1, 513)})
     params = SamplingParams(temperature=0, max_tokens=1)
-    llm.generate([{"prompt_token_ids": [5] * 3}], params, use_tqdm=False)  # the step path's own first-call costs
+    llm.generate(
+        [{"prompt_token_ids": [5] * 3}], params, use_tqdm=False
+    )  # the step path's own first-call costs
     before = _rss_mib()
     for length in range(20, 320, 2):  # one prompt a step, no two alike (no prefix hits): 150 step sizes
         prompt = [(31 * length + i) % 200 + 4 for i in range(length)]
@@ -88,7 +99,9 @@ def test_choose_times_both_kernels_on_the_models_own_layers_and_leaves_them_as_t
 
 
 def test_pack_linears_swaps_float_linears_only():
-    block = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 4)), Int8Linear(8, 8, False, None, torch.float32))
+    block = nn.Sequential(
+        nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 4)), Int8Linear(8, 8, False, None, torch.float32)
+    )
     assert pack_linears(block) == 2
     assert isinstance(block[0], PackedLinear) and isinstance(block[1][0], PackedLinear)
     assert isinstance(block[2], Int8Linear)

@@ -32,15 +32,22 @@ def _logits(model: LlamaForCausalLM, ids: torch.Tensor, chunk: int | None = None
     args, num_tokens = model.args, len(ids)
     num_slots = -(-num_tokens // BLOCK_SIZE) * BLOCK_SIZE
     dtype = model.embed_tokens.weight.dtype
-    model.bind_kv_caches([tuple(torch.zeros(args.num_kv_heads, num_slots, args.head_dim, dtype=dtype)
-                                for _ in range(2)) for _ in range(args.num_layers)])
+    model.bind_kv_caches(
+        [
+            tuple(torch.zeros(args.num_kv_heads, num_slots, args.head_dim, dtype=dtype) for _ in range(2))
+            for _ in range(args.num_layers)
+        ]
+    )
     bounds = [0, chunk, num_tokens] if chunk else [0, num_tokens]
     out = []
     for start, end in zip(bounds, bounds[1:], strict=False):
         positions = torch.arange(start, end)
         key_pos = torch.arange(end)[None, :]
-        segment = (PrefillSegment(0, end - start, None, None) if start == 0 else
-                   PrefillSegment(0, end - start, torch.arange(end), key_pos <= positions[:, None]))
+        segment = (
+            PrefillSegment(0, end - start, None, None)
+            if start == 0
+            else PrefillSegment(0, end - start, torch.arange(end), key_pos <= positions[:, None])
+        )
         meta = AttentionMetadata(BLOCK_SIZE, positions, 0, None, None, None, None, [segment])
         with torch.inference_mode():
             out.append(model.compute_logits(model(ids[start:end], positions, meta)).float())
@@ -74,11 +81,17 @@ def test_scaled_rope_matches_transformers(random_model, tmp_path):
     """Llama 3.1's frequency-scaled RoPE comes from transformers' own table of RoPE types."""
     from benchmarks.make_model import make_random_model
 
-    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 10000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    }
     path = str(make_random_model("tiny-llama", tmp_path, seed=1, rope_parameters=rope))
     model = _owned(path)
-    (inv_freq, scale), = model.ropes.values()
+    ((inv_freq, scale),) = model.ropes.values()
     assert scale == 1.0 and not torch.equal(inv_freq, _owned(random_model("tiny-llama")).ropes[None][0])
     ids = _prompt(model.args.vocab_size)
     torch.testing.assert_close(_logits(model, ids), _hf_logits(path, ids), rtol=1e-5, atol=1e-5)
@@ -116,13 +129,22 @@ def test_fused_weights_hold_hf_projections(random_model):
     model = _owned(path)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).model.layers[1]
     attn, mlp = model.layers[1].self_attn, model.layers[1].mlp
-    torch.testing.assert_close(attn.qkv_proj.weight, torch.cat([hf.self_attn.q_proj.weight, hf.self_attn.k_proj.weight,
-                                                                hf.self_attn.v_proj.weight]), rtol=0, atol=0)
-    torch.testing.assert_close(attn.qkv_proj.bias, torch.cat([hf.self_attn.q_proj.bias, hf.self_attn.k_proj.bias,
-                                                              hf.self_attn.v_proj.bias]), rtol=0, atol=0)
+    torch.testing.assert_close(
+        attn.qkv_proj.weight,
+        torch.cat([hf.self_attn.q_proj.weight, hf.self_attn.k_proj.weight, hf.self_attn.v_proj.weight]),
+        rtol=0,
+        atol=0,
+    )
+    torch.testing.assert_close(
+        attn.qkv_proj.bias,
+        torch.cat([hf.self_attn.q_proj.bias, hf.self_attn.k_proj.bias, hf.self_attn.v_proj.bias]),
+        rtol=0,
+        atol=0,
+    )
     assert attn.o_proj.bias is None  # Qwen2: biases on q/k/v only
-    torch.testing.assert_close(mlp.gate_up_proj.weight, torch.cat([hf.mlp.gate_proj.weight, hf.mlp.up_proj.weight]),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(
+        mlp.gate_up_proj.weight, torch.cat([hf.mlp.gate_proj.weight, hf.mlp.up_proj.weight]), rtol=0, atol=0
+    )
 
 
 def test_checkpoint_mismatches_raise(random_model):
@@ -140,7 +162,9 @@ def test_a_quantized_fused_projection_is_refused(random_model):
     """Phi-3's fused qkv_proj is split by rows at load; AWQ / GPTQ pack those rows along another axis."""
     model = _owned(random_model("tiny-phi3"))
     with pytest.raises(ValueError, match="qkv_proj.qweight: a quantized fused projection is not supported"):
-        model.load_weights([("model.layers.0.self_attn.qkv_proj.qweight", torch.zeros(64, 16, dtype=torch.int32))])
+        model.load_weights(
+            [("model.layers.0.self_attn.qkv_proj.qweight", torch.zeros(64, 16, dtype=torch.int32))]
+        )
 
 
 def _hf_names(path: str) -> list[tuple[str, torch.Tensor]]:
@@ -156,9 +180,13 @@ def test_bf16_engine_close_to_fp32(random_model, preset):
     outs = {}
     for dtype in ("float32", "bfloat16"):
         llm = LLM(path, dtype=dtype, max_model_len=128, block_size=8, max_num_batched_tokens=24)
-        prompts = [_prompt(llm.engine.vocab_size, length, seed=length).tolist() for length in (5, 17, 33, 40, 64)]
-        outs[dtype] = [o.outputs[0].token_ids for o in llm.generate(
-            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+        prompts = [
+            _prompt(llm.engine.vocab_size, length, seed=length).tolist() for length in (5, 17, 33, 40, 64)
+        ]
+        outs[dtype] = [
+            o.outputs[0].token_ids
+            for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        ]
     assert all(len(o) == 4 for o in outs["bfloat16"])
     first = [a[0] == b[0] for a, b in zip(outs["float32"], outs["bfloat16"], strict=True)]
     assert sum(first) >= len(first) - 1

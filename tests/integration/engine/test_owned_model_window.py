@@ -32,8 +32,16 @@ def windowed(tmp_path_factory):
             path = str(make_random_model(preset, tmp_path_factory.mktemp(name), seed=1, **overrides))
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
             prompts = parity_prompts(11, model.config.vocab_size)
-            outs = [model.generate(torch.tensor([ids]), max_new_tokens=NUM_NEW, min_new_tokens=NUM_NEW,
-                                   do_sample=False, pad_token_id=0)[0, len(ids):].tolist() for ids in prompts]
+            outs = [
+                model.generate(
+                    torch.tensor([ids]),
+                    max_new_tokens=NUM_NEW,
+                    min_new_tokens=NUM_NEW,
+                    do_sample=False,
+                    pad_token_id=0,
+                )[0, len(ids) :].tolist()
+                for ids in prompts
+            ]
             cache[name] = (path, prompts, outs)
         return cache[name]
 
@@ -46,14 +54,17 @@ def test_window_changes_the_tokens(windowed):
     path, prompts, expected = windowed("mistral")
     full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, sliding_window=None)
     ids = max(prompts, key=len)
-    out = full.generate(torch.tensor([ids]), max_new_tokens=NUM_NEW, min_new_tokens=NUM_NEW, do_sample=False,
-                        pad_token_id=0)[0, len(ids):].tolist()
+    out = full.generate(
+        torch.tensor([ids]), max_new_tokens=NUM_NEW, min_new_tokens=NUM_NEW, do_sample=False, pad_token_id=0
+    )[0, len(ids) :].tolist()
     assert out != expected[prompts.index(ids)]
     assert LLM(path, dtype="float32", max_model_len=MAX_MODEL_LEN).engine.max_model_len == MAX_MODEL_LEN
 
 
 @pytest.mark.parametrize("name", MODELS)
-@pytest.mark.parametrize("scenario", ["chunked_prefill", "preempt_recompute", "preempt_swap", "block_size_16"])
+@pytest.mark.parametrize(
+    "scenario", ["chunked_prefill", "preempt_recompute", "preempt_swap", "block_size_16"]
+)
 def test_greedy_matches_transformers(windowed, name, scenario):
     path, prompts, expected = windowed(name)
     llm = LLM(path, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=32, **SCENARIOS[scenario])
@@ -77,6 +88,12 @@ def test_torch_decode_path_and_prefix_cache(windowed, name, monkeypatch):
 @pytest.mark.parametrize("name", MODELS)
 def test_flex_backend_masks_the_window(windowed, name):
     path, prompts, expected = windowed(name)
-    llm = LLM(path, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=32, attention_backend="flex",
-              **SCENARIOS["chunked_prefill"])
+    llm = LLM(
+        path,
+        dtype="float32",
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=32,
+        attention_backend="flex",
+        **SCENARIOS["chunked_prefill"],
+    )
     check_parity(llm, prompts, expected)

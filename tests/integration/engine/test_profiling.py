@@ -10,11 +10,28 @@ from engine.core.phases import phase
 from engine.frontend.profiler import CATEGORIES, SUM_TOLERANCE, ProfileSettings, _scope, run_profile
 
 # 2 x 12 prompt tokens under an 8-token budget: prefill chunks, then decode steps
-TINY = ProfileSettings(batch_size=2, prompt_len=12, output_len=3, max_num_batched_tokens=8, device="cpu",
-                       num_threads=1)
-KEYS = {"step_seconds", "attributed_seconds", "categories", "host_breakdown_seconds", "model", "settings", "device",
-        "dtype", "num_steps", "wall_seconds", "step_mean_seconds", "unprofiled_step_mean_seconds",
-        "num_preemptions", "top_ops", "machine", "by_step_kind", "cpu_seconds_per_wall_second"}
+TINY = ProfileSettings(
+    batch_size=2, prompt_len=12, output_len=3, max_num_batched_tokens=8, device="cpu", num_threads=1
+)
+KEYS = {
+    "step_seconds",
+    "attributed_seconds",
+    "categories",
+    "host_breakdown_seconds",
+    "model",
+    "settings",
+    "device",
+    "dtype",
+    "num_steps",
+    "wall_seconds",
+    "step_mean_seconds",
+    "unprofiled_step_mean_seconds",
+    "num_preemptions",
+    "top_ops",
+    "machine",
+    "by_step_kind",
+    "cpu_seconds_per_wall_second",
+}
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +46,9 @@ def test_categories_sum_to_the_step_time(result):
     total = sum(f["seconds"] for f in figures.values())
     assert total == pytest.approx(result["step_seconds"], rel=SUM_TOLERANCE)
     assert sum(f["share"] for f in figures.values()) == pytest.approx(1.0, abs=SUM_TOLERANCE)
-    assert sum(result["host_breakdown_seconds"].values()) == pytest.approx(figures["host"]["seconds"], rel=1e-6)
+    assert sum(result["host_breakdown_seconds"].values()) == pytest.approx(
+        figures["host"]["seconds"], rel=1e-6
+    )
     # every part of the table ran: prefill and decode attention, K/V writes, GEMMs, norms, the sampler
     assert all(f["seconds"] > 0 for f in figures.values()), figures
     assert result["step_seconds"] <= result["wall_seconds"]  # the ranges sit inside the timed steps
@@ -67,7 +86,9 @@ def test_max_steps_bounds_the_profiled_steps(random_model):
 def test_scope_rules():
     assert _scope("aten::linear", "run") == "gemm"  # the LM head, outside the forward
     assert _scope("aten::mm", "forward") == "gemm"
-    assert _scope("mkldnn::_linear_pointwise", "forward") == "gemm"  # engine/executor/layers/onednn_linear.py's layers
+    assert (
+        _scope("mkldnn::_linear_pointwise", "forward") == "gemm"
+    )  # engine/executor/layers/onednn_linear.py's layers
     assert _scope("aten::index_copy_", "attention_module") == "kv_write"
     assert _scope("aten::index_copy_", "run") == "run"  # a block copy before the forward is host work
     assert _scope("aten::mul", "attention_module") == "elementwise"  # plain arithmetic inside attend
@@ -76,7 +97,9 @@ def test_scope_rules():
     assert _scope("aten::rms_norm", "forward") == "elementwise"
     assert _scope("aten::tensor", "run") == "run"
     assert _scope("pagedserve::sample", "run") == "sampling"
-    assert _scope("pagedserve::gemm", "forward") == "gemm"  # an int8 layer: its C kernel is the range's self time
+    assert (
+        _scope("pagedserve::gemm", "forward") == "gemm"
+    )  # an int8 layer: its C kernel is the range's self time
 
 
 def test_phase_is_free_without_a_profiler():

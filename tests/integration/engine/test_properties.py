@@ -22,18 +22,26 @@ from engine.sampling_params import SamplingParams, StructuredOutputs
 
 VOCAB = 64
 EXPLORE = os.environ.get("HYPOTHESIS_PROFILE") == "explore"
-COMMON = dict(deadline=None, derandomize=not EXPLORE, database=None,
-              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+COMMON = dict(
+    deadline=None,
+    derandomize=not EXPLORE,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 
 
 CONSTRAINTS = [
     StructuredOutputs(json={"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}),
-    StructuredOutputs(json_object=True), StructuredOutputs(choice=["yes", "no", "n"]),
-    StructuredOutputs(regex="[a-c]{1,4}x?"), StructuredOutputs(grammar='root ::= "(" [0-9]* ")"'),
+    StructuredOutputs(json_object=True),
+    StructuredOutputs(choice=["yes", "no", "n"]),
+    StructuredOutputs(regex="[a-c]{1,4}x?"),
+    StructuredOutputs(grammar='root ::= "(" [0-9]* ")"'),
 ]
 
 
-def sampling_params(vocab: int = VOCAB, max_n: int = 3, constrained: bool = False) -> st.SearchStrategy[SamplingParams]:
+def sampling_params(
+    vocab: int = VOCAB, max_n: int = 3, constrained: bool = False
+) -> st.SearchStrategy[SamplingParams]:
     """Greedy and sampled rows, every filter and penalty, seeds over the whole accepted range; with
     `constrained`, a structured-output constraint on some rows."""
     return st.builds(
@@ -54,8 +62,9 @@ def sampling_params(vocab: int = VOCAB, max_n: int = 3, constrained: bool = Fals
         stop_token_ids=st.lists(st.integers(0, vocab - 1), max_size=3),
         stop=st.lists(st.sampled_from(["a", "\n", "ab", "def"]), max_size=2),
         ignore_eos=st.booleans(),
-        logit_bias=st.dictionaries(st.integers(0, vocab - 1), st.sampled_from([-100, -2.5, 0, 1.5, 100]),
-                                   max_size=3),
+        logit_bias=st.dictionaries(
+            st.integers(0, vocab - 1), st.sampled_from([-100, -2.5, 0, 1.5, 100]), max_size=3
+        ),
         structured_outputs=st.none() | st.sampled_from(CONSTRAINTS) if constrained else st.none(),
     )
 
@@ -67,9 +76,15 @@ def _sequence(params: SamplingParams, prompt: list[int], output: list[int], seed
 
 
 rows_strategy = st.lists(
-    st.tuples(sampling_params(), st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=6),
-              st.lists(st.integers(0, VOCAB - 1), max_size=4), st.integers(1, 3)),
-    min_size=1, max_size=6)
+    st.tuples(
+        sampling_params(),
+        st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=6),
+        st.lists(st.integers(0, VOCAB - 1), max_size=4),
+        st.integers(1, 3),
+    ),
+    min_size=1,
+    max_size=6,
+)
 
 
 @settings(max_examples=300, **COMMON)
@@ -77,7 +92,9 @@ rows_strategy = st.lists(
 def test_sampler_never_raises_on_mixed_rows_and_seeded_rows_ignore_their_batch(rows, logits_seed):
     generator = torch.Generator().manual_seed(logits_seed)
     logits = torch.randn(len(rows), VOCAB, generator=generator) * 4
-    sample_rows = [SampleRow(_sequence(p, prompt, out, i), num) for i, (p, prompt, out, num) in enumerate(rows)]
+    sample_rows = [
+        SampleRow(_sequence(p, prompt, out, i), num) for i, (p, prompt, out, num) in enumerate(rows)
+    ]
     sampled = Sampler()(logits, sample_rows)
     for i, row in enumerate(sample_rows):
         tokens = sampled[row.seq.seq_id]
@@ -88,7 +105,7 @@ def test_sampler_never_raises_on_mixed_rows_and_seeded_rows_ignore_their_batch(r
         if row.seq.params.is_greedy:
             continue
         # a row's draw depends on its own seed and logits, not on what shares its batch
-        alone = Sampler()(logits[i:i + 1].clone(), [row])[row.seq.seq_id]
+        alone = Sampler()(logits[i : i + 1].clone(), [row])[row.seq.seq_id]
         assert [t.token_id for t in alone] == [t.token_id for t in tokens]
 
 
@@ -105,13 +122,22 @@ request_strategy = st.tuples(
 
 
 @settings(max_examples=200, **COMMON)
-@given(requests=st.lists(request_strategy, min_size=1, max_size=8),
-       policy=st.sampled_from(["fcfs", "priority", "hybrid"]),
-       mode=st.sampled_from(["recompute", "swap"]),
-       budget=st.sampled_from([4, 7, 64]))
+@given(
+    requests=st.lists(request_strategy, min_size=1, max_size=8),
+    policy=st.sampled_from(["fcfs", "priority", "hybrid"]),
+    mode=st.sampled_from(["recompute", "swap"]),
+    budget=st.sampled_from([4, 7, 64]),
+)
 def test_scheduler_finishes_every_request_and_frees_every_block(requests, policy, mode, budget):
-    config = EngineConfig(model="x", block_size=BLOCK_SIZE, max_num_batched_tokens=budget, max_num_seqs=4,
-                          scheduler_policy=policy, preemption_mode=mode, max_prefill_tokens=3)
+    config = EngineConfig(
+        model="x",
+        block_size=BLOCK_SIZE,
+        max_num_batched_tokens=budget,
+        max_num_seqs=4,
+        scheduler_policy=policy,
+        preemption_mode=mode,
+        max_prefill_tokens=3,
+    )
     bm = BlockManager(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=True, num_swap_blocks=6)
     sched = Scheduler(config, bm, clock=lambda: 0.0)
     pending = list(requests)
@@ -121,9 +147,13 @@ def test_scheduler_finishes_every_request_and_frees_every_block(requests, policy
         while pending and (not added or num_steps - added[-1][2] >= pending[0][4]):
             length, max_tokens, n, priority, _, abort_after = pending.pop(0)
             max_tokens = min(max_tokens, NUM_BLOCKS * BLOCK_SIZE - length)  # the engine's own bound
-            seq = Sequence(f"r{len(added)}", [(len(added) + i) % 50 + 1 for i in range(length)],
-                           SamplingParams(n=n, max_tokens=max_tokens), priority=priority,
-                           arrival_time=float(num_steps))
+            seq = Sequence(
+                f"r{len(added)}",
+                [(len(added) + i) % 50 + 1 for i in range(length)],
+                SamplingParams(n=n, max_tokens=max_tokens),
+                priority=priority,
+                arrival_time=float(num_steps),
+            )
             sched.add_seq(seq)
             added.append((seq, abort_after, num_steps))
             families[seq.request_id] = {seq}
@@ -134,8 +164,11 @@ def test_scheduler_finishes_every_request_and_frees_every_block(requests, policy
         if not pending and not sched.has_unfinished:
             break
         out = sched.schedule()
-        sampled = {item.seq.seq_id: [SampledToken(7)] * item.num_samples
-                   for item in out.scheduled if item.num_samples}
+        sampled = {
+            item.seq.seq_id: [SampledToken(7)] * item.num_samples
+            for item in out.scheduled
+            if item.num_samples
+        }
         for seq in sched.postprocess(out, sampled):
             families[seq.request_id].add(seq)  # fan-out children join their family here
         assert len(sched.running) <= config.max_num_seqs  # fan-out included
@@ -164,14 +197,28 @@ def assert_held_blocks_are_running_blocks(bm: BlockManager, running: list[Sequen
 
 
 # --- a real engine ---------------------------------------------------------------------------------
-@pytest.fixture(scope="module", params=[("fcfs", "recompute", 1), ("priority", "swap", 3)],
-                ids=lambda p: "-".join(map(str, p)))
+@pytest.fixture(
+    scope="module",
+    params=[("fcfs", "recompute", 1), ("priority", "swap", 3)],
+    ids=lambda p: "-".join(map(str, p)),
+)
 def engine(request, random_model):
     policy, mode, stream_interval = request.param
-    return LLMEngine(EngineConfig(model=random_model("tiny-llama"), dtype="float32", block_size=4,
-                                  max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64,
-                                  kv_cache_memory=24 * 1024 * 20, scheduler_policy=policy, preemption_mode=mode,
-                                  swap_space=0.001, stream_interval=stream_interval))
+    return LLMEngine(
+        EngineConfig(
+            model=random_model("tiny-llama"),
+            dtype="float32",
+            block_size=4,
+            max_num_seqs=4,
+            max_num_batched_tokens=16,
+            max_model_len=64,
+            kv_cache_memory=24 * 1024 * 20,
+            scheduler_policy=policy,
+            preemption_mode=mode,
+            swap_space=0.001,
+            stream_interval=stream_interval,
+        )
+    )
 
 
 engine_request = st.tuples(
@@ -199,7 +246,11 @@ def test_engine_serves_every_mix_to_the_end_and_returns_every_block(engine, requ
             outputs[request_id] = []
             pending.pop(0)
         for request_id, *_, abort_after in requests_with_ids(requests):
-            if request_id in step_of and abort_after is not None and num_steps - step_of[request_id] == abort_after:
+            if (
+                request_id in step_of
+                and abort_after is not None
+                and num_steps - step_of[request_id] == abort_after
+            ):
                 out = engine.abort_request(request_id)
                 if out is not None:
                     outputs[request_id].append(out)
@@ -216,7 +267,9 @@ def test_engine_serves_every_mix_to_the_end_and_returns_every_block(engine, requ
     for (request_id, params, *_), outs in zip(requests_with_ids(requests), outputs.values(), strict=True):
         assert outs and outs[-1].finished and outs[-1].error is None, request_id
         # a choice's tokens go out once --stream-interval of them are unsent, never later
-        assert all(len(part.token_ids) <= engine.config.stream_interval for out in outs for part in out.outputs)
+        assert all(
+            len(part.token_ids) <= engine.config.stream_interval for out in outs for part in out.outputs
+        )
         for choice in _whole(outs):
             assert choice["finish_reason"] in ("stop", "length", "abort")
             assert all(0 <= t < vocab for t in choice["token_ids"])
@@ -225,7 +278,9 @@ def test_engine_serves_every_mix_to_the_end_and_returns_every_block(engine, requ
                 assert len(choice["token_ids"]) == params.max_tokens
             if params.structured_outputs is not None:  # a fresh matcher takes every token the row got
                 grammar = engine.grammars.start(params.structured_outputs)
-                if grammar.closer is not None and choice["finish_reason"] == "length":  # JSON is closed in time
+                if (
+                    grammar.closer is not None and choice["finish_reason"] == "length"
+                ):  # JSON is closed in time
                     shortest = grammar.closer.table.closing_path(grammar.matcher, grammar.closer.cursor, 64)
                     assert params.max_tokens < len(shortest), (request_id, choice)
                 for token_id in choice["token_ids"]:

@@ -24,8 +24,10 @@ from engine.executor.layers.quantization import (
 )
 from engine.kernels import cpu as cpu_kernel
 
-needs_cc = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
-                              reason="no C compiler: int8 layers run their pure-torch path")
+needs_cc = pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None,
+    reason="no C compiler: int8 layers run their pure-torch path",
+)
 
 
 def _int8_weight(n: int, k: int, group_size: int | None, seed: int = 0):
@@ -34,9 +36,19 @@ def _int8_weight(n: int, k: int, group_size: int | None, seed: int = 0):
 
 
 @needs_cc
-@pytest.mark.parametrize(("n", "k", "group_size"), [(48, 64, None), (40, 96, 32), (24, 100, None), (8, 36, 12),
-                                                     (16, 208, None), (16, 384, 192), (9, 4160, None),
-                                                     (12, 4608, 256)])
+@pytest.mark.parametrize(
+    ("n", "k", "group_size"),
+    [
+        (48, 64, None),
+        (40, 96, 32),
+        (24, 100, None),
+        (8, 36, 12),
+        (16, 208, None),
+        (16, 384, 192),
+        (9, 4160, None),
+        (12, 4608, 256),
+    ],
+)
 @pytest.mark.parametrize("m", [1, 3, 4, 9, KERNEL_MAX_ROWS])
 @pytest.mark.parametrize("num_threads", [1, 3])
 def test_kernel_matches_float64_reference(n, k, group_size, m, num_threads):
@@ -48,8 +60,9 @@ def test_kernel_matches_float64_reference(n, k, group_size, m, num_threads):
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(1))
     want = x.double() @ dequantize(q, scale, torch.float64).T
     # float32 sums in another order than float64's: their rounding grows with k
-    torch.testing.assert_close(kernel(x, q, scale, group_size or k).double(), want, rtol=1e-5,
-                               atol=1e-5 * max(1.0, k / 64))
+    torch.testing.assert_close(
+        kernel(x, q, scale, group_size or k).double(), want, rtol=1e-5, atol=1e-5 * max(1.0, k / 64)
+    )
     assert torch.equal(kernel.dequantize(q, scale, group_size or k), dequantize(q, scale))
 
 
@@ -129,28 +142,49 @@ def test_gptq_words_unpack_to_their_inputs():
 
 def test_layer_tensors_that_do_not_fit_are_named():
     with pytest.raises(ValueError, match="layers.0.q_proj.qweight: .* do not fit one AWQ layer"):
-        unpack_layer(QuantConfig("awq", 1), torch.zeros(2, 1, dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32),
-                     torch.zeros(1, 16, dtype=torch.float16), "layers.0.q_proj.qweight")  # 16 scales, 8 outputs
+        unpack_layer(
+            QuantConfig("awq", 1),
+            torch.zeros(2, 1, dtype=torch.int32),
+            torch.zeros(1, 1, dtype=torch.int32),
+            torch.zeros(1, 16, dtype=torch.float16),
+            "layers.0.q_proj.qweight",
+        )  # 16 scales, 8 outputs
 
 
 def test_act_order_g_idx_is_refused():
     check_g_idx(torch.arange(64, dtype=torch.int32) // 32, 32, "x.g_idx")
-    with pytest.raises(ValueError, match=r"x.g_idx: GPTQ act-order \(desc_act\) checkpoints are not supported"):
+    with pytest.raises(
+        ValueError, match=r"x.g_idx: GPTQ act-order \(desc_act\) checkpoints are not supported"
+    ):
         check_g_idx(torch.arange(64, dtype=torch.int32).flip(0) // 32, 32, "x.g_idx")
 
 
-@pytest.mark.parametrize(("requested", "spec", "match"), [
-    ("int4", None, "quantization must be one of"),
-    ("awq", None, "needs a AWQ checkpoint; this one has no quantization_config"),
-    ("int8", {"quant_method": "awq", "bits": 4, "group_size": 128}, "'int8' asked for, but the checkpoint is AWQ"),
-    (None, {"quant_method": "bitsandbytes"}, "checkpoint quantization 'bitsandbytes' is not supported"),
-    (None, {"quant_method": "fp8", "fmt": "e5m2"}, "FP8 format 'e5m2' is not supported"),
-    (None, {"quant_method": "gptq", "bits": 8, "group_size": 128}, "with 8 bits are not supported"),
-    (None, {"quant_method": "awq", "bits": 4, "group_size": 0}, "group_size must be a positive integer"),
-    (None, {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "AWQ version 'gemv'"),
-    (None, {"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"},
-     "checkpoint_format 'marlin' is not supported"),
-])
+@pytest.mark.parametrize(
+    ("requested", "spec", "match"),
+    [
+        ("int4", None, "quantization must be one of"),
+        ("awq", None, "needs a AWQ checkpoint; this one has no quantization_config"),
+        (
+            "int8",
+            {"quant_method": "awq", "bits": 4, "group_size": 128},
+            "'int8' asked for, but the checkpoint is AWQ",
+        ),
+        (None, {"quant_method": "bitsandbytes"}, "checkpoint quantization 'bitsandbytes' is not supported"),
+        (None, {"quant_method": "fp8", "fmt": "e5m2"}, "FP8 format 'e5m2' is not supported"),
+        (None, {"quant_method": "gptq", "bits": 8, "group_size": 128}, "with 8 bits are not supported"),
+        (None, {"quant_method": "awq", "bits": 4, "group_size": 0}, "group_size must be a positive integer"),
+        (
+            None,
+            {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"},
+            "AWQ version 'gemv'",
+        ),
+        (
+            None,
+            {"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"},
+            "checkpoint_format 'marlin' is not supported",
+        ),
+    ],
+)
 def test_resolve_refuses_what_cannot_run(requested, spec, match):
     with pytest.raises(ValueError, match=match):
         resolve(requested, {"quantization_config": spec} if spec else {})
@@ -159,10 +193,12 @@ def test_resolve_refuses_what_cannot_run(requested, spec, match):
 def test_resolve_reads_the_checkpoint():
     assert resolve(None, {}) is None
     assert resolve("int8", {}) == QuantConfig("int8", None)
-    assert resolve(None, {"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": -1}}) == \
-        QuantConfig("gptq", None, zero_offset=1)
-    assert resolve("awq", {"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 64}}) == \
-        QuantConfig("awq", 64)
+    assert resolve(
+        None, {"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": -1}}
+    ) == QuantConfig("gptq", None, zero_offset=1)
+    assert resolve(
+        "awq", {"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 64}}
+    ) == QuantConfig("awq", 64)
 
 
 # --- whole models ----------------------------------------------------------------------------------------
@@ -175,17 +211,28 @@ def _hf_greedy(path: str) -> tuple[list[list[int]], list[torch.Tensor]]:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     tokens, logprobs = [], []
     for ids in PROMPTS:
-        out = model.generate(torch.tensor([ids]), max_new_tokens=NUM_NEW, min_new_tokens=NUM_NEW, do_sample=False,
-                             pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-        tokens.append(out.sequences[0, len(ids):].tolist())
-        logprobs.append(torch.stack([torch.log_softmax(s[0], -1) for s in out.logits]))  # raw: before min_new_tokens
+        out = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=NUM_NEW,
+            min_new_tokens=NUM_NEW,
+            do_sample=False,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        tokens.append(out.sequences[0, len(ids) :].tolist())
+        logprobs.append(
+            torch.stack([torch.log_softmax(s[0], -1) for s in out.logits])
+        )  # raw: before min_new_tokens
     return tokens, logprobs
 
 
 def _engine_greedy(path: str, **kwargs) -> tuple[list[list[int]], list[list[dict[int, float]]]]:
     llm = LLM(path, dtype="float32", max_model_len=128, **kwargs)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                        SamplingParams(temperature=0, max_tokens=NUM_NEW, min_tokens=NUM_NEW, logprobs=5))
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS],
+        SamplingParams(temperature=0, max_tokens=NUM_NEW, min_tokens=NUM_NEW, logprobs=5),
+    )
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
     return [o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs]
 
@@ -196,7 +243,12 @@ def _assert_matches(got, want, atol: float) -> None:
     for per_seq, ref in zip(logprobs, want_logprobs, strict=True):
         for step, top in enumerate(per_seq):
             for token, value in top.items():
-                assert abs(value - float(ref[step, token])) <= atol, (step, token, value, float(ref[step, token]))
+                assert abs(value - float(ref[step, token])) <= atol, (
+                    step,
+                    token,
+                    value,
+                    float(ref[step, token]),
+                )
 
 
 @pytest.mark.parametrize("family", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
@@ -204,8 +256,12 @@ def _assert_matches(got, want, atol: float) -> None:
 def test_4bit_checkpoint_matches_its_dequantized_reference(random_model, tmp_path, family, method):
     """Our engine on the packed 4-bit checkpoint vs HF on the float32 weights those integers stand for.
     Tolerance 1e-4 on log-probabilities: the same weights, summed in another order."""
-    quantized, reference = make_quantized_model(random_model(family), tmp_path / method, method, group_size=32)
-    assert json.loads((quantized / "config.json").read_text())["quantization_config"]["quant_method"] == method
+    quantized, reference = make_quantized_model(
+        random_model(family), tmp_path / method, method, group_size=32
+    )
+    assert (
+        json.loads((quantized / "config.json").read_text())["quantization_config"]["quant_method"] == method
+    )
     llm_dir = str(quantized)
     _assert_matches(_engine_greedy(llm_dir), _hf_greedy(str(reference)), atol=1e-4)
 
@@ -231,7 +287,11 @@ def test_int8_matches_the_dequantized_fp32_model(random_model, tmp_path, preset)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     with torch.no_grad():
         for name, weight in model.named_parameters():  # HF holds experts as [E, out, in] tensors
-            if name.startswith("model.layers.") and weight.dim() >= 2 and not name.endswith("mlp.gate.weight"):
+            if (
+                name.startswith("model.layers.")
+                and weight.dim() >= 2
+                and not name.endswith("mlp.gate.weight")
+            ):
                 rows = weight.view(-1, weight.shape[-1])
                 rows.copy_(dequantize(*quantize_int8(rows)))
     model.save_pretrained(reference)
@@ -243,11 +303,16 @@ def test_int8_is_a_quarter_of_the_linear_bytes(random_model):
     src = random_model("tiny-llama")
     full = LLM(src, dtype="float32", max_model_len=64, linear_kernel="aten").engine.model_runner  # nn.Linear
     int8 = LLM(src, dtype="float32", max_model_len=64, quantization="int8").engine.model_runner
-    linear = sum(m.weight.numel() for n, m in full.model.named_modules()
-                 if n.startswith("layers.") and isinstance(m, torch.nn.Linear))
+    linear = sum(
+        m.weight.numel()
+        for n, m in full.model.named_modules()
+        if n.startswith("layers.") and isinstance(m, torch.nn.Linear)
+    )
     layers = [m for m in int8.model.modules() if isinstance(m, Int8Linear)]
     assert full.weight_bytes - int8.weight_bytes == linear * 3 - sum(m.scales.numel() for m in layers) * 4
     assert full.int8_kernel_rows is None
-    if int8.device.type == "cpu":  # the crossover between reading int8 and dequantize + GEMM, measured at load
+    if (
+        int8.device.type == "cpu"
+    ):  # the crossover between reading int8 and dequantize + GEMM, measured at load
         assert int8.int8_kernel_rows in (1, *CALIBRATION_ROWS)
         assert {m.kernel_max_rows for m in layers} == {int8.int8_kernel_rows}

@@ -11,13 +11,22 @@ from engine.errors import RequestRejectedError
 from engine.outputs import ResumedChoice
 from engine.sampling_params import StructuredOutputs
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                           "n": {"type": "integer"}}, "required": ["name", "n"]}
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "n": {"type": "integer"}},
+    "required": ["name", "n"],
+}
 CASES = {
     "greedy": SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-    "seeded-n3": SamplingParams(temperature=0.9, top_p=0.9, seed=7, n=3, max_tokens=24, logprobs=1, ignore_eos=True),
-    "stop-strings": SamplingParams(temperature=1.0, seed=3, max_tokens=40),  # its stop: what the run writes later
-    "json": SamplingParams(temperature=0.8, seed=5, max_tokens=60, structured_outputs=StructuredOutputs(json=SCHEMA)),
+    "seeded-n3": SamplingParams(
+        temperature=0.9, top_p=0.9, seed=7, n=3, max_tokens=24, logprobs=1, ignore_eos=True
+    ),
+    "stop-strings": SamplingParams(
+        temperature=1.0, seed=3, max_tokens=40
+    ),  # its stop: what the run writes later
+    "json": SamplingParams(
+        temperature=0.8, seed=5, max_tokens=60, structured_outputs=StructuredOutputs(json=SCHEMA)
+    ),
 }
 
 
@@ -25,8 +34,13 @@ def _engine(path: str) -> LLMEngine:
     return LLMEngine(EngineConfig(model=path, dtype="float32", max_model_len=256, max_num_seqs=8))
 
 
-def _run(engine: LLMEngine, request_id: str, params: SamplingParams, steps: int | None = None,
-         resume: tuple[ResumedChoice, ...] = ()) -> dict[int, dict]:
+def _run(
+    engine: LLMEngine,
+    request_id: str,
+    params: SamplingParams,
+    steps: int | None = None,
+    resume: tuple[ResumedChoice, ...] = (),
+) -> dict[int, dict]:
     """Per choice: tokens, text and finish reason of the deltas, over `steps` steps (None: to the end)."""
     engine.add_request(request_id, "def parse(text):", params, resume=resume)
     got: dict[int, dict] = {}
@@ -36,8 +50,9 @@ def _run(engine: LLMEngine, request_id: str, params: SamplingParams, steps: int 
                 choice = got.setdefault(out.index, {"tokens": [], "text": "", "finish": None})
                 choice["tokens"] += out.token_ids
                 if params.logprobs is not None:  # one entry per token, each with the token in it
-                    assert [t in lp for t, lp in zip(out.token_ids, out.logprobs, strict=True)] == \
-                        [True] * len(out.token_ids)
+                    assert [t in lp for t, lp in zip(out.token_ids, out.logprobs, strict=True)] == [
+                        True
+                    ] * len(out.token_ids)
                 choice["text"] += out.text
                 choice["finish"] = out.finish_reason
         steps = None if steps is None else steps - 1
@@ -54,7 +69,9 @@ def test_a_resumed_request_goes_on_as_the_undisturbed_run(random_model, case):
     whole = _run(_engine(path), "whole", params)
     dying = _engine(path)
     delivered = _run(dying, "r", params, steps=6)  # the prompt's step and 5 more: then the engine "dies"
-    resume = tuple(ResumedChoice(i, tuple(c["tokens"])) for i, c in sorted(delivered.items()) if c["finish"] is None)
+    resume = tuple(
+        ResumedChoice(i, tuple(c["tokens"])) for i, c in sorted(delivered.items()) if c["finish"] is None
+    )
     assert resume, "every choice finished before the fault: nothing to resume"
     fresh = _engine(path)
     rest = _run(fresh, "r-cont", params, resume=resume)

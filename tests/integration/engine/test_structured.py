@@ -21,12 +21,22 @@ from engine.sampling_params import SamplingParams, StructuredOutputs
 from engine.structured.grammar import NUM_COMPILE_WORKERS, GrammarCompiler, StructuredOutputError, to_grammar
 from tests.harness import TINY
 
-PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags", "address"],
-          "properties": {"name": {"type": "string", "maxLength": 12},
-                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                         "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
-                         "address": {"type": "object", "additionalProperties": False, "required": ["zip"],
-                                     "properties": {"zip": {"type": "string", "pattern": "^[0-9]{5}$"}}}}}
+PERSON = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "age", "tags", "address"],
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
+        "address": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["zip"],
+            "properties": {"zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+        },
+    },
+}
 CHOICES = ["apple pie", "banana", 'say "hi"\n']
 REGEX = r"[0-9]{3}-[a-z]{2,5}"
 GBNF = 'root ::= "yes" | "no" | "maybe " [0-9]'
@@ -34,8 +44,20 @@ PROMPT = "def main():\n"
 
 
 def _config(**overrides) -> EngineConfig:
-    return EngineConfig(**({"model": str(TINY), "dtype": "float32", "device": "cpu", "block_size": 8,
-                            "kv_cache_memory": 4 * 2**20, "max_model_len": 256, "num_threads": 1} | overrides))
+    return EngineConfig(
+        **(
+            {
+                "model": str(TINY),
+                "dtype": "float32",
+                "device": "cpu",
+                "block_size": 8,
+                "kv_cache_memory": 4 * 2**20,
+                "max_model_len": 256,
+                "num_threads": 1,
+            }
+            | overrides
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +70,9 @@ def _constrained(**kwargs) -> SamplingParams:
     return SamplingParams(**({"max_tokens": 96} | kwargs), structured_outputs=StructuredOutputs(**spec))
 
 
-def _run(engine: LLMEngine, requests: dict[str, SamplingParams]) -> dict[tuple[str, int], tuple[str, list, str]]:
+def _run(
+    engine: LLMEngine, requests: dict[str, SamplingParams]
+) -> dict[tuple[str, int], tuple[str, list, str]]:
     """(request id, choice index) -> (text, token ids, finish reason)."""
     for request_id, params in requests.items():
         engine.add_request(request_id, PROMPT, params)
@@ -79,15 +103,25 @@ def _check(text: str, spec: dict) -> None:
         assert re.fullmatch(r"yes|no|maybe [0-9]", text), text
 
 
-SPECS = {"schema": {"json": PERSON}, "choice": {"choice": CHOICES}, "regex": {"regex": REGEX},
-         "gbnf": {"grammar": GBNF}, "lark": {"grammar": 'start: "yes" | "no" | "maybe " /[0-9]/'}}
+SPECS = {
+    "schema": {"json": PERSON},
+    "choice": {"choice": CHOICES},
+    "regex": {"regex": REGEX},
+    "gbnf": {"grammar": GBNF},
+    "lark": {"grammar": 'start: "yes" | "no" | "maybe " /[0-9]/'},
+}
 
 
 def test_a_mixed_batch_matches_every_constraint_and_leaves_free_rows_as_they_are_alone(engine):
-    free = {"greedy": SamplingParams(temperature=0, max_tokens=24), "seeded": SamplingParams(seed=7, max_tokens=24)}
+    free = {
+        "greedy": SamplingParams(temperature=0, max_tokens=24),
+        "seeded": SamplingParams(seed=7, max_tokens=24),
+    }
     alone = _run(engine, free)
-    constrained = {name: _constrained(spec=spec, n=2, temperature=1.0, seed=i, top_p=0.9)
-                   for i, (name, spec) in enumerate(SPECS.items())}
+    constrained = {
+        name: _constrained(spec=spec, n=2, temperature=1.0, seed=i, top_p=0.9)
+        for i, (name, spec) in enumerate(SPECS.items())
+    }
     constrained["greedy-schema"] = _constrained(spec=SPECS["schema"], temperature=0)
     mixed = _run(engine, constrained | free)
     for name in free:
@@ -102,8 +136,10 @@ def test_a_mixed_batch_matches_every_constraint_and_leaves_free_rows_as_they_are
 def test_preemption_by_recompute_keeps_each_sequence_on_its_grammar(engine):
     """A pool of 17 blocks (max_model_len 128 needs 16) for 6 sequences of ~100 tokens: most are
     preempted, some more than once; each recomputes and goes on where its matcher is."""
-    requests = {f"r{i}": _constrained(spec=SPECS["schema"], temperature=0.7, seed=i, ignore_eos=True)
-                for i in range(3)}
+    requests = {
+        f"r{i}": _constrained(spec=SPECS["schema"], temperature=0.7, seed=i, ignore_eos=True)
+        for i in range(3)
+    }
     requests["choices"] = _constrained(spec=SPECS["choice"], n=3, temperature=1.0, seed=3)
     roomy = _run(engine, requests)
     tight = LLMEngine(_config(kv_cache_memory=17 * 8 * 3072, max_model_len=128))
@@ -130,8 +166,10 @@ def test_min_tokens_cannot_hold_a_grammar_that_may_only_end(engine):
 
 
 def test_json_object_is_always_a_closed_object(engine):
-    results = _run(engine, {f"o{i}": _constrained(spec={"json_object": True}, seed=i, max_tokens=64, n=2)
-                            for i in range(4)})
+    results = _run(
+        engine,
+        {f"o{i}": _constrained(spec={"json_object": True}, seed=i, max_tokens=64, n=2) for i in range(4)},
+    )
     for text, _, finish in results.values():
         assert finish == "stop" and isinstance(json.loads(text), dict), text
 
@@ -140,10 +178,22 @@ def test_json_object_is_always_a_closed_object(engine):
 # and without the closer about a third of its replies were cut by max_tokens (structured_validity.py)
 OPEN_SCHEMAS = {
     "object": {"type": "object"},
-    "strings": {"type": "object", "required": ["name", "notes"], "properties": {
-        "name": {"type": "string"}, "notes": {"type": "array", "items": {"type": "string"}}}},
-    "nested": {"type": "object", "required": ["a"], "properties": {"a": {"type": "object", "required": ["b"],
-               "properties": {"b": {"type": "array", "items": {"type": "number"}}}}}},
+    "strings": {
+        "type": "object",
+        "required": ["name", "notes"],
+        "properties": {"name": {"type": "string"}, "notes": {"type": "array", "items": {"type": "string"}}},
+    },
+    "nested": {
+        "type": "object",
+        "required": ["a"],
+        "properties": {
+            "a": {
+                "type": "object",
+                "required": ["b"],
+                "properties": {"b": {"type": "array", "items": {"type": "number"}}},
+            }
+        },
+    },
     "number": {"type": "number"},
     "string": {"type": "string"},
 }
@@ -151,9 +201,18 @@ OPEN_SCHEMAS = {
 
 @pytest.mark.parametrize("max_tokens", [20, 40])
 def test_a_json_reply_is_closed_within_its_token_budget(engine, max_tokens):
-    requests = {f"{name}-{seed}": _constrained(spec={"json": schema}, temperature=1.0, seed=seed, max_tokens=max_tokens,
-                                               ignore_eos=seed % 2 == 1, n=1 + seed % 2)
-                for name, schema in OPEN_SCHEMAS.items() for seed in range(4)}
+    requests = {
+        f"{name}-{seed}": _constrained(
+            spec={"json": schema},
+            temperature=1.0,
+            seed=seed,
+            max_tokens=max_tokens,
+            ignore_eos=seed % 2 == 1,
+            n=1 + seed % 2,
+        )
+        for name, schema in OPEN_SCHEMAS.items()
+        for seed in range(4)
+    }
     for (request_id, _), (text, token_ids, finish) in _run(engine, requests).items():
         assert finish == "stop" and len(token_ids) <= max_tokens, (request_id, text)
         jsonschema.validate(json.loads(text), OPEN_SCHEMAS[request_id.rsplit("-", 1)[0]])
@@ -165,13 +224,16 @@ def test_a_budget_below_the_shortest_reply_ends_at_length_with_what_fits(engine)
     assert finish == "length" and len(token_ids) == 4 and text.startswith('{"name"')
 
 
-@pytest.mark.parametrize(("spec", "reason"), [
-    ({"json": {"type": "florp"}}, "florp"),
-    ({"json": {"$ref": "#/$defs/missing"}}, "missing"),
-    ({"regex": "(unclosed"}, "unclosed"),
-    ({"grammar": "start: undefined_rule"}, "undefined_rule"),
-    ({"grammar": "root ::= missing"}, "missing"),
-])
+@pytest.mark.parametrize(
+    ("spec", "reason"),
+    [
+        ({"json": {"type": "florp"}}, "florp"),
+        ({"json": {"$ref": "#/$defs/missing"}}, "missing"),
+        ({"regex": "(unclosed"}, "unclosed"),
+        ({"grammar": "start: undefined_rule"}, "undefined_rule"),
+        ({"grammar": "root ::= missing"}, "missing"),
+    ],
+)
 def test_a_constraint_that_does_not_compile_is_refused_with_the_reason(engine, spec, reason):
     params = _constrained(spec=spec)
     with pytest.raises(StructuredOutputError, match=reason) as caught:
@@ -182,15 +244,27 @@ def test_a_constraint_that_does_not_compile_is_refused_with_the_reason(engine, s
     assert not engine.requests
 
 
-@pytest.mark.parametrize(("spec", "reason"), [
-    ({"grammar": "start: start"}, "cannot produce a first token"),
-    ({"grammar": "root ::= root"}, "cannot produce a first token"),
-    ({"json": {"$ref": "#"}}, "cannot produce a first token"),
-    ({"json": {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}},
-     "cannot produce a first token"),
-    ({"regex": "a{200000}"}, "too costly: its first token mask took"),
-])
-def test_a_constraint_that_cannot_start_or_whose_mask_stalls_steps_is_refused_before_any_step(engine, spec, reason):
+@pytest.mark.parametrize(
+    ("spec", "reason"),
+    [
+        ({"grammar": "start: start"}, "cannot produce a first token"),
+        ({"grammar": "root ::= root"}, "cannot produce a first token"),
+        ({"json": {"$ref": "#"}}, "cannot produce a first token"),
+        (
+            {
+                "json": {
+                    "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                    "$ref": "#/$defs/a",
+                }
+            },
+            "cannot produce a first token",
+        ),
+        ({"regex": "a{200000}"}, "too costly: its first token mask took"),
+    ],
+)
+def test_a_constraint_that_cannot_start_or_whose_mask_stalls_steps_is_refused_before_any_step(
+    engine, spec, reason
+):
     """These compile, and used to fail (or cost 40-50 ms a row) inside a step: the first mask is
     computed with the compile, off the engine loop."""
     params = _constrained(spec=spec)
@@ -201,7 +275,9 @@ def test_a_constraint_that_cannot_start_or_whose_mask_stalls_steps_is_refused_be
 
 def test_a_constraint_too_costly_to_compile_is_refused_within_the_time_bound_and_then_at_once(engine):
     """An allOf of 20 patterns: llguidance's fuel does not bound its regex intersections (seconds)."""
-    hostile = StructuredOutputs(json={"type": "string", "allOf": [{"pattern": f"^.*a.{{{i}}}$"} for i in range(20)]})
+    hostile = StructuredOutputs(
+        json={"type": "string", "allOf": [{"pattern": f"^.*a.{{{i}}}$"} for i in range(20)]}
+    )
     compiler = GrammarCompiler(engine.tokenizer, engine.vocab_size, engine.eos_token_ids, timeout_s=0.3)
     compiler.check(StructuredOutputs(regex="a"))  # the tokenizer is built outside the measured time
     start = time.monotonic()
@@ -230,8 +306,9 @@ def _sandbox_workers() -> set[int]:
 
 def _hostile(letter: str, num_patterns: int) -> StructuredOutputs:
     """An allOf of patterns llguidance intersects for seconds and hundreds of MiB (20: 0.8 s, +160 MiB)."""
-    return StructuredOutputs(json={"type": "string", "allOf": [{"pattern": f"^.*{letter}.{{{i}}}$"}
-                                                               for i in range(num_patterns)]})
+    return StructuredOutputs(
+        json={"type": "string", "allOf": [{"pattern": f"^.*{letter}.{{{i}}}$"} for i in range(num_patterns)]}
+    )
 
 
 def test_a_compile_past_its_time_is_killed_with_its_worker_at_once(engine):
@@ -241,7 +318,9 @@ def test_a_compile_past_its_time_is_killed_with_its_worker_at_once(engine):
     (worker,) = _sandbox_workers() - others
     with pytest.raises(StructuredOutputError, match="did not compile within 0.1 s"):
         compiler.check(_hostile("b", 22))
-    assert worker not in _sandbox_workers()  # killed: no core and no memory kept busy until llguidance gives up
+    assert (
+        worker not in _sandbox_workers()
+    )  # killed: no core and no memory kept busy until llguidance gives up
     compiler.check(StructuredOutputs(regex="c"))  # a new worker serves the next one
     compiler.close()
     assert _sandbox_workers() <= others
@@ -264,8 +343,10 @@ def test_a_burst_of_distinct_schemas_queues_for_the_workers_instead_of_429(engin
     """64 simple schemas at once got about 36% 429s when 4 compiles ran per model and nothing queued."""
     others = _sandbox_workers()
     compiler = GrammarCompiler(engine.tokenizer, engine.vocab_size, engine.eos_token_ids)
-    schemas = [StructuredOutputs(json={"type": "object", "properties": {f"field{i}": {"type": "integer"}}})
-               for i in range(24)]
+    schemas = [
+        StructuredOutputs(json={"type": "object", "properties": {f"field{i}": {"type": "integer"}}})
+        for i in range(24)
+    ]
     with concurrent.futures.ThreadPoolExecutor(24) as pool:
         list(pool.map(compiler.check, schemas))  # raises on any refusal or overload
     assert len(_sandbox_workers() - others) <= NUM_COMPILE_WORKERS

@@ -20,8 +20,10 @@ PARAMS = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
 @pytest.fixture
 async def engines(random_model):
-    made = {name: AsyncEngine(EngineConfig(model=random_model(preset), dtype="float32", block_size=8))
-            for name, preset in (("big", "tiny-llama"), ("small", "tiny-qwen2"))}
+    made = {
+        name: AsyncEngine(EngineConfig(model=random_model(preset), dtype="float32", block_size=8))
+        for name, preset in (("big", "tiny-llama"), ("small", "tiny-qwen2"))
+    }
     for engine in made.values():
         engine.start()
     yield made
@@ -34,18 +36,28 @@ OPEN_S = 3.0
 
 def _router(engines, **options) -> ModelRouter:
     # open for 3 s: long enough that a loaded box still sees it open right after the requests that opened it
-    breaker = BreakerConfig(min_calls=4, window_s=60, open_s=OPEN_S, max_open_s=2 * OPEN_S, jitter=0,
-                            ignored=RouterConfig().breaker.ignored)
+    breaker = BreakerConfig(
+        min_calls=4,
+        window_s=60,
+        open_s=OPEN_S,
+        max_open_s=2 * OPEN_S,
+        jitter=0,
+        ignored=RouterConfig().breaker.ignored,
+    )
     # 10 s deadlines unless a test needs a short one: a tiny model steps in milliseconds, but in a loaded
     # CI run a thread of the 2-core box has gone unscheduled for over a second (a 1 s stall timeout
     # once cut a healthy fallback's streams)
-    config = RouterConfig(**{"first_token_timeout_s": 10.0, "stall_timeout_s": 10.0, "breaker": breaker, **options})
+    config = RouterConfig(
+        **{"first_token_timeout_s": 10.0, "stall_timeout_s": 10.0, "breaker": breaker, **options}
+    )
     return ModelRouter(engines, {"big": "small", "small": None}, config)
 
 
 async def _run(router: ModelRouter, i: int, model: str = "big") -> tuple[str, str]:
     served, text = None, ""
-    async for routed in router.generate(GenerateRequest(f"r{i}", model, "def f(x):", PARAMS, num_prompt_tokens=5)):
+    async for routed in router.generate(
+        GenerateRequest(f"r{i}", model, "def f(x):", PARAMS, num_prompt_tokens=5)
+    ):
         served = routed.served_model
         text += "".join(o.text for o in routed.output.outputs)
     return served, text
@@ -105,7 +117,9 @@ async def test_a_probe_with_a_fast_first_token_and_slow_later_ones_reopens_the_b
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     served, last, slowest = [], None, 0.0
     try:
-        async for routed in router.generate(GenerateRequest("probe", "big", "def f(x):", params, num_prompt_tokens=5)):
+        async for routed in router.generate(
+            GenerateRequest("probe", "big", "def f(x):", params, num_prompt_tokens=5)
+        ):
             now = asyncio.get_running_loop().time()
             served.append(routed.served_model)
             slowest = max(slowest, now - last) if last is not None else 0.0
@@ -174,19 +188,25 @@ async def test_a_stream_that_stalls_after_its_first_token_continues_on_the_next_
     """The stalled model's engine still lives: the stream goes on on the fallback (same tokenizer), its
     first output marked; with continuations off the stall is the client's error, as before."""
     router = _router(engines, stall_timeout_s=1.0)
-    stream = router.generate(GenerateRequest("s", "big", "x", SamplingParams(max_tokens=200, ignore_eos=True)))
+    stream = router.generate(
+        GenerateRequest("s", "big", "x", SamplingParams(max_tokens=200, ignore_eos=True))
+    )
     first = await anext(stream)
     assert first.served_model == "big"
     engines["big"].faults.inject(Fault("stall"))
     rest = [routed async for routed in stream]  # a step of big may still land before the stall
     moved = next(i for i, r in enumerate(rest) if r.served_model == "small")
-    assert {r.served_model for r in rest[:moved]} <= {"big"} and {r.served_model for r in rest[moved:]} == {"small"}
-    assert rest[moved].continued == "stall" and not any(r.continued for r in rest[moved + 1:])
+    assert {r.served_model for r in rest[:moved]} <= {"big"} and {r.served_model for r in rest[moved:]} == {
+        "small"
+    }
+    assert rest[moved].continued == "stall" and not any(r.continued for r in rest[moved + 1 :])
     assert sum(len(o.token_ids) for r in [first, *rest] for o in r.output.outputs) == 200
     assert router.num_continuations == {("big", "stall", "small"): 1}
     engines["big"].faults.clear()
     router = _router(engines, stall_timeout_s=1.0, max_continuations=0)
-    stream = router.generate(GenerateRequest("s2", "big", "x", SamplingParams(max_tokens=200, ignore_eos=True)))
+    stream = router.generate(
+        GenerateRequest("s2", "big", "x", SamplingParams(max_tokens=200, ignore_eos=True))
+    )
     await anext(stream)
     engines["big"].faults.inject(Fault("stall"))
     with pytest.raises(DeadlineExceeded, match="deadline exceeded at between_tokens") as info:

@@ -27,8 +27,9 @@ async def test_v1_needs_a_valid_key(start):
     assert (await h.client.get("/v1/models", headers={"Authorization": "Basic k1"})).status == 401
     listed = await h.client.get("/v1/models", headers=_bearer("k2"))
     assert [m["id"] for m in (await listed.json())["data"]] == ["primary", "fallback"]
-    ok = await h.client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "ignore_eos": True},
-                             headers=_bearer("k1"))
+    ok = await h.client.post(
+        "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "ignore_eos": True}, headers=_bearer("k1")
+    )
     assert ok.status == 200 and (await ok.json())["usage"]["completion_tokens"] == 2
 
 
@@ -38,7 +39,10 @@ async def test_health_and_metrics_stay_open(start):
         response = await h.client.get(path)
         assert response.status == 200, path
         assert await response.read(), path
-    assert 'pagedserve:num_requests_running{model_name="primary"}' in await (await h.client.get("/metrics")).text()
+    assert (
+        'pagedserve:num_requests_running{model_name="primary"}'
+        in await (await h.client.get("/metrics")).text()
+    )
 
 
 async def test_metrics_can_require_a_key(start):
@@ -60,14 +64,19 @@ async def test_admin_key_is_separate(start):
     assert (await h.client.get(ADMIN, headers=_bearer("k1"))).status == 401
     response = await h.client.get(ADMIN, headers=_bearer("adm"))
     assert response.status == 200
-    assert [(m["name"], m["state"]) for m in (await response.json())["models"]] == [("primary", "ready"),
-                                                                                   ("fallback", "ready")]
+    assert [(m["name"], m["state"]) for m in (await response.json())["models"]] == [
+        ("primary", "ready"),
+        ("fallback", "ready"),
+    ]
 
 
 async def test_no_keys_means_open_v1(start):
     h = await start()
     response = await h.client.get("/v1/models")
-    assert response.status == 200 and [m["id"] for m in (await response.json())["data"]] == ["primary", "fallback"]
+    assert response.status == 200 and [m["id"] for m in (await response.json())["data"]] == [
+        "primary",
+        "fallback",
+    ]
 
 
 async def test_keys_are_never_logged(start, caplog):

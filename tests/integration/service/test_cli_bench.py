@@ -10,8 +10,24 @@ from service.cli import build_parser, main
 
 def test_bench_profile_prints_the_table_and_writes_json(random_model, tmp_path, capsys):
     out = tmp_path / "profile.json"
-    argv = ["bench", "--profile", "--model", random_model(), "--batch-size", "1", "--prompt-len", "4",
-            "--output-len", "2", "--device", "cpu", "--num-threads", "1", "--output", str(out)]
+    argv = [
+        "bench",
+        "--profile",
+        "--model",
+        random_model(),
+        "--batch-size",
+        "1",
+        "--prompt-len",
+        "4",
+        "--output-len",
+        "2",
+        "--device",
+        "cpu",
+        "--num-threads",
+        "1",
+        "--output",
+        str(out),
+    ]
     assert main(argv) == 0
     table = capsys.readouterr().out
     assert all(name in table for name in CATEGORIES)

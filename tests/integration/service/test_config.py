@@ -15,12 +15,21 @@ def _config(argv: list[str], env: dict | None = None) -> ServerConfig:
     return build_config(build_parser().parse_args(["serve", *argv]), env or {})
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    ({"architectures": ["T5ForConditionalGeneration"]}, "architecture T5ForConditionalGeneration is not supported"),
-    ({"architectures": ["MambaForCausalLM"], "model_type": "mamba"}, "recurrent or state-space layers"),
-    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type 'dynamic' is not supported"),
-    ({"quantization_config": {"quant_method": "bitsandbytes"}}, "checkpoint quantization 'bitsandbytes' is not"),
-])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            {"architectures": ["T5ForConditionalGeneration"]},
+            "architecture T5ForConditionalGeneration is not supported",
+        ),
+        ({"architectures": ["MambaForCausalLM"], "model_type": "mamba"}, "recurrent or state-space layers"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type 'dynamic' is not supported"),
+        (
+            {"quantization_config": {"quant_method": "bitsandbytes"}},
+            "checkpoint quantization 'bitsandbytes' is not",
+        ),
+    ],
+)
 def test_a_model_it_cannot_serve_is_refused_before_the_port_opens(random_model, tmp_path, change, message):
     """check_model_dirs runs in main() before serve() binds: exit 2 and this one line (main's own
     path is test_main_exits_2_on_a_missing_model_dir)."""
@@ -41,6 +50,7 @@ def test_chat_template_file_replaces_every_models_template(tmp_path, random_mode
     assert {m.engine.chat_template for m in config.models} == {template.read_text()}
     with pytest.raises(ConfigError, match="--chat-template .*missing.jinja"):
         _config(["--model", "/m/a", "--chat-template", str(tmp_path / "missing.jinja")])
-    engine = LLMEngine(EngineConfig(model=random_model("tiny-llama"), dtype="float32",
-                                    chat_template=template.read_text()))
+    engine = LLMEngine(
+        EngineConfig(model=random_model("tiny-llama"), dtype="float32", chat_template=template.read_text())
+    )
     assert engine.apply_chat_template([{"role": "user", "content": "hi"}]) == "<user>hi"

@@ -16,10 +16,25 @@ PROMPT = "def parse(text):"
 CASES = {  # name -> completion fields; each runs to its max_tokens (the JSON one to its closing brace)
     "greedy": dict(temperature=0, max_tokens=48),
     "seeded-n2-logprobs": dict(temperature=0.9, top_p=0.9, seed=5, n=2, max_tokens=40, logprobs=1),
-    "json": dict(temperature=0.7, seed=3, max_tokens=64, extra_body={"response_format": {
-        "type": "json_schema", "json_schema": {"name": "p", "schema": {
-            "type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "n": {"type": "integer"}},
-            "required": ["name", "n"], "additionalProperties": False}}}}),
+    "json": dict(
+        temperature=0.7,
+        seed=3,
+        max_tokens=64,
+        extra_body={
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "p",
+                    "schema": {
+                        "type": "object",
+                        "properties": {"name": {"type": "string", "maxLength": 20}, "n": {"type": "integer"}},
+                        "required": ["name", "n"],
+                        "additionalProperties": False,
+                    },
+                },
+            }
+        },
+    ),
 }
 
 
@@ -27,8 +42,14 @@ async def _stream(client, fields: dict) -> tuple[dict[int, str], dict[int, list]
     """Per choice its text and its logprob tokens, and the completion tokens the usage counts."""
     extra = {"ignore_eos": True, **fields.get("extra_body", {})}  # a finished grammar ends the JSON case
     options = {k: v for k, v in fields.items() if k != "extra_body"}
-    stream = await client.completions.create(model="primary", prompt=PROMPT, stream=True, extra_body=extra,
-                                             stream_options={"include_usage": True}, **options)
+    stream = await client.completions.create(
+        model="primary",
+        prompt=PROMPT,
+        stream=True,
+        extra_body=extra,
+        stream_options={"include_usage": True},
+        **options,
+    )
     texts: dict[int, str] = {}
     tokens: dict[int, list] = {}
     usage = 0
@@ -68,8 +89,10 @@ async def test_the_stream_says_where_it_continued(start):
     h = await start()
     h.primary.faults.inject(Fault("slow", delay_ms=30))
     dying = h.primary
-    response = await h.client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 40, "temperature": 0,
-                                                             "ignore_eos": True, "stream": True})
+    response = await h.client.post(
+        "/v1/completions",
+        json={"prompt": PROMPT, "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stream": True},
+    )
     await until(lambda: dying.engine.num_generation_tokens >= 5)
     dying.faults.inject(Fault("crash"))
     raw = (await response.read()).decode()
@@ -77,16 +100,21 @@ async def test_the_stream_says_where_it_continued(start):
     events = [e for e in raw.strip().split("\n\n") if e.startswith("data: ")]
     assert events[-1] == "data: [DONE]" and not any('"error"' in e for e in events)
     scrape = await (await h.client.get("/metrics")).text()
-    assert 'pagedserve:continuations_total{model_name="primary",reason="engine_dead",to="primary"} 1.0' in scrape
+    assert (
+        'pagedserve:continuations_total{model_name="primary",reason="engine_dead",to="primary"} 1.0' in scrape
+    )
 
 
 async def test_without_continuations_the_fault_is_the_clients_error(start):
     h = await start(max_continuations=0)
     h.primary.faults.inject(Fault("slow", delay_ms=30))
     dying = h.primary
-    async with openai.AsyncOpenAI(base_url=f"{h.client.make_url('/v1')}", api_key="x", max_retries=0) as client:
-        stream = await client.completions.create(model="primary", prompt=PROMPT, max_tokens=40, stream=True,
-                                                 extra_body={"ignore_eos": True})
+    async with openai.AsyncOpenAI(
+        base_url=f"{h.client.make_url('/v1')}", api_key="x", max_retries=0
+    ) as client:
+        stream = await client.completions.create(
+            model="primary", prompt=PROMPT, max_tokens=40, stream=True, extra_body={"ignore_eos": True}
+        )
         await until(lambda: dying.engine.num_generation_tokens >= 5)
         dying.faults.inject(Fault("crash"))
         with pytest.raises(openai.APIError, match="engine"):
@@ -100,8 +128,14 @@ async def test_unloading_a_model_continues_its_streams_on_the_fallback_at_once(s
     the fallback (the same tokenizer) from the tokens it delivered; the unload itself is done within 2 s."""
     h = await start()
     h.primary.faults.inject(Fault("slow", delay_ms=30))
-    body = {"prompt": PROMPT, "max_tokens": 60, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": 60,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     responses = await asyncio.gather(*(h.client.post("/v1/completions", json=body) for _ in range(32)))
     await until(lambda: h.primary.engine.num_generation_tokens >= 32 * 5)
     started = asyncio.get_running_loop().time()
@@ -143,8 +177,12 @@ async def test_a_mixed_load_survives_two_crashes(sdk):
     time, its rebuilt engine): none ends with an error, each text is the undisturbed run's, and
     continuations_total counts the streams in flight at each crash."""
     client, h = sdk
-    kinds = [CASES["greedy"], CASES["seeded-n2-logprobs"], CASES["json"],
-             dict(temperature=1.0, seed=9, max_tokens=48, stop=["):", "\n\n"])] * 2
+    kinds = [
+        CASES["greedy"],
+        CASES["seeded-n2-logprobs"],
+        CASES["json"],
+        dict(temperature=1.0, seed=9, max_tokens=48, stop=["):", "\n\n"]),
+    ] * 2
     expected = await asyncio.gather(*(_stream(client, fields) for fields in kinds))
     in_flight = []
     h.primary.faults.inject(Fault("slow", delay_ms=40))

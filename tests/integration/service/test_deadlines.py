@@ -27,7 +27,9 @@ async def test_a_bad_timeout_header_is_400(start, value):
     h = await start()
     err = await _error(await h.client.post(COMPLETIONS, json=SHORT, headers={TIMEOUT_HEADER: value}), 400)
     assert err["code"] == "invalid_timeout"
-    assert err["message"] == f"x-pagedserve-timeout must be a positive finite number of seconds, got {value!r}"
+    assert (
+        err["message"] == f"x-pagedserve-timeout must be a positive finite number of seconds, got {value!r}"
+    )
     assert h.state.router.num_engine_requests == {}
 
 
@@ -40,7 +42,9 @@ async def test_a_slow_primary_is_left_for_the_fallback_at_the_first_token_deadli
     response = await h.client.post(COMPLETIONS, json=SHORT)
     assert response.status == 200, await response.text()
     assert (response.headers["x-pagedserve-served-model"], response.headers["x-pagedserve-degraded"]) == (
-        "fallback", "1")
+        "fallback",
+        "1",
+    )
     assert (await response.json())["usage"]["completion_tokens"] == 4
     assert time.monotonic() - started >= 0.5
     router = h.state.router
@@ -59,7 +63,9 @@ async def test_the_clients_timeout_is_a_504_without_failover(start):
     assert err["code"] == "deadline_exceeded" and "deadline exceeded at total" in err["message"], err
     assert time.monotonic() - started < 1.4  # not the primary's first token, nor the 10 s deadline
     assert h.state.router.num_engine_requests == {"primary": 1}  # never resubmitted to the fallback
-    assert h.state.router.breaker("primary").num_failed_calls == 0  # the client's budget, not the model's fault
+    assert (
+        h.state.router.breaker("primary").num_failed_calls == 0
+    )  # the client's budget, not the model's fault
     h.primary.faults.clear()
     await until(h.idle)
 
@@ -72,8 +78,8 @@ async def test_the_request_timeout_ends_a_started_stream_with_an_error_event(sta
     assert response.status == 200 and response.headers["x-pagedserve-served-model"] == "primary"
     events = (await response.read()).decode().strip().split("\n\n")
     last_chunk, error, done = events[-3:]
-    assert json.loads(last_chunk[len("data: "):])["choices"][0]["finish_reason"] == "error"
-    error = json.loads(error[len("data: "):])["error"]
+    assert json.loads(last_chunk[len("data: ") :])["choices"][0]["finish_reason"] == "error"
+    error = json.loads(error[len("data: ") :])["error"]
     assert error["code"] == "deadline_exceeded" and error["type"] == "timeout_error", error
     assert done == "data: [DONE]"
     assert 2 <= len(events) - 3 < 50  # some tokens went out, far from max_tokens

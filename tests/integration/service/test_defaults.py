@@ -6,8 +6,12 @@ CHAT = "/v1/chat/completions"
 
 async def test_chat_without_max_tokens_stops_at_the_default(start):
     h = await start(default_max_tokens=7)
-    body = {"model": "primary", "messages": [{"role": "user", "content": "Write a loop"}], "temperature": 0,
-            "ignore_eos": True}
+    body = {
+        "model": "primary",
+        "messages": [{"role": "user", "content": "Write a loop"}],
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     response = await h.client.post(CHAT, json=body)
     assert response.status == 200, await response.text()
     data = await response.json()
@@ -18,8 +22,12 @@ async def test_chat_without_max_tokens_stops_at_the_default(start):
 
 async def test_the_default_never_overruns_the_context(start):
     h = await start(default_max_tokens=500, engine_kwargs={"max_model_len": 64})
-    body = {"model": "primary", "messages": [{"role": "user", "content": "def f(x): return x " * 3}],
-            "temperature": 0, "ignore_eos": True}
+    body = {
+        "model": "primary",
+        "messages": [{"role": "user", "content": "def f(x): return x " * 3}],
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     data = await (await h.client.post(CHAT, json=body)).json()
     usage = data["usage"]
     assert usage["prompt_tokens"] + usage["completion_tokens"] == 64, usage  # filled the context, no 400

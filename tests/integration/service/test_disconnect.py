@@ -15,8 +15,11 @@ LONG = {"prompt": "def f(x):", "max_tokens": 200, "ignore_eos": True, "stream": 
 
 def _success_total(metrics: str) -> float:
     """Requests of the primary that finished (an aborted one never counts)."""
-    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-               if line.startswith("pagedserve:request_success_total{") and 'model_name="primary"' in line)
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("pagedserve:request_success_total{") and 'model_name="primary"' in line
+    )
 
 
 async def test_disconnect_mid_stream_aborts(start):
@@ -60,14 +63,21 @@ async def test_disconnect_aborts_every_prompt_of_a_request(start):
 async def test_metrics_show_the_abort(start):
     h = await start()
     h.primary.faults.inject(Fault("slow", delay_ms=20))
-    response = await h.client.post("/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200, "ignore_eos": True, "stream": True})
+    response = await h.client.post(
+        "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 200,
+            "ignore_eos": True,
+            "stream": True,
+        },
+    )
     await response.content.readline()
     await until(lambda: h.primary.stats().num_running == 1)
     during = await (await h.client.get("/metrics")).text()
     assert 'pagedserve:num_requests_running{model_name="primary"} 1.0' in during
     usage = 'pagedserve:kv_cache_usage_perc{model_name="primary"} '
-    assert float(next(line for line in during.splitlines() if line.startswith(usage))[len(usage):]) > 0
+    assert float(next(line for line in during.splitlines() if line.startswith(usage))[len(usage) :]) > 0
     response.close()
     await until(h.idle)
     after = await (await h.client.get("/metrics")).text()
@@ -79,8 +89,9 @@ async def test_drain_lets_short_requests_finish_and_cancels_the_rest(start):
     # 3 s of drain: ample for 3 tokens on a loaded box; 800 tokens 20 ms apart need 16 s at least
     h = await start(shutdown_timeout=3.0, engine_kwargs={"max_model_len": 1024})
     h.primary.faults.inject(Fault("slow", delay_ms=20))
-    short = asyncio.create_task(h.client.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 3,
-                                                                  "ignore_eos": True}))
+    short = asyncio.create_task(
+        h.client.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 3, "ignore_eos": True})
+    )
     long = await h.client.post(COMPLETIONS, json={**LONG, "max_tokens": 800})
     await long.content.readline()
     await until(lambda: len(h.state.generations) == 2)  # both in flight when the drain begins

@@ -43,20 +43,27 @@ def _events(raw: bytes) -> list[str]:
 
 async def test_invalid_json_is_400(start):
     h = await start()
-    for data, fragment in ((b"{bad", "not valid JSON"), (b"", "empty"), (b"\xff\xfe", "not valid UTF-8"),
-                           (b'{"prompt": NaN}', "NaN is not a JSON number")):
+    for data, fragment in (
+        (b"{bad", "not valid JSON"),
+        (b"", "empty"),
+        (b"\xff\xfe", "not valid UTF-8"),
+        (b'{"prompt": NaN}', "NaN is not a JSON number"),
+    ):
         err = await _error(await h.client.post(COMPLETIONS, data=data, headers=JSON), 400)
         assert fragment in err["message"], (data, err)
 
 
-@pytest.mark.parametrize(("field", "value", "fragment"), [
-    ("temperature", -1, "temperature must be non-negative, got -1"),
-    ("top_p", 1.5, "top_p must be in (0, 1]"),
-    ("n", 0, "n must be at least 1, got 0"),
-    ("max_tokens", 0, "max_tokens must be at least 1, got 0"),
-    ("max_tokens", "many", "max_tokens must be an integer, got a string"),
-    ("stream", 1, "stream must be a boolean"),
-])
+@pytest.mark.parametrize(
+    ("field", "value", "fragment"),
+    [
+        ("temperature", -1, "temperature must be non-negative, got -1"),
+        ("top_p", 1.5, "top_p must be in (0, 1]"),
+        ("n", 0, "n must be at least 1, got 0"),
+        ("max_tokens", 0, "max_tokens must be at least 1, got 0"),
+        ("max_tokens", "many", "max_tokens must be an integer, got a string"),
+        ("stream", 1, "stream must be a boolean"),
+    ],
+)
 async def test_wrong_types_and_ranges_are_400_naming_the_param(start, field, value, fragment):
     h = await start()
     err = await _error(await h.client.post(COMPLETIONS, json={"prompt": "hi", field: value}), 400)
@@ -121,7 +128,7 @@ async def test_a_crashed_engine_heals_in_process(start):
     fallback.faults.inject(Fault("crash"))  # the fallback first, so that nothing can fail over
     primary.faults.inject(Fault("crash"))
     events = _events(await in_flight.read())
-    error = json.loads(events[-2][len("data: "):])["error"]
+    error = json.loads(events[-2][len("data: ") :])["error"]
     assert (error["code"], error["type"]) == ("engine_dead", "internal_server_error"), error
     assert events[-1] == "data: [DONE]"
     await until(lambda: primary.is_dead and fallback.is_dead)
@@ -183,7 +190,9 @@ async def test_a_model_that_fails_to_load_sets_fatal(start, tmp_path):
     h = await start(wait_ready=False, fallback_dir=tmp_path / "broken")
     await until(h.state.fatal.is_set, timeout=60)
     body = await (await h.client.get("/health/ready")).json()
-    assert body["reason"].startswith("a model failed to load: fallback: ") and "config.json" in body["reason"], body
+    assert (
+        body["reason"].startswith("a model failed to load: fallback: ") and "config.json" in body["reason"]
+    ), body
 
 
 async def test_unexpected_error_is_500_with_request_id_in_body_and_log(start, caplog):
@@ -209,19 +218,24 @@ async def test_unexpected_error_is_500_with_request_id_in_body_and_log(start, ca
 
 
 async def test_error_after_the_stream_began_is_an_error_event_then_done(start):
-    h = await start(max_continuations=0)  # with them, the stream continues on the fallback (test_continuation.py)
+    h = await start(
+        max_continuations=0
+    )  # with them, the stream continues on the fallback (test_continuation.py)
     h.primary.faults.inject(Fault("slow", delay_ms=20))
     response = await h.client.post(COMPLETIONS, json=LONG)
     assert response.status == 200
     first = await response.content.readline()
-    assert json.loads(first[len("data: "):])["choices"][0]["finish_reason"] is None
+    assert json.loads(first[len("data: ") :])["choices"][0]["finish_reason"] is None
     h.primary.faults.inject(Fault("error", seconds=5))  # the real step fails every request it holds
     events = _events(first + await response.read())
     last_chunk, error, done = events[-3:]
-    assert json.loads(last_chunk[len("data: "):])["choices"] == [
-        {"index": 0, "text": "", "logprobs": None, "finish_reason": "error", "stop_reason": None}]
-    error = json.loads(error[len("data: "):])["error"]
-    assert error["message"] == "injected fault: the engine step failed" and error["code"] == "engine_error", error
+    assert json.loads(last_chunk[len("data: ") :])["choices"] == [
+        {"index": 0, "text": "", "logprobs": None, "finish_reason": "error", "stop_reason": None}
+    ]
+    error = json.loads(error[len("data: ") :])["error"]
+    assert error["message"] == "injected fault: the engine step failed" and error["code"] == "engine_error", (
+        error
+    )
     assert done == "data: [DONE]"
     assert len(events) < 200  # it ended early, with the error, not after max_tokens
     await until(h.idle)
@@ -270,7 +284,9 @@ async def test_ready_is_503_when_every_breaker_is_open(start):
         engine.faults.inject(Fault("error"))
     for _ in range(12):  # each breaker opens after 10 calls of which half failed (BreakerConfig)
         for model in ("primary", "fallback"):
-            response = await h.client.post(COMPLETIONS, json={"model": model, "prompt": "hi", "max_tokens": 2})
+            response = await h.client.post(
+                COMPLETIONS, json={"model": model, "prompt": "hi", "max_tokens": 2}
+            )
             assert response.status in (500, 503), await response.text()
     assert {h.state.router.breaker(name).state for name in ("primary", "fallback")} == {"open"}
     response = await h.client.get("/health/ready")
@@ -279,4 +295,6 @@ async def test_ready_is_503_when_every_breaker_is_open(start):
     assert "breaker of 'fallback' is open" in reason and "breaker of 'primary' is open" in reason, reason
     assert not h.state.router.can_serve("primary")
     refused = await h.client.post(COMPLETIONS, json={"prompt": "hi"})
-    assert (await _error(refused, 503))["message"].startswith("no model of ['primary', 'fallback'] can serve now")
+    assert (await _error(refused, 503))["message"].startswith(
+        "no model of ['primary', 'fallback'] can serve now"
+    )

@@ -16,15 +16,40 @@ def access_records(caplog) -> list[logging.LogRecord]:
 async def test_a_request_logs_one_line_with_its_fields_and_the_clients_request_id(start, caplog):
     h = await start()
     with caplog.at_level(logging.INFO, logger="service.access"):
-        response = await h.client.post("/v1/completions", json=COMPLETION, headers={"X-Request-Id": "client-id-42"})
+        response = await h.client.post(
+            "/v1/completions", json=COMPLETION, headers={"X-Request-Id": "client-id-42"}
+        )
         assert response.status == 200 and response.headers["X-Request-Id"] == "client-id-42"
     (record,) = access_records(caplog)
     line = json.loads(JsonFormatter().format(record))
-    assert {k: line[k] for k in ("request_id", "method", "path", "status", "model", "served_model", "degraded",
-                                 "prompt_tokens", "completion_tokens", "level", "logger")} == {
-        "request_id": "client-id-42", "method": "POST", "path": "/v1/completions", "status": 200, "model": "primary",
-        "served_model": "primary", "degraded": False, "prompt_tokens": len(h.primary.encode(COMPLETION["prompt"])),
-        "completion_tokens": 3, "level": "INFO", "logger": "service.access"}
+    assert {
+        k: line[k]
+        for k in (
+            "request_id",
+            "method",
+            "path",
+            "status",
+            "model",
+            "served_model",
+            "degraded",
+            "prompt_tokens",
+            "completion_tokens",
+            "level",
+            "logger",
+        )
+    } == {
+        "request_id": "client-id-42",
+        "method": "POST",
+        "path": "/v1/completions",
+        "status": 200,
+        "model": "primary",
+        "served_model": "primary",
+        "degraded": False,
+        "prompt_tokens": len(h.primary.encode(COMPLETION["prompt"])),
+        "completion_tokens": 3,
+        "level": "INFO",
+        "logger": "service.access",
+    }
     assert 0 < line["ttft_s"] <= line["total_s"] and line["time"].endswith("+00:00")
 
 

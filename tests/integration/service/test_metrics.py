@@ -8,8 +8,11 @@ from tests.harness import real_config, until
 
 
 def _samples(text: str) -> dict[tuple[str, tuple], float]:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 PROMPT = "def read_lines(path):\n    with open(path) as f:\n        return f.read().splitlines()\n"
@@ -19,9 +22,11 @@ async def test_names_labels_and_values(start):
     h = await start()
     num_prompt = len(h.primary.encode(PROMPT))
     assert num_prompt >= 16  # two full blocks of 8: the second request finds them in the prefix cache
-    for body in ({"prompt": PROMPT, "max_tokens": 4, "ignore_eos": True},
-                 {"prompt": PROMPT, "max_tokens": 4, "ignore_eos": True, "n": 2, "stream": True},
-                 {"prompt": "hi", "temperature": -1}):
+    for body in (
+        {"prompt": PROMPT, "max_tokens": 4, "ignore_eos": True},
+        {"prompt": PROMPT, "max_tokens": 4, "ignore_eos": True, "n": 2, "stream": True},
+        {"prompt": "hi", "temperature": -1},
+    ):
         await (await h.client.post("/v1/completions", json=body)).read()  # to its end: the request is over
     await until(h.idle)  # the loop publishes its stats after the iteration that delivered the last token
     response = await h.client.get("/metrics")

@@ -21,15 +21,21 @@ SLOW_S = 0.02  # the slow fault's pause before every step
 
 async def _scrape(h) -> dict[tuple[str, tuple], float]:
     text = await (await h.client.get("/metrics")).text()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def _histogram(samples: dict, name: str) -> dict[str, float]:
     """The primary's `le` buckets, count and sum of one histogram: {"1.0": ..., "+Inf": ..., "count": ..., "sum": ...}
     (the request path's histograms show a model only once it observed something for it)."""
-    found = {labels[0][1]: value for (sample, labels), value in samples.items()
-             if sample == f"pagedserve:{name}_bucket" and labels[1] == PRIMARY}
+    found = {
+        labels[0][1]: value
+        for (sample, labels), value in samples.items()
+        if sample == f"pagedserve:{name}_bucket" and labels[1] == PRIMARY
+    }
     found["count"] = samples.get((f"pagedserve:{name}_count", (PRIMARY,)), 0.0)
     found["sum"] = samples.get((f"pagedserve:{name}_sum", (PRIMARY,)), 0.0)
     return found
@@ -67,8 +73,10 @@ async def test_step_and_request_series_say_what_ran(start):
     await _complete(h, prompt=PROMPT_B, max_tokens=3, n=2, stream=True)
     await until(h.idle)
     after = await _scrape(h)
-    assert after[("pagedserve:prefix_cache_hits_total", (PRIMARY,))] == before[
-        ("pagedserve:prefix_cache_hits_total", (PRIMARY,))]  # every step below prefilled its whole prompt
+    assert (
+        after[("pagedserve:prefix_cache_hits_total", (PRIMARY,))]
+        == before[("pagedserve:prefix_cache_hits_total", (PRIMARY,))]
+    )  # every step below prefilled its whole prompt
     # one step per token of the single choice, its first one after the whole prompt; n=2 fans out at
     # the first token, then both choices decode side by side
     steps = [num_a, 1, 1, 1, 1] + [num_b, 2, 2]
@@ -90,8 +98,9 @@ async def test_step_and_request_series_say_what_ran(start):
 def _check_phases(before: dict, after: dict, num_decode_steps: int) -> None:
     """Two requests finished: prefill + decode = inference for each, inference within each one's HTTP
     latency, and every decode step waited for the slow fault (lower bounds only: timings are noisy)."""
-    prefill, decode, inference = (_delta(before, after, f"request_{phase}_time_seconds")
-                                  for phase in ("prefill", "decode", "inference"))
+    prefill, decode, inference = (
+        _delta(before, after, f"request_{phase}_time_seconds") for phase in ("prefill", "decode", "inference")
+    )
     for phase in (prefill, decode, inference, _delta(before, after, "request_queue_time_seconds")):
         assert phase["count"] == phase["+Inf"] == 2
         assert list(phase) == [*(str(b) for b in SECONDS_BUCKETS), "+Inf", "count", "sum"]
@@ -106,9 +115,16 @@ async def test_cache_config_info_describes_each_pool(start):
     h = await start()
     samples = await _scrape(h)
     for name, engine in h.engines.items():
-        expected = {"model_name": name, "block_size": "8", "num_gpu_blocks": str(engine.stats().num_total_blocks),
-                    "num_cpu_blocks": "0", "cache_dtype": "float32", "enable_prefix_caching": "True",
-                    "swap_space": "1.0", "gpu_memory_utilization": "0.9"}  # tests/harness.py's ENGINE_DEFAULTS
+        expected = {
+            "model_name": name,
+            "block_size": "8",
+            "num_gpu_blocks": str(engine.stats().num_total_blocks),
+            "num_cpu_blocks": "0",
+            "cache_dtype": "float32",
+            "enable_prefix_caching": "True",
+            "swap_space": "1.0",
+            "gpu_memory_utilization": "0.9",
+        }  # tests/harness.py's ENGINE_DEFAULTS
         assert samples[("pagedserve:cache_config_info", tuple(sorted(expected.items())))] == 1
     assert sum(key[0] == "pagedserve:cache_config_info" for key in samples) == 2
 
@@ -118,8 +134,12 @@ async def test_engine_config_info_says_what_each_engine_chose_at_load(start):
     samples = await _scrape(h)
     for name, engine in h.engines.items():
         runner = engine.engine.model_runner
-        labels = {"model_name": name, "dtype": "float32", "linear_kernel": runner.linear_kernel,
-                  "attention_backend": runner.attention.name}
+        labels = {
+            "model_name": name,
+            "dtype": "float32",
+            "linear_kernel": runner.linear_kernel,
+            "attention_backend": runner.attention.name,
+        }
         assert samples[("pagedserve:engine_config_info", tuple(sorted(labels.items())))] == 1
         assert engine.linear_choice == (runner.linear_choice.to_dict() if runner.linear_choice else None)
     ready = await (await h.client.get("/health/ready")).json()
@@ -132,17 +152,27 @@ async def test_aborted_and_refused_requests_are_not_finished_requests(start):
     await until(h.idle)
     before = await _scrape(h)
     h.primary.faults.inject(Fault("slow", delay_ms=20))
-    response = await h.client.post("/v1/completions", json={"prompt": "def f(x):", "max_tokens": 200,
-                                                            "ignore_eos": True, "stream": True})
+    response = await h.client.post(
+        "/v1/completions", json={"prompt": "def f(x):", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    )
     assert (await response.content.readline()).startswith(b"data: ")
     response.close()  # the client goes away: the engine aborts the request
     assert (await h.client.post("/v1/completions", json={"prompt": "hi", "temperature": -1})).status == 400
     await until(h.idle)
     after = await _scrape(h)
-    for name in ("request_prompt_tokens", "request_generation_tokens", "request_params_n", "request_params_max_tokens",
-                 "request_prefill_time_seconds", "request_decode_time_seconds", "request_inference_time_seconds"):
+    for name in (
+        "request_prompt_tokens",
+        "request_generation_tokens",
+        "request_params_n",
+        "request_params_max_tokens",
+        "request_prefill_time_seconds",
+        "request_decode_time_seconds",
+        "request_inference_time_seconds",
+    ):
         assert _delta(before, after, name)["count"] == 0, name
     ran = _delta(before, after, "iteration_tokens_total")  # the steps it did run are real steps
-    generated = (after[("pagedserve:generation_tokens_total", (PRIMARY,))]
-                 - before[("pagedserve:generation_tokens_total", (PRIMARY,))])
+    generated = (
+        after[("pagedserve:generation_tokens_total", (PRIMARY,))]
+        - before[("pagedserve:generation_tokens_total", (PRIMARY,))]
+    )
     assert ran["count"] == generated >= 1 and ran["sum"] == len(h.primary.encode("def f(x):")) + generated - 1

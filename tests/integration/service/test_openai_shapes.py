@@ -27,16 +27,30 @@ async def test_completions(sdk):
 async def test_chat(sdk):
     client, h = sdk
     messages = [{"role": "user", "content": "hi"}]
-    expected = await h.greedy(h.engines["fallback"].apply_chat_template(messages), 2, name="fallback",
-                              ignore_eos=True)
-    done = await client.chat.completions.create(model="fallback", messages=messages, max_tokens=2, n=2,
-                                                temperature=0, logprobs=True, top_logprobs=1,
-                                                extra_body={"ignore_eos": True})
+    expected = await h.greedy(
+        h.engines["fallback"].apply_chat_template(messages), 2, name="fallback", ignore_eos=True
+    )
+    done = await client.chat.completions.create(
+        model="fallback",
+        messages=messages,
+        max_tokens=2,
+        n=2,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=1,
+        extra_body={"ignore_eos": True},
+    )
     assert [c.message.content for c in done.choices] == [expected, expected] and done.model == "fallback"
     first = done.choices[0].logprobs.content[0]
     assert first.top_logprobs[0].token == first.token and expected.startswith(first.token)
-    stream = await client.chat.completions.create(model="primary", messages=messages, max_tokens=2, stream=True,
-                                                  temperature=0, extra_body={"ignore_eos": True})
+    stream = await client.chat.completions.create(
+        model="primary",
+        messages=messages,
+        max_tokens=2,
+        stream=True,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     text = "".join([c.choices[0].delta.content or "" async for c in stream])
     assert text == await h.greedy(h.primary.apply_chat_template(messages), 2, ignore_eos=True)
 
@@ -59,7 +73,9 @@ async def test_overload_becomes_rate_limit_error(start):
     # one running slot, one waiting slot: a third request finds the real engine's queue full
     h = await start(api_keys=("k",), engine_kwargs={"max_num_seqs": 1, "max_num_waiting": 1})
     client = openai.AsyncOpenAI(base_url=str(h.client.make_url("/v1")), api_key="k", max_retries=0)
-    long = dict(model="primary", prompt="def f(x):", max_tokens=200, stream=True, extra_body={"ignore_eos": True})
+    long = dict(
+        model="primary", prompt="def f(x):", max_tokens=200, stream=True, extra_body={"ignore_eos": True}
+    )
     h.primary.faults.inject(Fault("slow", delay_ms=20))
     running = await client.completions.create(**long)
     await anext(running)
@@ -83,7 +99,9 @@ async def _counters(h, model: str = "primary") -> dict[str, float]:
     counters = {}
     for name in ("isolated_steps_total", "requests_failed_in_engine_total"):
         prefix = f'pagedserve:{name}{{model_name="{model}"}} '
-        counters[name] = float(next(line for line in text.splitlines() if line.startswith(prefix))[len(prefix):])
+        counters[name] = float(
+            next(line for line in text.splitlines() if line.startswith(prefix))[len(prefix) :]
+        )
     return counters
 
 
@@ -100,9 +118,16 @@ async def test_sampling_parameters_mixed_in_one_batch(sdk):
         return client.completions.create(**{**base, **params}, extra_body={"ignore_eos": True, **extra})
 
     results = await asyncio.gather(
-        create(top_k=1, seed=1), create(top_p=1e-6, seed=2), create(min_p=1.0, seed=3),
-        create(temperature=0), create(n=2, top_p=0.9, seed=4), create(top_k=50, min_p=0.05, top_p=0.95, seed=5))
-    assert all(r.model == "primary" for r in results)  # served by the primary, not failed over to the fallback
+        create(top_k=1, seed=1),
+        create(top_p=1e-6, seed=2),
+        create(min_p=1.0, seed=3),
+        create(temperature=0),
+        create(n=2, top_p=0.9, seed=4),
+        create(top_k=50, min_p=0.05, top_p=0.95, seed=5),
+    )
+    assert all(
+        r.model == "primary" for r in results
+    )  # served by the primary, not failed over to the fallback
     assert [r.choices[0].text for r in results[:4]] == [expected] * 4
     assert [len(r.choices) for r in results] == [1, 1, 1, 1, 2, 1]
     assert [r.usage.completion_tokens for r in results] == [16, 16, 16, 16, 32, 16]
@@ -116,8 +141,16 @@ async def test_sampling_parameters_mixed_in_one_batch(sdk):
 
 async def test_n_with_top_p_streams_every_choice(sdk):
     client, h = sdk
-    stream = await client.completions.create(model="primary", prompt=PROMPT, max_tokens=12, n=2, top_p=0.9,
-                                             seed=9, stream=True, extra_body={"ignore_eos": True})
+    stream = await client.completions.create(
+        model="primary",
+        prompt=PROMPT,
+        max_tokens=12,
+        n=2,
+        top_p=0.9,
+        seed=9,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     texts = {0: "", 1: ""}
     finish = {}
     async for chunk in stream:
@@ -128,15 +161,22 @@ async def test_n_with_top_p_streams_every_choice(sdk):
     assert chunk.model == "primary" and finish == {0: "length", 1: "length"}
     assert all(len(h.primary.encode(t)) >= 1 for t in texts.values()), texts
     await until(h.idle)
-    assert (await _counters(h))["isolated_steps_total"] == 0  # no step raised (two rows of one request, top_p)
+    assert (await _counters(h))[
+        "isolated_steps_total"
+    ] == 0  # no step raised (two rows of one request, top_p)
 
 
 async def test_top_k_alone_keeps_the_loop_alive(sdk):
     client, h = sdk
     expected = await h.greedy(PROMPT, 8, ignore_eos=True)
     for top_k in (1, 1, 5):  # one request at a time: a batch of one row
-        done = await client.completions.create(model="primary", prompt=PROMPT, max_tokens=8,
-                                               seed=top_k, extra_body={"ignore_eos": True, "top_k": top_k})
+        done = await client.completions.create(
+            model="primary",
+            prompt=PROMPT,
+            max_tokens=8,
+            seed=top_k,
+            extra_body={"ignore_eos": True, "top_k": top_k},
+        )
         assert done.model == "primary" and done.usage.completion_tokens == 8
         if top_k == 1:
             assert done.choices[0].text == expected
@@ -149,10 +189,24 @@ async def test_top_k_alone_keeps_the_loop_alive(sdk):
 async def test_fan_out_draws_n_different_samples(sdk):
     client, _ = sdk
     # the random-weight fallback: near-uniform logits, so 4 samples of 8 tokens are surely all different
-    done = await client.completions.create(model="fallback", prompt=PROMPT, max_tokens=8, n=4, temperature=1.0,
-                                           seed=21, extra_body={"ignore_eos": True})
+    done = await client.completions.create(
+        model="fallback",
+        prompt=PROMPT,
+        max_tokens=8,
+        n=4,
+        temperature=1.0,
+        seed=21,
+        extra_body={"ignore_eos": True},
+    )
     texts = [c.text for c in done.choices]
     assert len(set(texts)) == 4, texts
-    again = await client.completions.create(model="fallback", prompt=PROMPT, max_tokens=8, n=4, temperature=1.0,
-                                            seed=21, extra_body={"ignore_eos": True})
+    again = await client.completions.create(
+        model="fallback",
+        prompt=PROMPT,
+        max_tokens=8,
+        n=4,
+        temperature=1.0,
+        seed=21,
+        extra_body={"ignore_eos": True},
+    )
     assert [c.text for c in again.choices] == texts  # the seed fixes all four

@@ -8,10 +8,16 @@ KEY = {"Authorization": "Bearer k"}
 
 
 def test_flag_reaches_every_models_engine():
-    args = build_parser().parse_args(["serve", "--model", "/m/a", "--model", "/m/b", "--quantization", "int8"])
+    args = build_parser().parse_args(
+        ["serve", "--model", "/m/a", "--model", "/m/b", "--quantization", "int8"]
+    )
     assert [spec.engine.quantization for spec in build_config(args, {}).models] == ["int8", "int8"]
-    assert build_config(build_parser().parse_args(["serve", "--model", "/m/a"]), {}).models[0].engine.quantization \
+    assert (
+        build_config(build_parser().parse_args(["serve", "--model", "/m/a"]), {})
+        .models[0]
+        .engine.quantization
         is None
+    )
 
 
 async def test_int8_replica_reports_and_serves(start, tiny_models):
@@ -22,8 +28,11 @@ async def test_int8_replica_reports_and_serves(start, tiny_models):
     assert {name: e["quantization"] for name, e in engines.items()} == {"primary": "int8", "fallback": "int8"}
     assert {e["attention_backend"] for e in engines.values()} == {"torch"}  # auto on CPU
     prompt = [5, 17, 300, 42, 9, 9]
-    resp = await h.client.post("/v1/completions", headers=KEY, json={
-        "model": "primary", "prompt": prompt, "max_tokens": 8, "temperature": 0})
+    resp = await h.client.post(
+        "/v1/completions",
+        headers=KEY,
+        json={"model": "primary", "prompt": prompt, "max_tokens": 8, "temperature": 0},
+    )
     body = await resp.json()
     assert resp.status == 200, body
     offline = LLM(str(tiny_models.primary), dtype="float32", max_model_len=128, quantization="int8")

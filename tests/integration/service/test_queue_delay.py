@@ -27,8 +27,10 @@ def test_the_flag_its_default_and_off():
     assert config("--max-queue-delay", "0.5").queue_delay_target_s == 0.5
     assert config("--max-queue-delay", "0").queue_delay_target_s is None  # off
     for bad in ("-1", "inf", "nan"):
-        with pytest.raises(ConfigError, match=f"max_queue_delay must be a non-negative number of seconds "
-                                              f"\\(0: off\\), got {bad}"):
+        with pytest.raises(
+            ConfigError,
+            match=f"max_queue_delay must be a non-negative number of seconds \\(0: off\\), got {bad}",
+        ):
             config("--max-queue-delay", bad)
 
 
@@ -43,8 +45,11 @@ async def _queue_behind_one(h, model: str) -> list[asyncio.Task]:
 
 async def _metrics(h) -> dict[tuple[str, tuple], float]:
     text = await (await h.client.get("/metrics")).text()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 async def test_a_standing_queue_sheds_to_the_fallback_then_refuses_with_retry_after(start):
@@ -55,7 +60,9 @@ async def test_a_standing_queue_sheds_to_the_fallback_then_refuses_with_retry_af
     response = await h.client.post(COMPLETIONS, json={**SHORT, "model": "primary"})
     assert response.status == 200, await response.text()
     assert (response.headers["x-pagedserve-served-model"], response.headers["x-pagedserve-degraded"]) == (
-        "fallback", "1")
+        "fallback",
+        "1",
+    )
 
     tasks += await _queue_behind_one(h, "fallback")
     response = await h.client.post(COMPLETIONS, json={**SHORT, "model": "primary"})
@@ -65,9 +72,12 @@ async def test_a_standing_queue_sheds_to_the_fallback_then_refuses_with_retry_af
     assert int(response.headers["Retry-After"]) >= 1
 
     samples = await _metrics(h)
-    rejections = {name: samples[("pagedserve:admission_rejections_total", (("model_name", name),
-                                                                           ("reason", "queue_delay")))]
-                  for name in ("primary", "fallback")}
+    rejections = {
+        name: samples[
+            ("pagedserve:admission_rejections_total", (("model_name", name), ("reason", "queue_delay")))
+        ]
+        for name in ("primary", "fallback")
+    }
     assert rejections == {"primary": 2, "fallback": 1}
     router = h.state.router
     assert router.breaker("primary").num_failed_calls == 0 and router.num_slow_calls == {}  # not sickness

@@ -5,14 +5,19 @@ from prometheus_client.parser import text_string_to_metric_families
 
 async def _samples(h) -> dict[tuple[str, tuple], float]:
     text = await (await h.client.get("/metrics")).text()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 async def test_resilience_series_after_a_request(start):
     h = await start()
-    response = await h.client.post("/v1/completions", json={"model": "primary", "prompt": "def f():",
-                                                            "max_tokens": 2, "n": 2, "ignore_eos": True})
+    response = await h.client.post(
+        "/v1/completions",
+        json={"model": "primary", "prompt": "def f():", "max_tokens": 2, "n": 2, "ignore_eos": True},
+    )
     assert response.status == 200, await response.text()
     samples = await _samples(h)
     primary = (("model_name", "primary"),)

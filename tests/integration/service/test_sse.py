@@ -18,14 +18,16 @@ def _events(raw: bytes) -> list:
     blocks = text[:-2].split("\n\n")
     assert all(b.startswith("data: ") and "\n" not in b for b in blocks)
     assert blocks[-1] == "data: [DONE]"
-    return [json.loads(b[len("data: "):]) for b in blocks[:-1]]
+    return [json.loads(b[len("data: ") :]) for b in blocks[:-1]]
 
 
 def test_event_framing():
     assert encode_event({"a": "你好🙂"}) == 'data: {"a":"你好🙂"}\n\n'.encode()
     assert encode_event({"t": "line\nbreak"}) == b'data: {"t":"line\\nbreak"}\n\n'  # never a raw newline
     numbers = {"p": 1e-05, "n": None, "l": [-9999.0, 0, 2**53]}
-    assert json.loads(encode_event(numbers)[6:]) == numbers and b" " not in encode_event(numbers)[6:]  # compact
+    assert (
+        json.loads(encode_event(numbers)[6:]) == numbers and b" " not in encode_event(numbers)[6:]
+    )  # compact
     # a lone surrogate (an echoed error message) cannot be UTF-8: escaped, and still JSON
     assert encode_event({"m": "bad \ud800"}) == b'data: {"m":"bad \\ud800"}\n\n'
     assert json.loads(encode_event({"m": "\ud800é"})[6:]) == {"m": "\ud800é"}
@@ -35,9 +37,17 @@ def test_event_framing():
 
 async def test_completion_stream(start):
     h = await start()
-    response = await h.client.post("/v1/completions", json={
-        "prompt": "def add(a, b):", "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": True,
-        "stream_options": {"include_usage": True}})
+    response = await h.client.post(
+        "/v1/completions",
+        json={
+            "prompt": "def add(a, b):",
+            "max_tokens": 12,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     assert response.headers["Content-Type"].startswith("text/event-stream")
     assert response.headers["x-pagedserve-served-model"] == "primary"
     events = _events(await response.read())
@@ -47,14 +57,24 @@ async def test_completion_stream(start):
     assert text == await h.greedy("def add(a, b):", 12, ignore_eos=True) and text.strip()
     assert [c["choices"][0]["finish_reason"] for c in chunks][-2:] == [None, "length"]
     num_prompt = len(h.primary.encode("def add(a, b):"))
-    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": num_prompt, "completion_tokens": 12,
-                                                         "total_tokens": num_prompt + 12}
+    assert usage["choices"] == [] and usage["usage"] == {
+        "prompt_tokens": num_prompt,
+        "completion_tokens": 12,
+        "total_tokens": num_prompt + 12,
+    }
 
 
 async def test_a_stream_interval_streams_the_same_text_in_fewer_events(start):
     h = await start(engine_kwargs={"stream_interval": 4})
-    body = {"prompt": "def add(a, b):", "max_tokens": 13, "temperature": 0, "ignore_eos": True, "logprobs": 1,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": "def add(a, b):",
+        "max_tokens": 13,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": 1,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     *chunks, usage = _events(await (await h.client.post("/v1/completions", json=body)).read())
     choices = [c["choices"][0] for c in chunks]
     assert "".join(c["text"] for c in choices) == await h.greedy("def add(a, b):", 13, ignore_eos=True)
@@ -62,8 +82,20 @@ async def test_a_stream_interval_streams_the_same_text_in_fewer_events(start):
     assert [len(c["logprobs"]["tokens"]) for c in choices] == [1, 4, 4, 4]
     assert choices[-1]["finish_reason"] == "length" and usage["usage"]["completion_tokens"] == 13
     messages = [{"role": "user", "content": "sort a list"}]
-    events = _events(await (await h.client.post("/v1/chat/completions", json={
-        "messages": messages, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "stream": True})).read())
+    events = _events(
+        await (
+            await h.client.post(
+                "/v1/chat/completions",
+                json={
+                    "messages": messages,
+                    "max_tokens": 6,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "stream": True,
+                },
+            )
+        ).read()
+    )
     content = "".join(e["choices"][0]["delta"].get("content", "") for e in events)
     assert content == await h.greedy(h.primary.apply_chat_template(messages), 6, ignore_eos=True)
     assert events[-1]["choices"][0]["finish_reason"] == "length"
@@ -72,13 +104,18 @@ async def test_a_stream_interval_streams_the_same_text_in_fewer_events(start):
 async def test_chat_stream_role_then_content(start):
     h = await start()
     messages = [{"role": "user", "content": "sort a list"}]
-    response = await h.client.post("/v1/chat/completions", json={
-        "messages": messages, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "stream": True})
+    response = await h.client.post(
+        "/v1/chat/completions",
+        json={"messages": messages, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "stream": True},
+    )
     events = _events(await response.read())
     assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     content = "".join(e["choices"][0]["delta"].get("content", "") for e in events)
     assert content == await h.greedy(h.primary.apply_chat_template(messages), 6, ignore_eos=True)
-    assert events[-1]["choices"][0]["finish_reason"] == "length" and events[-1]["object"] == "chat.completion.chunk"
+    assert (
+        events[-1]["choices"][0]["finish_reason"] == "length"
+        and events[-1]["object"] == "chat.completion.chunk"
+    )
     assert all(e["usage"] is None for e in events)  # no usage chunk unless asked
 
 
@@ -103,8 +140,11 @@ async def test_several_prompts_times_n_index_the_choices(start):
 
 async def test_request_id_echoed_or_made(start):
     h = await start()
-    response = await h.client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stream": True},
-                                   headers={"X-Request-Id": "abc-123"})
+    response = await h.client.post(
+        "/v1/completions",
+        json={"prompt": "hi", "max_tokens": 2, "stream": True},
+        headers={"X-Request-Id": "abc-123"},
+    )
     assert response.headers["X-Request-Id"] == "abc-123"
     assert len(_events(await response.read())) >= 1
     response = await h.client.get("/health", headers={"X-Request-Id": "has spaces\tand tabs"})
@@ -152,7 +192,10 @@ async def test_every_generation_goes_through_the_router(start):
 
     h = await start(router_factory=RecordingRouter)
     response = await h.client.post("/v1/completions", json={"prompt": "hi", "priority": 3, "max_tokens": 2})
-    assert response.headers["x-pagedserve-served-model"] == "primary" and "x-pagedserve-degraded" not in response.headers
+    assert (
+        response.headers["x-pagedserve-served-model"] == "primary"
+        and "x-pagedserve-degraded" not in response.headers
+    )
     assert (await response.json())["model"] == "primary"
     assert [(r.model, r.prompt, r.priority) for r in seen] == [("primary", "hi", 3)]
     assert 500 < seen[0].deadline - time.monotonic() <= 600  # --request-timeout's default 600 s, from arrival
@@ -163,23 +206,41 @@ async def test_every_generation_goes_through_the_router(start):
 async def test_non_streamed_shapes(start):
     h = await start()
     messages = [{"role": "user", "content": "hi"}]
-    body = await (await h.client.post("/v1/chat/completions", json={
-        "messages": messages, "max_tokens": 3, "temperature": 0, "ignore_eos": True, "logprobs": True,
-        "top_logprobs": 2,
-    })).json()
+    body = await (
+        await h.client.post(
+            "/v1/chat/completions",
+            json={
+                "messages": messages,
+                "max_tokens": 3,
+                "temperature": 0,
+                "ignore_eos": True,
+                "logprobs": True,
+                "top_logprobs": 2,
+            },
+        )
+    ).json()
     assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
     choice = body["choices"][0]
     expected = await h.greedy(h.primary.apply_chat_template(messages), 3, ignore_eos=True)
-    assert choice["message"] == {"role": "assistant", "content": expected} and choice["finish_reason"] == "length"
+    assert (
+        choice["message"] == {"role": "assistant", "content": expected}
+        and choice["finish_reason"] == "length"
+    )
     content = choice["logprobs"]["content"]
     assert len(content) == 3 and "".join(c["token"] for c in content) == expected
     for entry in content:  # greedy: the sampled token is the most likely one, listed first
         assert entry["bytes"] == list(entry["token"].encode("utf-8"))
         first, second = entry["top_logprobs"]
-        assert first["token"] == entry["token"] and math.isclose(first["logprob"], entry["logprob"], abs_tol=1e-4)
+        assert first["token"] == entry["token"] and math.isclose(
+            first["logprob"], entry["logprob"], abs_tol=1e-4
+        )
         assert 0 >= first["logprob"] >= second["logprob"]
-    body = await (await h.client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "temperature": 0,
-                                                                "ignore_eos": True, "logprobs": 4})).json()
+    body = await (
+        await h.client.post(
+            "/v1/completions",
+            json={"prompt": "hi", "max_tokens": 3, "temperature": 0, "ignore_eos": True, "logprobs": 4},
+        )
+    ).json()
     logprobs = body["choices"][0]["logprobs"]
     tokens = logprobs["tokens"]
     assert "".join(tokens) == body["choices"][0]["text"] == await h.greedy("hi", 3, ignore_eos=True)

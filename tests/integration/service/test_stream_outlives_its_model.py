@@ -8,8 +8,14 @@ import json
 
 async def test_a_logprobs_stream_ends_cleanly_after_its_model_leaves_the_tables(start, monkeypatch):
     h = await start()
-    body = {"model": "primary", "prompt": "def f(x):", "max_tokens": 24, "ignore_eos": True, "stream": True,
-            "logprobs": 1}
+    body = {
+        "model": "primary",
+        "prompt": "def f(x):",
+        "max_tokens": 24,
+        "ignore_eos": True,
+        "stream": True,
+        "logprobs": 1,
+    }
     resp = await h.client.post("/v1/completions", json=body)
     assert resp.status == 200
     first = await resp.content.readline()

@@ -14,7 +14,6 @@ ORIGIN = "https://app.example.com"
 KEY = {"Authorization": "Bearer k"}
 
 
-
 async def _post(h, path: str, body: dict, headers: dict | None = None) -> tuple[int, dict]:
     resp = await h.client.post(path, json=body, headers={**KEY, **(headers or {})})
     return resp.status, await resp.json()
@@ -41,8 +40,11 @@ async def test_tokenize_and_detokenize_round_trip(start):
     prompt = "def add(a, b):\n    return a + b"
     status, body = await _post(h, "/tokenize", {"model": "primary", "prompt": prompt})
     tokens = h.primary.encode(prompt)
-    assert status == 200 and body == {"tokens": tokens, "count": len(tokens),
-                                      "max_model_len": h.primary.max_model_len}
+    assert status == 200 and body == {
+        "tokens": tokens,
+        "count": len(tokens),
+        "max_model_len": h.primary.max_model_len,
+    }
     status, body = await _post(h, "/detokenize", {"model": "primary", "tokens": tokens})
     assert (status, body) == (200, {"prompt": prompt})
     messages = [{"role": "user", "content": "hi"}]
@@ -53,21 +55,33 @@ async def test_tokenize_and_detokenize_round_trip(start):
     assert status == 200 and body["tokens"] == h.primary.encode("x")
 
 
-@pytest.mark.parametrize(("path", "body", "status", "param"), [
-    ("/tokenize", {"model": "primary"}, 400, "prompt"),
-    ("/tokenize", {"model": "primary", "prompt": 5}, 400, "prompt"),
-    ("/tokenize", {"model": "primary", "prompt": "x", "messages": [{"role": "user", "content": "x"}]}, 400,
-     "prompt"),
-    ("/tokenize", {"model": "primary", "messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),
-    ("/tokenize", {"model": 5, "prompt": "x"}, 400, "model"),
-    ("/tokenize", {"model": "nope", "prompt": "x"}, 404, "model"),
-    ("/detokenize", {"model": "primary"}, 400, "tokens"),
-    ("/detokenize", {"model": "primary", "tokens": [1, "2"]}, 400, "tokens"),
-    ("/detokenize", {"model": "primary", "tokens": [1, True]}, 400, "tokens"),
-    ("/detokenize", {"model": "primary", "tokens": [-1]}, 400, "tokens"),
-    ("/detokenize", {"model": "primary", "tokens": [10**6]}, 400, "tokens"),
-    ("/detokenize", {"model": "primary", "tokens": [10**40]}, 400, "tokens"),
-])
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        ("/tokenize", {"model": "primary"}, 400, "prompt"),
+        ("/tokenize", {"model": "primary", "prompt": 5}, 400, "prompt"),
+        (
+            "/tokenize",
+            {"model": "primary", "prompt": "x", "messages": [{"role": "user", "content": "x"}]},
+            400,
+            "prompt",
+        ),
+        (
+            "/tokenize",
+            {"model": "primary", "messages": [{"role": "robot", "content": "x"}]},
+            400,
+            "messages[0].role",
+        ),
+        ("/tokenize", {"model": 5, "prompt": "x"}, 400, "model"),
+        ("/tokenize", {"model": "nope", "prompt": "x"}, 404, "model"),
+        ("/detokenize", {"model": "primary"}, 400, "tokens"),
+        ("/detokenize", {"model": "primary", "tokens": [1, "2"]}, 400, "tokens"),
+        ("/detokenize", {"model": "primary", "tokens": [1, True]}, 400, "tokens"),
+        ("/detokenize", {"model": "primary", "tokens": [-1]}, 400, "tokens"),
+        ("/detokenize", {"model": "primary", "tokens": [10**6]}, 400, "tokens"),
+        ("/detokenize", {"model": "primary", "tokens": [10**40]}, 400, "tokens"),
+    ],
+)
 async def test_tokenizer_endpoints_refuse_bad_input_naming_the_field(start, path, body, status, param):
     h = await start(api_keys=("k",))
     got, answer = await _post(h, path, body)
@@ -90,8 +104,11 @@ async def test_tokenizer_endpoints_need_the_api_key_and_json(start):
 
 # --- CORS -------------------------------------------------------------------------------------------
 def _preflight(origin: str) -> dict[str, str]:
-    return {"Origin": origin, "Access-Control-Request-Method": "POST",
-            "Access-Control-Request-Headers": "authorization, content-type"}
+    return {
+        "Origin": origin,
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type",
+    }
 
 
 async def test_no_cors_by_default(start):
@@ -106,7 +123,9 @@ async def test_no_cors_by_default(start):
 
 async def test_cors_for_allowed_origins(start):
     h = await start(api_keys=("k",), allowed_origins=(ORIGIN,))
-    resp = await h.client.options("/v1/chat/completions", headers=_preflight(ORIGIN))  # no key: preflights carry none
+    resp = await h.client.options(
+        "/v1/chat/completions", headers=_preflight(ORIGIN)
+    )  # no key: preflights carry none
     assert resp.status == 204
     assert resp.headers["Access-Control-Allow-Origin"] == ORIGIN
     assert resp.headers["Access-Control-Allow-Methods"] == "GET, POST, OPTIONS"
@@ -121,8 +140,11 @@ async def test_cors_for_allowed_origins(start):
     assert "X-Request-Id" in resp.headers["Access-Control-Expose-Headers"]
     resp = await h.client.get("/v1/models", headers={"Origin": ORIGIN})  # errors too: the page can read them
     assert resp.status == 401 and resp.headers["Access-Control-Allow-Origin"] == ORIGIN
-    resp = await h.client.post("/v1/completions", headers={**KEY, "Origin": ORIGIN},
-                               json={"model": "primary", "prompt": "hi", "max_tokens": 2, "stream": True})
+    resp = await h.client.post(
+        "/v1/completions",
+        headers={**KEY, "Origin": ORIGIN},
+        json={"model": "primary", "prompt": "hi", "max_tokens": 2, "stream": True},
+    )
     assert resp.status == 200 and resp.headers["Access-Control-Allow-Origin"] == ORIGIN
     await resp.read()
     resp = await h.client.get("/health", headers={"Origin": ORIGIN})
@@ -136,10 +158,13 @@ async def test_cors_any_origin(start):
 
 
 def test_allowed_origins_flag():
-    args = build_parser().parse_args(["serve", "--allowed-origins", ORIGIN, "--allowed-origins", "http://a:1"])
+    args = build_parser().parse_args(
+        ["serve", "--allowed-origins", ORIGIN, "--allowed-origins", "http://a:1"]
+    )
     assert build_config(args, {}).allowed_origins == (ORIGIN, "http://a:1")
     assert build_config(build_parser().parse_args(["serve"]), {}).allowed_origins == ()
     from service.config import ConfigError
+
     with pytest.raises(ConfigError, match="allowed_origins must be"):
         build_config(build_parser().parse_args(["serve", "--allowed-origins", "app.example.com/x"]), {})
 
@@ -155,16 +180,27 @@ async def test_logit_bias_steers_generation(sdk):
     banned = h.primary.encode(plain.choices[0].text)[0]
     done = await client.completions.create(**greedy, logit_bias={str(banned): -100})
     assert banned not in h.primary.encode(done.choices[0].text)
-    chat = await client.chat.completions.create(model="primary", messages=[{"role": "user", "content": "hi"}],
-                                                max_tokens=2, temperature=0, logit_bias={str(token_id): 100},
-                                                extra_body={"ignore_eos": True})
+    chat = await client.chat.completions.create(
+        model="primary",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=2,
+        temperature=0,
+        logit_bias={str(token_id): 100},
+        extra_body={"ignore_eos": True},
+    )
     assert h.primary.encode(chat.choices[0].message.content) == [token_id] * 2
 
 
-@pytest.mark.parametrize(("bias", "param", "code"), [
-    ({"1": 101}, "logit_bias", None), ({"x": 1}, "logit_bias", None), ({"1": "a"}, "logit_bias", None),
-    ({str(i): 1 for i in range(301)}, "logit_bias", None), ({"1000000": 1}, None, "request_rejected"),
-])
+@pytest.mark.parametrize(
+    ("bias", "param", "code"),
+    [
+        ({"1": 101}, "logit_bias", None),
+        ({"x": 1}, "logit_bias", None),
+        ({"1": "a"}, "logit_bias", None),
+        ({str(i): 1 for i in range(301)}, "logit_bias", None),
+        ({"1000000": 1}, None, "request_rejected"),
+    ],
+)
 async def test_logit_bias_refusals(sdk, bias, param, code):
     client, _ = sdk
     with pytest.raises(openai.BadRequestError, match="logit_bias") as info:
@@ -202,13 +238,22 @@ async def test_echo_with_logprobs_scores_the_prompt_as_hf_does(sdk, tiny_models)
         model = AutoModelForCausalLM.from_pretrained(tiny_models.primary, dtype=torch.float32)
         expected = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
     want = [None] + [expected[i - 1, ids[i]].item() for i in range(1, len(ids))]
-    greedy = dict(model="primary", prompt=ids, max_tokens=1, temperature=0, echo=True, logprobs=2,
-                  extra_body={"prompt_logprobs": 1, "ignore_eos": True})
-    for done in [await client.completions.create(**greedy),
-                 _fold([c async for c in await client.completions.create(stream=True, **greedy)])]:
+    greedy = dict(
+        model="primary",
+        prompt=ids,
+        max_tokens=1,
+        temperature=0,
+        echo=True,
+        logprobs=2,
+        extra_body={"prompt_logprobs": 1, "ignore_eos": True},
+    )
+    for done in [
+        await client.completions.create(**greedy),
+        _fold([c async for c in await client.completions.create(stream=True, **greedy)]),
+    ]:
         logprobs = done.choices[0].logprobs
         assert len(logprobs.tokens) == len(ids) + 1 and logprobs.top_logprobs[0] is None
-        got = logprobs.token_logprobs[:len(ids)]
+        got = logprobs.token_logprobs[: len(ids)]
         assert got[0] is None and all(abs(g - w) < 1e-4 for g, w in zip(got[1:], want[1:], strict=True))
         assert all(len(top) >= 2 for top in logprobs.top_logprobs[1:])
         echoed = h.primary.tokenizer.decode(ids)
@@ -234,20 +279,32 @@ def _fold(chunks: list) -> object:
 async def test_echo_refusals(sdk):
     client, _ = sdk
     with pytest.raises(openai.BadRequestError, match="echo is not supported for chat") as info:
-        await client.chat.completions.create(model="primary", messages=[{"role": "user", "content": "hi"}],
-                                             max_tokens=1, extra_body={"echo": True})
+        await client.chat.completions.create(
+            model="primary",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=1,
+            extra_body={"echo": True},
+        )
     assert info.value.body["param"] == "echo"
 
 
 # --- unsupported vLLM fields ------------------------------------------------------------------------
-@pytest.mark.parametrize(("field", "value"), [  # structured output and tools: tests/integration/service/test_structured*.py
-    ("truncate_prompt_tokens", 8), ("functions", [{"name": "f"}]),
-])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [  # structured output and tools: tests/integration/service/test_structured*.py
+        ("truncate_prompt_tokens", 8),
+        ("functions", [{"name": "f"}]),
+    ],
+)
 async def test_unimplemented_fields_are_clear_400s(sdk, field, value):
     client, _ = sdk
     with pytest.raises(openai.BadRequestError, match=field) as info:
-        await client.chat.completions.create(model="primary", messages=[{"role": "user", "content": "hi"}],
-                                             max_tokens=1, extra_body={field: value})
+        await client.chat.completions.create(
+            model="primary",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=1,
+            extra_body={field: value},
+        )
     assert info.value.body["param"] == field
     with pytest.raises(openai.BadRequestError, match=field):
         await client.completions.create(model="primary", prompt="hi", max_tokens=1, extra_body={field: value})
@@ -257,8 +314,9 @@ async def test_unimplemented_fields_are_clear_400s(sdk, field, value):
 async def test_per_request_series(sdk):
     client, h = sdk
     prompt_tokens = len(h.primary.encode("hello"))
-    await client.completions.create(model="primary", prompt="hello", max_tokens=3, n=2, temperature=0,
-                                    extra_body={"ignore_eos": True})
+    await client.completions.create(
+        model="primary", prompt="hello", max_tokens=3, n=2, temperature=0, extra_body={"ignore_eos": True}
+    )
     text = await (await h.client.get("/metrics")).text()
 
     def value(series: str) -> float:

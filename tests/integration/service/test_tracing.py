@@ -32,7 +32,9 @@ def attributes(span) -> dict:
     return {a.key: getattr(a.value, a.value.WhichOneof("value")) for a in span.attributes}
 
 
-async def test_a_request_becomes_a_span_with_queue_prefill_and_decode_under_the_clients_trace(start, aiohttp_server):
+async def test_a_request_becomes_a_span_with_queue_prefill_and_decode_under_the_clients_trace(
+    start, aiohttp_server
+):
     url, spans = await collector(aiohttp_server)
     h = await start(otel_endpoint=url)
     headers = {"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01", "X-Request-Id": "traced-1"}
@@ -42,9 +44,16 @@ async def test_a_request_becomes_a_span_with_queue_prefill_and_decode_under_the_
     by_name = {s.name: s for s in spans}
     request = by_name["POST /v1/completions"]
     assert request.trace_id.hex() == TRACE_ID and request.parent_span_id.hex() == PARENT_ID
-    expected = {"pagedserve.request_id": "traced-1", "gen_ai.request.model": "primary",
-                "gen_ai.response.model": "primary", "pagedserve.degraded": False, "gen_ai.usage.output_tokens": 4,
-                "http.request.method": "POST", "http.route": "/v1/completions", "http.response.status_code": 200}
+    expected = {
+        "pagedserve.request_id": "traced-1",
+        "gen_ai.request.model": "primary",
+        "gen_ai.response.model": "primary",
+        "pagedserve.degraded": False,
+        "gen_ai.usage.output_tokens": 4,
+        "http.request.method": "POST",
+        "http.route": "/v1/completions",
+        "http.response.status_code": 200,
+    }
     assert {k: attributes(request).get(k) for k in expected} == expected
     assert attributes(request)["gen_ai.usage.input_tokens"] == len(h.primary.encode(COMPLETION["prompt"]))
     phases = [by_name[name] for name in ("queue", "prefill", "decode")]
@@ -64,7 +73,8 @@ async def test_a_degraded_request_carries_a_failover_event(start, aiohttp_server
     (request,) = [s for s in spans if s.name == "POST /v1/completions"]
     assert attributes(request)["pagedserve.degraded"] is True
     assert [(e.name, attributes(e)) for e in request.events] == [
-        ("failover", {"asked_model": "primary", "served_model": "fallback"})]
+        ("failover", {"asked_model": "primary", "served_model": "fallback"})
+    ]
 
 
 async def test_tracing_is_off_without_an_endpoint(start):
@@ -76,6 +86,8 @@ def test_the_endpoint_comes_from_the_flag_then_the_standard_environment():
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318"}
     assert endpoint_from("http://flag:4318", env) == "http://flag:4318"
     assert endpoint_from(None, env) == "http://collector:4318"
-    assert endpoint_from(None, {**env, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://t:4318/v1/traces"}) == \
-        "http://t:4318/v1/traces"
+    assert (
+        endpoint_from(None, {**env, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://t:4318/v1/traces"})
+        == "http://t:4318/v1/traces"
+    )
     assert endpoint_from(None, {}) is None

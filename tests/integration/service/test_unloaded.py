@@ -18,16 +18,23 @@ async def test_an_unloaded_start_up_model_is_404(start):
 
 
 async def test_new_requests_to_a_draining_model_go_to_its_fallback(start):
-    h = await start(shutdown_timeout=30.0, max_continuations=0)  # the drain (continuations: test_continuation.py)
+    h = await start(
+        shutdown_timeout=30.0, max_continuations=0
+    )  # the drain (continuations: test_continuation.py)
     h.primary.faults.inject(Fault("slow", delay_ms=20))
-    running = await h.client.post(COMPLETIONS, json={"model": "primary", "prompt": "def f():", "max_tokens": 40,
-                                                     "ignore_eos": True, "stream": True})
+    running = await h.client.post(
+        COMPLETIONS,
+        json={"model": "primary", "prompt": "def f():", "max_tokens": 40, "ignore_eos": True, "stream": True},
+    )
     assert (await running.content.readline()).startswith(b"data: ")
     unloading = asyncio.create_task(h.state.registry.unload("primary"))
     await until(lambda: "primary" not in h.state.engines)  # draining: out of the router's engines
     late = await h.client.post(COMPLETIONS, json={"model": "primary", "prompt": "hi", "max_tokens": 2})
     assert late.status == 200, await late.text()
-    assert late.headers["x-pagedserve-served-model"] == "fallback" and late.headers["x-pagedserve-degraded"] == "1"
+    assert (
+        late.headers["x-pagedserve-served-model"] == "fallback"
+        and late.headers["x-pagedserve-degraded"] == "1"
+    )
     await running.read()
     await unloading
 

@@ -141,8 +141,9 @@ def test_the_requirements_snippet_lists_the_project_dependencies(dockerfile):
     _, df = dockerfile
     [run] = [i for i in df.runtime.ops("RUN") if "pip install -r" in i.args]
     snippet = re.search(r'python -c "(.*?)" >', run.args).group(1)  # as the shell passes it: \\n stays
-    out = subprocess.run([sys.executable, "-c", snippet], cwd=ROOT, capture_output=True, text=True, timeout=30,
-                         check=True).stdout.splitlines()
+    out = subprocess.run(
+        [sys.executable, "-c", snippet], cwd=ROOT, capture_output=True, text=True, timeout=30, check=True
+    ).stdout.splitlines()
     assert out == tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     assert "torch==2.13.0" in out
 
@@ -169,9 +170,12 @@ def test_cpu_kernel_is_built_in_a_build_stage_with_the_engines_flags():
     engine_flags = _engine_cflags()
     words = shlex.split(build.args)
     gcc = words.index("gcc")
-    flags = words[gcc + 1:words.index("/src/paged_attention.c", gcc)]
+    flags = words[gcc + 1 : words.index("/src/paged_attention.c", gcc)]
     assert flags == [f if f != "-march=native" else "-march=${KERNEL_MARCH}" for f in engine_flags]
-    assert any(i.operands() == ["engine/kernels/csrc/paged_attention.c", "/src/paged_attention.c"] for i in kernel.ops("COPY"))
+    assert any(
+        i.operands() == ["engine/kernels/csrc/paged_attention.c", "/src/paged_attention.c"]
+        for i in kernel.ops("COPY")
+    )
     runtime = df.runtime
     assert any(i.flags().get("from") == "kernel" for i in runtime.ops("COPY"))
     assert "CC=/opt/pagedserve/prebuilt-kernel-cc" in " ".join(i.args for i in runtime.ops("ENV"))
@@ -217,8 +221,10 @@ def test_healthcheck_runs_the_restarting_check(dockerfile):
     assert json.loads(command) == ["python", "/opt/pagedserve/healthcheck.py"]
     start_period = re.search(r"--start-period=(\d+)s", options).group(1)
     assert _env(stage)["HEALTHCHECK_START_PERIOD"] == start_period
-    assert any("deploy/image/healthcheck.py" in i.operands()[:-1] and i.operands()[-1] == "/opt/pagedserve/"
-               for i in stage.ops("COPY"))
+    assert any(
+        "deploy/image/healthcheck.py" in i.operands()[:-1] and i.operands()[-1] == "/opt/pagedserve/"
+        for i in stage.ops("COPY")
+    )
 
 
 def test_runs_unprivileged_after_every_install(dockerfile):
@@ -233,8 +239,10 @@ def test_runs_unprivileged_after_every_install(dockerfile):
 def test_gpu_image_is_cuda_based():
     df = parse_dockerfile(ROOT / "Dockerfile")
     assert df.runtime.base == "nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu24.04${CUDA_DIGEST}"
-    assert any(a.startswith("TORCH_INDEX=https://download.pytorch.org/whl/cu") for a in
-               (i.args for i in df.runtime.ops("ARG")))
+    assert any(
+        a.startswith("TORCH_INDEX=https://download.pytorch.org/whl/cu")
+        for a in (i.args for i in df.runtime.ops("ARG"))
+    )
 
 
 # --- .dockerignore ----------------------------------------------------------------------------------------
@@ -252,8 +260,11 @@ def _is_ignored(path: str, patterns: list[str]) -> bool:
 
 
 def test_dockerignore_keeps_the_context_small_and_what_is_copied():
-    patterns = [ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines()
-                if ln.strip() and not ln.startswith("#")]
+    patterns = [
+        ln.strip()
+        for ln in (ROOT / ".dockerignore").read_text().splitlines()
+        if ln.strip() and not ln.startswith("#")
+    ]
     for path in (".git", ".venv", "tests", "loadtests", "benchmarks", "deploy/nginx/compose.conf"):
         assert _is_ignored(path, patterns), path
     for name in DOCKERFILES:
@@ -273,7 +284,9 @@ def test_prebuilt_kernel_cc_hands_over_the_built_library(tmp_path):
     source = ROOT / "engine/kernels/csrc/paged_attention.c"
     lib = tmp_path / "paged_attention.so"
     lib.write_bytes(b"\x7fELF prebuilt")
-    (tmp_path / "paged_attention.so.source.sha256").write_text(hashlib.sha256(source.read_bytes()).hexdigest() + "\n")
+    (tmp_path / "paged_attention.so.source.sha256").write_text(
+        hashlib.sha256(source.read_bytes()).hexdigest() + "\n"
+    )
     cc = ROOT / "deploy/image/prebuilt-kernel-cc"
     env = {**os.environ, "PAGEDSERVE_PREBUILT_KERNEL": str(lib)}
     out = tmp_path / "out.so"
@@ -283,8 +296,13 @@ def test_prebuilt_kernel_cc_hands_over_the_built_library(tmp_path):
     assert out.read_bytes() == lib.read_bytes()
     other = tmp_path / "edited.c"
     other.write_text(source.read_text() + "\n// edited\n")
-    result = subprocess.run([str(cc), str(other), "-o", str(tmp_path / "x.so")], env=env, capture_output=True,
-                            text=True, timeout=10)
+    result = subprocess.run(
+        [str(cc), str(other), "-o", str(tmp_path / "x.so")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=10,
+    )
     assert result.returncode == 1 and "is not the source" in result.stderr
     assert not (tmp_path / "x.so").exists()
 
@@ -292,7 +310,9 @@ def test_prebuilt_kernel_cc_hands_over_the_built_library(tmp_path):
 @pytest.fixture
 def healthcheck(tmp_path, monkeypatch):
     """deploy/image/healthcheck.py loaded as a module, its state file under tmp_path, os.kill recorded."""
-    spec = importlib.util.spec_from_file_location("pagedserve_healthcheck", ROOT / "deploy/image/healthcheck.py")
+    spec = importlib.util.spec_from_file_location(
+        "pagedserve_healthcheck", ROOT / "deploy/image/healthcheck.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     monkeypatch.setattr(module, "COUNTER", tmp_path / "failures")
@@ -351,7 +371,9 @@ def test_healthcheck_counts_nothing_while_loading_or_for_an_earlier_run(healthch
     assert [healthcheck.main() for _ in range(5)] == [1] * 5
     assert healthcheck.kills == [] and not healthcheck.COUNTER.exists()
     monkeypatch.setattr(healthcheck, "START_PERIOD_S", 0.0)
-    healthcheck.COUNTER.write_text(f"{healthcheck.init_start_ticks() + 1} 9")  # left by the run before a restart
+    healthcheck.COUNTER.write_text(
+        f"{healthcheck.init_start_ticks() + 1} 9"
+    )  # left by the run before a restart
     assert healthcheck.main() == 1
     assert healthcheck.read_failures(healthcheck.init_start_ticks()) == 1 and healthcheck.kills == []
 
@@ -367,21 +389,37 @@ def test_the_image_command_serves_on_host_and_port_from_the_environment(tmp_path
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k not in ("API_KEY", "ADMIN_KEY", "MAX_GPU_MEMORY_UTILIZATION")}
-    env.update(PATH=f"{Path(sys.executable).parent}:{env.get('PATH', '')}", HOST="127.0.0.1", PORT=str(port),
-               SHUTDOWN_TIMEOUT="3", MODEL=str(tiny), OMP_WAIT_POLICY="PASSIVE", HF_HUB_OFFLINE="1",
-               HEALTHCHECK_STATE=str(tmp_path / "failures"), HEALTHCHECK_START_PERIOD="0")
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("API_KEY", "ADMIN_KEY", "MAX_GPU_MEMORY_UTILIZATION")
+    }
+    env.update(
+        PATH=f"{Path(sys.executable).parent}:{env.get('PATH', '')}",
+        HOST="127.0.0.1",
+        PORT=str(port),
+        SHUTDOWN_TIMEOUT="3",
+        MODEL=str(tiny),
+        OMP_WAIT_POLICY="PASSIVE",
+        HF_HUB_OFFLINE="1",
+        HEALTHCHECK_STATE=str(tmp_path / "failures"),
+        HEALTHCHECK_START_PERIOD="0",
+    )
     log = (tmp_path / "replica.log").open("wb")
-    process = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                               start_new_session=True)
+    process = subprocess.Popen(
+        argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
     try:
         deadline = time.monotonic() + 180
         while not _answers(f"http://127.0.0.1:{port}/health/ready"):
             assert process.poll() is None, (tmp_path / "replica.log").read_text()[-2000:]
             assert time.monotonic() < deadline, "the replica did not turn ready in 180 s"
             time.sleep(0.2)
-        check = subprocess.run([sys.executable, str(ROOT / "deploy/image/healthcheck.py")], env=env,
-                               capture_output=True, text=True, timeout=30)
+        check = subprocess.run(
+            [sys.executable, str(ROOT / "deploy/image/healthcheck.py")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert check.returncode == 0, check.stdout + check.stderr
         started = time.monotonic()
         process.send_signal(signal.SIGTERM)  # exec: the shell is gone, the server gets it
@@ -480,10 +518,17 @@ def test_mounted_files_exist_and_name_the_compose_replicas(compose):
 
 
 def test_alert_rules_cover_the_failure_modes_with_exported_metrics():
-    rules = [r for g in yaml.safe_load((ROOT / "deploy/alerts.yml").read_text())["groups"] for r in g["rules"]]
+    rules = [
+        r for g in yaml.safe_load((ROOT / "deploy/alerts.yml").read_text())["groups"] for r in g["rules"]
+    ]
     alerts = {r["alert"] for r in rules if "alert" in r}
-    assert {"PagedserveReplicaDown", "PagedserveLeakSuspected", "PagedserveBreakerOpen",
-            "PagedserveDegradedShareHigh", "PagedserveErrorRateHigh"} <= alerts
+    assert {
+        "PagedserveReplicaDown",
+        "PagedserveLeakSuspected",
+        "PagedserveBreakerOpen",
+        "PagedserveDegradedShareHigh",
+        "PagedserveErrorRateHigh",
+    } <= alerts
     recorded = {r["record"] for r in rules if "record" in r}
     metrics_source = (ROOT / "service/metrics.py").read_text()
     for rule in rules:
@@ -516,10 +561,20 @@ def _compose_unavailable() -> str | None:
 @pytest.mark.skipif(_compose_unavailable() is not None, reason=str(_compose_unavailable()))
 def test_docker_compose_config_accepts_the_file_and_requires_the_keys():
     env = {**os.environ, "API_KEY": "k", "ADMIN_KEY": "a"}
-    result = subprocess.run(["docker", "compose", "-f", str(COMPOSE), "config", "--quiet"], env=env,
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        ["docker", "compose", "-f", str(COMPOSE), "config", "--quiet"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     bare = {k: v for k, v in env.items() if k not in ("API_KEY", "ADMIN_KEY")}
-    result = subprocess.run(["docker", "compose", "-f", str(COMPOSE), "config", "--quiet"], env=bare,
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        ["docker", "compose", "-f", str(COMPOSE), "config", "--quiet"],
+        env=bare,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode != 0 and "set API_KEY" in result.stderr + result.stdout

@@ -44,23 +44,51 @@ REQUEST_TIMEOUT_S = 30.0
 # One worker: one set of failure counters, and the order nginx sees is the order sent. No per-client rate
 # limit (test_nginx_config covers it): every client here is 127.0.0.1, and once replies come back faster
 # than NUM_CLIENTS / 50 r/s the closed-loop clients turned the first 429s into a storm (23,300 of 24,354).
-OPTIONS = NginxOptions(worker_processes=1, worker_connections=256, fail_timeout="2s", connect_timeout="1s",
-                       rate_limit="off")
-REPLICA_ARGS = ["--model", str(TINY), "--dtype", "float32", "--block-size", "8", "--max-num-seqs", "8",
-                "--max-model-len", "256", "--kv-cache-memory", "4MiB", "--num-threads", "1",
-                "--shutdown-timeout", "10", "--admin-key", ADMIN_KEY,
-                # for the not-ready scenario: /admin/faults, and a heartbeat fast enough to confirm a
-                # leak in seconds (the detector warms up for 3 beats, then 3 idle samples must show
-                # growth above 32 MiB)
-                "--enable-fault-injection", "--heartbeat-interval", "0.5", "--leak-min-growth", "32MiB"]
+OPTIONS = NginxOptions(
+    worker_processes=1, worker_connections=256, fail_timeout="2s", connect_timeout="1s", rate_limit="off"
+)
+REPLICA_ARGS = [
+    "--model",
+    str(TINY),
+    "--dtype",
+    "float32",
+    "--block-size",
+    "8",
+    "--max-num-seqs",
+    "8",
+    "--max-model-len",
+    "256",
+    "--kv-cache-memory",
+    "4MiB",
+    "--num-threads",
+    "1",
+    "--shutdown-timeout",
+    "10",
+    "--admin-key",
+    ADMIN_KEY,
+    # for the not-ready scenario: /admin/faults, and a heartbeat fast enough to confirm a
+    # leak in seconds (the detector warms up for 3 beats, then 3 idle samples must show
+    # growth above 32 MiB)
+    "--enable-fault-injection",
+    "--heartbeat-interval",
+    "0.5",
+    "--leak-min-growth",
+    "32MiB",
+]
 LEAK_BYTES_PER_STEP = 2 * 1024 * 1024  # a few steps between idle samples pass 32 MiB
 LEAK_THINK_S = 1.0  # idle gaps: with 0.3 s a busy machine gave 4 idle samples in 66 s
 LEAK_BURST = 6
-PROMPTS = ("def add(a, b):\n", "import os\n\ndef main():\n", "class Stack:\n    def push(self, item):\n",
-           "for i in range(10):\n")
+PROMPTS = (
+    "def add(a, b):\n",
+    "import os\n\ndef main():\n",
+    "class Stack:\n    def push(self, item):\n",
+    "for i in range(10):\n",
+)
 
-pytestmark = [pytest.mark.skipif(NGINX is None, reason="nginx is not installed (make nginx)"),
-              pytest.mark.timeout(240)]
+pytestmark = [
+    pytest.mark.skipif(NGINX is None, reason="nginx is not installed (make nginx)"),
+    pytest.mark.timeout(240),
+]
 
 
 # --- the pool: replicas a, b (primaries) and c (backup) behind nginx ------------------------------
@@ -92,8 +120,9 @@ def pool(reaper: Reaper, tmp_path_factory) -> Pool:
     if missing:
         pytest.fail(f"model directories missing: {missing} (run `make models`, or set PAGEDSERVE_TEST_TINY)")
     logs = tmp_path_factory.mktemp("failover")
-    a, b, c = (Replica(name, free_port(), REPLICA_ARGS, logs / f"{name}.log", reaper)
-               for name in ("a", "b", "c"))
+    a, b, c = (
+        Replica(name, free_port(), REPLICA_ARGS, logs / f"{name}.log", reaper) for name in ("a", "b", "c")
+    )
     nginx = Nginx([a.address, b.address], [c.address], OPTIONS, reaper)
     try:
         start_and_wait([a, b, c])
@@ -132,8 +161,9 @@ class Load:
 
     async def __aenter__(self) -> Load:
         connector = aiohttp.TCPConnector(limit=0, force_close=True)  # one connection per request, as Locust
-        self.session = aiohttp.ClientSession(connector=connector,
-                                             timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S))
+        self.session = aiohttp.ClientSession(
+            connector=connector, timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+        )
         self.tasks = [asyncio.create_task(self._client(i)) for i in range(self.num_clients)]
         return self
 
@@ -168,8 +198,10 @@ class Load:
 
     def burst(self, num_requests: int) -> None:
         """`num_requests` extra completions at once, one each, counted with the rest."""
-        self.tasks += [asyncio.create_task(self._one(f"burst{i}", "completion", PROMPTS[i % len(PROMPTS)]))
-                       for i in range(num_requests)]
+        self.tasks += [
+            asyncio.create_task(self._one(f"burst{i}", "completion", PROMPTS[i % len(PROMPTS)]))
+            for i in range(num_requests)
+        ]
 
     async def _client(self, index: int) -> None:
         for i in itertools.count():
@@ -203,8 +235,13 @@ class Load:
                 answer = await r.json()
             outcome.is_ok = answer["usage"]["completion_tokens"] >= 1 and len(answer["choices"]) == 1
             return
-        body = {"model": self.model, "messages": [{"role": "user", "content": prompt}], "stream": True,
-                "max_tokens": STREAM_TOKENS, "temperature": 0}
+        body = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": prompt}],
+            "stream": True,
+            "max_tokens": STREAM_TOKENS,
+            "temperature": 0,
+        }
         async with self.session.post(f"{self.base_url}/v1/chat/completions", json=body, headers=headers) as r:
             outcome.status = r.status
             if r.status != 200:
@@ -245,15 +282,23 @@ def served_by(pool: Pool, outcomes: list[Outcome]) -> Counter:
     while not all(o.request_id in log for o in outcomes) and time.monotonic() < deadline:
         time.sleep(0.1)
         log = pool.nginx.access_log()
-    return Counter(names.get(log[o.request_id].upstreams[-1], log[o.request_id].upstreams[-1])
-                   if o.request_id in log else "not in access log" for o in outcomes)
+    return Counter(
+        names.get(log[o.request_id].upstreams[-1], log[o.request_id].upstreams[-1])
+        if o.request_id in log
+        else "not in access log"
+        for o in outcomes
+    )
 
 
 def summary(load: Load, **extra) -> dict:
     failed = load.failed()
-    return {"requests": len(load.outcomes), "failed": len(failed),
-            "failed_by_kind": dict(Counter(o.kind for o in failed)),
-            "errors": sorted({o.error or "" for o in failed})[:10], **extra}
+    return {
+        "requests": len(load.outcomes),
+        "failed": len(failed),
+        "failed_by_kind": dict(Counter(o.kind for o in failed)),
+        "errors": sorted({o.error or "" for o in failed})[:10],
+        **extra,
+    }
 
 
 # --- scenarios: each starts with pool.ensure_up(), so none depends on which ran before it ---------
@@ -275,9 +320,14 @@ async def test_sigterm_drains_a_primary_without_a_failed_request(pool, results_f
     in_flight = [o for o in load.started_between(0, sigterm_at) if o.ended > sigterm_at]
     drained = [o for o in in_flight if served_by(pool, [o]).get("a")]  # finished by a after its SIGTERM
     after_exit = served_by(pool, load.started_between(exited_at))
-    result = summary(load, drain_s=round(exited_at - sigterm_at, 2), in_flight_at_sigterm=len(in_flight),
-                     drained_by_a=len(drained), drained_streams_by_a=sum(o.kind == "stream" for o in drained),
-                     served_after_exit=dict(after_exit))
+    result = summary(
+        load,
+        drain_s=round(exited_at - sigterm_at, 2),
+        in_flight_at_sigterm=len(in_flight),
+        drained_by_a=len(drained),
+        drained_streams_by_a=sum(o.kind == "stream" for o in drained),
+        served_after_exit=dict(after_exit),
+    )
     results_file("sigterm_drain", result)
     print("sigterm drain:", result)
     assert exit_code == 0, pool.a.log_tail()
@@ -305,16 +355,23 @@ async def test_both_primaries_down_the_backup_serves_then_they_take_it_back(pool
         restart_s = await asyncio.to_thread(pool.ensure_up, pool.a, pool.b)
         ready_at = time.monotonic()
         # a primary marked down is tried again after fail_timeout (2 s); give it a few more
-        back_at = await load.wait_until(lambda: primaries_served(pool, load, ready_at), 15, "traffic back on a primary")
+        back_at = await load.wait_until(
+            lambda: primaries_served(pool, load, ready_at), 15, "traffic back on a primary"
+        )
         await load.run_for(1)  # the other primary's fail_timeout ends too
         settled_at = time.monotonic()
         await load.run_for(3)
     while_down = served_by(pool, load.started_between(both_down_at, restart_at))
     after_back = served_by(pool, load.started_between(settled_at))
     counts = {r.name: r.num_served() for r in (pool.a, pool.b)}
-    result = summary(load, served_while_down=dict(while_down), restart_s=round(restart_s, 1),
-                     back_after_ready_s=round(back_at - ready_at, 2), served_after_back=dict(after_back),
-                     primaries_metrics_after_restart=counts)
+    result = summary(
+        load,
+        served_while_down=dict(while_down),
+        restart_s=round(restart_s, 1),
+        back_after_ready_s=round(back_at - ready_at, 2),
+        served_after_back=dict(after_back),
+        primaries_metrics_after_restart=counts,
+    )
     results_file("both_primaries_down", result)
     print("both primaries down:", result)
     assert result["failed"] == 0, result
@@ -342,10 +399,14 @@ async def test_kill_9_breaks_only_the_streams_running_on_the_killed_replica(pool
     lost = [o for o in failed if o.kind == "stream" and o.started < killed_at]
     lost_served = served_by(pool, lost)
     after_kill = load.started_between(killed_at)
-    result = summary(load, in_flight_streams_lost=len(lost), lost_streams_upstream=dict(lost_served),
-                     lost_stream_deltas=[o.num_deltas for o in lost],
-                     served_after_kill=dict(served_by(pool, after_kill)),
-                     completions=sum(o.kind == "completion" for o in load.outcomes))
+    result = summary(
+        load,
+        in_flight_streams_lost=len(lost),
+        lost_streams_upstream=dict(lost_served),
+        lost_stream_deltas=[o.num_deltas for o in lost],
+        served_after_kill=dict(served_by(pool, after_kill)),
+        completions=sum(o.kind == "completion" for o in load.outcomes),
+    )
     results_file("kill_9", result)
     print(f"kill -9: {len(lost)} in-flight streams lost:", result)
     assert [o for o in failed if o.kind == "completion"] == [], result  # replayed by nginx
@@ -371,7 +432,9 @@ class ReadyWatch:
         while True:
             sent = time.monotonic()
             try:
-                async with session.get(f"{self.url}/health/ready", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                async with session.get(
+                    f"{self.url}/health/ready", timeout=aiohttp.ClientTimeout(total=2)
+                ) as r:
                     is_ready = r.status == 200
             except (aiohttp.ClientError, TimeoutError):
                 is_ready = False
@@ -384,8 +447,12 @@ class ReadyWatch:
     def not_ready_window(self, since: float) -> tuple[float, float] | None:
         """A stretch surely inside the first not-ready spell after `since`: from the answer of its
         first not-ready probe to the sending of its last one. None until the replica is ready again."""
-        spell = list(itertools.takewhile(lambda s: not s[2], itertools.dropwhile(
-            lambda s: s[2], (s for s in self.samples if s[0] >= since))))
+        spell = list(
+            itertools.takewhile(
+                lambda s: not s[2],
+                itertools.dropwhile(lambda s: s[2], (s for s in self.samples if s[0] >= since)),
+            )
+        )
         after = [s for s in self.samples if spell and s[0] > spell[-1][0]]
         if not spell or not after:
             return None
@@ -409,16 +476,22 @@ async def test_a_replica_that_turns_not_ready_loses_its_traffic_without_a_client
         try:
             await load.run_for(2)
             status, _, body = await asyncio.to_thread(
-                http, "POST", f"{pool.a.url}/admin/faults",
+                http,
+                "POST",
+                f"{pool.a.url}/admin/faults",
                 {"model": pool.model, "kind": "leak", "bytes_per_step": LEAK_BYTES_PER_STEP},
-                {"Authorization": f"Bearer {ADMIN_KEY}"})
+                {"Authorization": f"Bearer {ADMIN_KEY}"},
+            )
             assert status == 200, body
             fault_at = time.monotonic()
             watch.arm()
             # a leaves rotation once the leak is confirmed, recycles its engine, and comes back
-            await load.wait_until(lambda: watch.not_ready_window(fault_at), 90, "a not-ready, then ready again")
-            back_at = await load.wait_until(lambda: served_by(pool, load.outcomes[-4:]).get("a"), 15,
-                                            "a serving again")
+            await load.wait_until(
+                lambda: watch.not_ready_window(fault_at), 90, "a not-ready, then ready again"
+            )
+            back_at = await load.wait_until(
+                lambda: served_by(pool, load.outcomes[-4:]).get("a"), 15, "a serving again"
+            )
             await load.run_for(1)
         finally:
             watcher.cancel()
@@ -427,10 +500,18 @@ async def test_a_replica_that_turns_not_ready_loses_its_traffic_without_a_client
     while_out = load.started_between(out_from, out_to - 0.1)
     moved = served_by(pool, while_out)
     log = pool.nginx.access_log()
-    replayed = [o for o in load.outcomes if o.request_id in log and pool.a.address in log[o.request_id].upstreams[:-1]]
-    result = summary(load, seconds_to_not_ready=round(out_from - fault_at, 2), not_ready_s=round(out_to - out_from, 2),
-                     requests_while_not_ready=len(while_out), served_while_not_ready=dict(moved),
-                     replayed_away_from_a=len(replayed), back_in_rotation_s=round(back_at - out_to, 2))
+    replayed = [
+        o for o in load.outcomes if o.request_id in log and pool.a.address in log[o.request_id].upstreams[:-1]
+    ]
+    result = summary(
+        load,
+        seconds_to_not_ready=round(out_from - fault_at, 2),
+        not_ready_s=round(out_to - out_from, 2),
+        requests_while_not_ready=len(while_out),
+        served_while_not_ready=dict(moved),
+        replayed_away_from_a=len(replayed),
+        back_in_rotation_s=round(back_at - out_to, 2),
+    )
     results_file("not_ready_leak", result)
     print("not-ready (leak):", result)
     assert result["failed"] == 0, result

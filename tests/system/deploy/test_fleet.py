@@ -39,26 +39,54 @@ MAX_TOKENS = 6
 REQUEST_TIMEOUT_S = 60.0
 # engine capacity per replica: 8 running + 24 waiting. 64 users over 3 replicas stay below it; 96 users
 # over 2 primaries do not, so those primaries answer 429 (waiting queue full).
-REPLICA_ARGS = ["--model", str(TINY), "--dtype", "float32", "--block-size", "8", "--max-num-seqs", "8",
-                "--max-num-waiting", "24", "--max-model-len", "256", "--kv-cache-memory", "8MiB",
-                "--num-threads", "1", "--shutdown-timeout", "5", "--admin-key", ADMIN_KEY,
-                "--enable-fault-injection"]
+REPLICA_ARGS = [
+    "--model",
+    str(TINY),
+    "--dtype",
+    "float32",
+    "--block-size",
+    "8",
+    "--max-num-seqs",
+    "8",
+    "--max-num-waiting",
+    "24",
+    "--max-model-len",
+    "256",
+    "--kv-cache-memory",
+    "8MiB",
+    "--num-threads",
+    "1",
+    "--shutdown-timeout",
+    "5",
+    "--admin-key",
+    ADMIN_KEY,
+    "--enable-fault-injection",
+]
 # One worker: one set of failure counters. No request-rate limit: 64 closed-loop users of a tiny model
 # with 6-token completions send ~300 requests/s from one address, far past the default 50r/s (a 64-user
 # Locust run on the shipped model sends 1-2/s); the default limit on requests in flight (128) stays.
 OPTIONS = NginxOptions(worker_processes=1, worker_connections=1024, fail_timeout="10s", rate_limit="off")
-PROMPTS = ("def add(a, b):\n", "import os\n\ndef main():\n", "class Stack:\n    def push(self, item):\n",
-           "for i in range(10):\n")
+PROMPTS = (
+    "def add(a, b):\n",
+    "import os\n\ndef main():\n",
+    "class Stack:\n    def push(self, item):\n",
+    "for i in range(10):\n",
+)
 
-pytestmark = [pytest.mark.skipif(NGINX is None, reason="nginx is not installed (make nginx)"),
-              pytest.mark.timeout(300)]
+pytestmark = [
+    pytest.mark.skipif(NGINX is None, reason="nginx is not installed (make nginx)"),
+    pytest.mark.timeout(300),
+]
 
 
 # --- replicas and their own counters ---------------------------------------------------------------
 
 
-_HTTP_REQUESTS = re.compile(r'^pagedserve:http_requests_total\{(?=[^}]*route="/v1/completions")'
-                            r'(?=[^}]*status="(?P<status>\d+)")[^}]*\} (?P<value>\S+)$', re.M)
+_HTTP_REQUESTS = re.compile(
+    r'^pagedserve:http_requests_total\{(?=[^}]*route="/v1/completions")'
+    r'(?=[^}]*status="(?P<status>\d+)")[^}]*\} (?P<value>\S+)$',
+    re.M,
+)
 
 
 def completions_by_status(replica: Replica) -> Counter:
@@ -71,13 +99,20 @@ def completions_by_status(replica: Replica) -> Counter:
 
 
 def inject(replica: Replica, fault: dict) -> None:
-    status, _, body = http("POST", f"{replica.url}/admin/faults", fault,
-                           headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=10)
+    status, _, body = http(
+        "POST",
+        f"{replica.url}/admin/faults",
+        fault,
+        headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+        timeout=10,
+    )
     assert status == 200, f"{replica.name}: POST /admin/faults {fault} -> {status} {body[:300]!r}"
 
 
 def clear_faults(replica: Replica) -> None:
-    http("DELETE", f"{replica.url}/admin/faults", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=10)
+    http(
+        "DELETE", f"{replica.url}/admin/faults", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=10
+    )
 
 
 @dataclass
@@ -94,7 +129,9 @@ def fleet(reaper: Reaper, tmp_path_factory) -> Fleet:
     if missing:
         pytest.fail(f"model directories missing: {missing} (run `make models`, or set PAGEDSERVE_TEST_TINY)")
     logs = tmp_path_factory.mktemp("fleet")
-    replicas = [Replica(name, free_port(), REPLICA_ARGS, logs / f"{name}.log", reaper) for name in ("a", "b", "c")]
+    replicas = [
+        Replica(name, free_port(), REPLICA_ARGS, logs / f"{name}.log", reaper) for name in ("a", "b", "c")
+    ]
     try:
         start_and_wait(replicas)
         yield Fleet(replicas, TINY.resolve().name, reaper, logs)
@@ -127,25 +164,34 @@ class Result:
     body: dict = field(default_factory=dict)
 
 
-async def complete(session: aiohttp.ClientSession, base_url: str, model: str, prompt: str,
-                   request_id: str | None = None) -> Result:
+async def complete(
+    session: aiohttp.ClientSession, base_url: str, model: str, prompt: str, request_id: str | None = None
+) -> Result:
     request_id = request_id or f"fleet-{uuid.uuid4().hex[:12]}"
     body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
     try:
-        async with session.post(f"{base_url}/v1/completions", json=body,
-                                headers={"X-Request-ID": request_id}) as response:
+        async with session.post(
+            f"{base_url}/v1/completions", json=body, headers={"X-Request-ID": request_id}
+        ) as response:
             return Result(request_id, response.status, await response.json(content_type=None))
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
         return Result(request_id, None, {"exception": repr(exc)})
 
 
-async def users(base_url: str, model: str, num_users: int, requests_each: int,
-                think_on_429_s: float = 0.0, until: asyncio.Event | None = None) -> list[Result]:
+async def users(
+    base_url: str,
+    model: str,
+    num_users: int,
+    requests_each: int,
+    think_on_429_s: float = 0.0,
+    until: asyncio.Event | None = None,
+) -> list[Result]:
     """`num_users` clients at once, each sending completions one after another: `requests_each`, and
     more until `until` is set."""
     connector = aiohttp.TCPConnector(limit=0, force_close=True)
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+
         async def user(index: int) -> list[Result]:
             results = []
             i = 0
@@ -173,13 +219,17 @@ async def test_a_poison_request_reaches_exactly_one_replica(fleet, nginx_factory
         before = {r.name: completions_by_status(r) for r in fleet.replicas}
         started = time.monotonic()
         poison_done = asyncio.Event()  # the users keep sending until the poison request has its answer
-        load = asyncio.create_task(users(nginx.url, fleet.model, NUM_USERS, requests_each=2, until=poison_done))
+        load = asyncio.create_task(
+            users(nginx.url, fleet.model, NUM_USERS, requests_each=2, until=poison_done)
+        )
         await asyncio.sleep(0.5)  # the users' first requests are in the engines' batches
         connector = aiohttp.TCPConnector(force_close=True)
-        async with aiohttp.ClientSession(connector=connector,
-                                         timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)) as session:
-            poison = await complete(session, nginx.url, fleet.model, f"# {marker}\ndef f():\n",
-                                    request_id=f"poison-{marker}")
+        async with aiohttp.ClientSession(
+            connector=connector, timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+        ) as session:
+            poison = await complete(
+                session, nginx.url, fleet.model, f"# {marker}\ndef f():\n", request_id=f"poison-{marker}"
+            )
         poison_done.set()
         ordinary = await load
         elapsed_s = time.monotonic() - started
@@ -203,22 +253,41 @@ async def test_a_poison_request_reaches_exactly_one_replica(fleet, nginx_factory
     assert statuses == {200: len(ordinary)}, [r for r in ordinary if r.status != 200][:5]
     served = {name: after[name][200] - before[name][200] for name in after}
     assert all(n > 0 for n in served.values()), served  # every replica kept serving, the poisoned one too
-    results_file("poison", {"users": NUM_USERS, "ordinary_requests": len(ordinary), "ordinary_ok": statuses[200],
-                            "poison_status": poison.status, "poison_replicas_tried": len(entry.upstreams),
-                            "fleet_500s": sum(new_500s.values()), "served_by_replica": served,
-                            "seconds": round(elapsed_s, 1)})
+    results_file(
+        "poison",
+        {
+            "users": NUM_USERS,
+            "ordinary_requests": len(ordinary),
+            "ordinary_ok": statuses[200],
+            "poison_status": poison.status,
+            "poison_replicas_tried": len(entry.upstreams),
+            "fleet_500s": sum(new_500s.values()),
+            "served_by_replica": served,
+            "seconds": round(elapsed_s, 1),
+        },
+    )
 
 
 # --- (b) overload is passed on, never an outage ------------------------------------------------------------
 
 
-async def test_saturated_primaries_answer_429_and_nginx_never_marks_them_down(fleet, nginx_factory,
-                                                                               results_file):
+async def test_saturated_primaries_answer_429_and_nginx_never_marks_them_down(
+    fleet, nginx_factory, results_file
+):
     a, b, c = fleet.replicas
     # nginx's own client limits off: every 429 here is a replica's
-    nginx = nginx_factory([a, b], [c], NginxOptions(worker_processes=1, worker_connections=1024,
-                                                    fail_timeout="10s", max_fails=1, rate_limit="off",
-                                                    max_conns_per_client=0))
+    nginx = nginx_factory(
+        [a, b],
+        [c],
+        NginxOptions(
+            worker_processes=1,
+            worker_connections=1024,
+            fail_timeout="10s",
+            max_fails=1,
+            rate_limit="off",
+            max_conns_per_client=0,
+        ),
+    )
     before = {r.name: completions_by_status(r) for r in fleet.replicas}
     started = time.monotonic()
     results = await users(nginx.url, fleet.model, NUM_SATURATING_USERS, requests_each=3, think_on_429_s=0.5)
@@ -237,9 +306,18 @@ async def test_saturated_primaries_answer_429_and_nginx_never_marks_them_down(fl
     assert backup_requests == 0
     entries = nginx.access_log().values()
     assert all(len(e.upstreams) == 1 for e in entries)  # nothing replayed
-    results_file("overload", {"users": NUM_SATURATING_USERS, "requests": len(results), "ok": statuses[200],
-                              "replica_429": statuses[429], "nginx_502": statuses.get(502, 0),
-                              "backup_requests": backup_requests, "seconds": round(elapsed_s, 1)})
+    results_file(
+        "overload",
+        {
+            "users": NUM_SATURATING_USERS,
+            "requests": len(results),
+            "ok": statuses[200],
+            "replica_429": statuses[429],
+            "nginx_502": statuses.get(502, 0),
+            "backup_requests": backup_requests,
+            "seconds": round(elapsed_s, 1),
+        },
+    )
 
 
 # --- (c) a replica that cannot heal exits 75 and is restarted ------------------------------------------------
@@ -276,19 +354,27 @@ class Supervisor:
 
 
 @pytest.mark.slow
-async def test_a_replica_that_cannot_rebuild_exits_75_and_is_back_in_rotation(fleet, nginx_factory,
-                                                                              results_file):
+async def test_a_replica_that_cannot_rebuild_exits_75_and_is_back_in_rotation(
+    fleet, nginx_factory, results_file
+):
     # Faster checks of the parts: exit 75 in tests/system/resilience/test_chaos.py
     # (test_leak_with_exit_action_exits_75), an engine rebuilt after the crash fault in
     # tests/system/resilience/test_isolation_chaos.py; here a supervisor and nginx put the replica back in rotation.
     a = fleet.replicas[0]
-    d = Replica("d", free_port(), [*REPLICA_ARGS, "--max-engine-rebuilds", "0"], fleet.logs / "d.log", fleet.reaper)
+    d = Replica(
+        "d", free_port(), [*REPLICA_ARGS, "--max-engine-rebuilds", "0"], fleet.logs / "d.log", fleet.reaper
+    )
     supervisor = Supervisor(d)
     supervisor.start()
     try:
         start_and_wait([d])
-        nginx = nginx_factory([d, a], [], NginxOptions(worker_processes=1, worker_connections=1024,
-                                                       fail_timeout="2s", connect_timeout="1s"))
+        nginx = nginx_factory(
+            [d, a],
+            [],
+            NginxOptions(
+                worker_processes=1, worker_connections=1024, fail_timeout="2s", connect_timeout="1s"
+            ),
+        )
         first_pid = d.process.pid
         crashed_at = time.monotonic()
         inject(d, {"model": fleet.model, "kind": "crash"})
@@ -296,8 +382,11 @@ async def test_a_replica_that_cannot_rebuild_exits_75_and_is_back_in_rotation(fl
         await _until(lambda: supervisor.exits, 60, "replica d did not exit after the crash fault")
         exited_at, code = supervisor.exits[0]
         assert code == EXIT_RESTART, d.log_tail()
-        await _until(lambda: supervisor.restarts and d.is_running and d.process.pid != first_pid and d.is_ready(),
-                     120, "replica d was not restarted and ready")
+        await _until(
+            lambda: supervisor.restarts and d.is_running and d.process.pid != first_pid and d.is_ready(),
+            120,
+            "replica d was not restarted and ready",
+        )
         ready_at = time.monotonic()
         results_during = await during
         back_at = await _until_served_through_nginx(nginx, d, fleet.model, 60)
@@ -309,12 +398,15 @@ async def test_a_replica_that_cannot_rebuild_exits_75_and_is_back_in_rotation(fl
     # both replayed on a by nginx
     assert set(statuses) <= {200, 500}, statuses
     assert all(r.body["error"]["code"] == "engine_dead" for r in results_during if r.status == 500)
-    figures = {"exit_code": code, "seconds_crash_to_exit": round(exited_at - crashed_at, 2),
-               "seconds_exit_to_ready": round(ready_at - exited_at, 2),
-               "seconds_crash_to_served_through_nginx": round(back_at - crashed_at, 2),
-               "requests_during": len(results_during), "requests_failed_during": len(results_during)
-               - statuses[200],
-               "failed_codes": sorted(r.body["error"]["code"] for r in results_during if r.status != 200)}
+    figures = {
+        "exit_code": code,
+        "seconds_crash_to_exit": round(exited_at - crashed_at, 2),
+        "seconds_exit_to_ready": round(ready_at - exited_at, 2),
+        "seconds_crash_to_served_through_nginx": round(back_at - crashed_at, 2),
+        "requests_during": len(results_during),
+        "requests_failed_during": len(results_during) - statuses[200],
+        "failed_codes": sorted(r.body["error"]["code"] for r in results_during if r.status != 200),
+    }
     results_file("restart_after_exit_75", figures)
     print(f"fleet restart figures: {figures}")
 

@@ -39,11 +39,13 @@ def _queries() -> list[str]:
 def exported(tmp_path_factory) -> dict[str, set[str]]:
     """{sample name: its label names} scraped from a real server after one completion."""
     require_models(TINY)
-    server = launch(["--model", str(TINY), "--api-key", API_KEY],
-                    tmp_path_factory.mktemp("grafana") / "server.log")
+    server = launch(
+        ["--model", str(TINY), "--api-key", API_KEY], tmp_path_factory.mktemp("grafana") / "server.log"
+    )
     try:
-        status, _, _ = server.post("/v1/completions", {"model": TINY.name, "prompt": "def add(a, b):",
-                                                       "max_tokens": 4})
+        status, _, _ = server.post(
+            "/v1/completions", {"model": TINY.name, "prompt": "def add(a, b):", "max_tokens": 4}
+        )
         assert status == 200
         status, _, body = server.get("/metrics")
         assert status == 200
@@ -67,13 +69,20 @@ def test_every_query_names_metrics_the_server_exports(exported):
             assert labels <= exported[name] | ADDED_BY_PROMETHEUS, (name, labels - exported[name])
             named.add(name)
         # grouping labels exist on some metric of the expression
-        grouped = {label.strip() for group in re.findall(r"\b(?:by|ignoring)\s*\(([^)]*)\)", expr)
-                   for label in group.split(",")}
+        grouped = {
+            label.strip()
+            for group in re.findall(r"\b(?:by|ignoring)\s*\(([^)]*)\)", expr)
+            for label in group.split(",")
+        }
         available = set().union(*(exported[n] for n, _ in found)) | ADDED_BY_PROMETHEUS
         assert grouped <= available, (expr, grouped - available)
     # histograms are read through their buckets, counters through _total
-    assert {"pagedserve:time_to_first_token_seconds_bucket", "pagedserve:inter_token_latency_seconds_bucket",
-            "pagedserve:e2e_request_latency_seconds_bucket", "pagedserve:generation_tokens_total"} <= named
+    assert {
+        "pagedserve:time_to_first_token_seconds_bucket",
+        "pagedserve:inter_token_latency_seconds_bucket",
+        "pagedserve:e2e_request_latency_seconds_bucket",
+        "pagedserve:generation_tokens_total",
+    } <= named
 
 
 def test_the_autoscalers_series_is_exported(exported):
@@ -85,8 +94,11 @@ def test_the_autoscalers_series_is_exported(exported):
 
 def test_the_metric_check_would_catch_a_wrong_name(exported):
     # what a dashboard written for vLLM's names, or a counter without its suffix, would use
-    for wrong in ("pagedserve:generation_tokens", "pagedserve:gpu_cache_usage_perc",
-                  "pagedserve:time_to_first_token_seconds"):
+    for wrong in (
+        "pagedserve:generation_tokens",
+        "pagedserve:gpu_cache_usage_perc",
+        "pagedserve:time_to_first_token_seconds",
+    ):
         assert wrong not in exported
 
 
@@ -96,23 +108,49 @@ PROMTOOL = shutil.which("promtool")
 @pytest.mark.skipif(PROMTOOL is None, reason="promtool is not installed (apt-get install prometheus)")
 def test_queries_parse_as_promql(tmp_path):
     # each panel query as a recording rule, Grafana's variables filled as Grafana would
-    rules = [{"record": f"dashboard:query_{n}",
-              "expr": expr.replace("$__rate_interval", "1m").replace("$instance", ".*").replace("$model", ".*")}
-             for n, expr in enumerate(_queries()) if not expr.startswith("label_values(")]
+    rules = [
+        {
+            "record": f"dashboard:query_{n}",
+            "expr": expr.replace("$__rate_interval", "1m").replace("$instance", ".*").replace("$model", ".*"),
+        }
+        for n, expr in enumerate(_queries())
+        if not expr.startswith("label_values(")
+    ]
     path = tmp_path / "rules.yml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
-    result = subprocess.run([PROMTOOL, "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [PROMTOOL, "check", "rules", str(path)], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_panels_cover_the_dashboards_promise():
     titles = " | ".join(p["title"].lower() for p in DASHBOARD["panels"] if p["type"] != "row")
-    for topic in ("throughput", "time to first token", "inter-token", "end-to-end", "queue", "kv-cache",
-                  "prefix-cache hit rate", "breaker", "failover", "degraded share", "leak", "memory"):
+    for topic in (
+        "throughput",
+        "time to first token",
+        "inter-token",
+        "end-to-end",
+        "queue",
+        "kv-cache",
+        "prefix-cache hit rate",
+        "breaker",
+        "failover",
+        "degraded share",
+        "leak",
+        "memory",
+    ):
         assert topic in titles, topic
-    for metric in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
-        quantiles = {re.match(r"histogram_quantile\(([\d.]+),", t["expr"]).group(1)
-                     for t in _targets() if f"{metric}_bucket" in t["expr"]}
+    for metric in (
+        "time_to_first_token_seconds",
+        "inter_token_latency_seconds",
+        "e2e_request_latency_seconds",
+    ):
+        quantiles = {
+            re.match(r"histogram_quantile\(([\d.]+),", t["expr"]).group(1)
+            for t in _targets()
+            if f"{metric}_bucket" in t["expr"]
+        }
         assert quantiles == {"0.5", "0.95", "0.99"}, metric
     # per model: every query of a per-model metric can be narrowed by the model variable
     for target in _targets():
@@ -129,12 +167,16 @@ def test_dashboard_is_well_formed():
     for panel in panels:
         pos = panel["gridPos"]
         assert pos["x"] + pos["w"] <= 24
-        cell = {(x, y) for x in range(pos["x"], pos["x"] + pos["w"]) for y in range(pos["y"], pos["y"] + pos["h"])}
+        cell = {
+            (x, y) for x in range(pos["x"], pos["x"] + pos["w"]) for y in range(pos["y"], pos["y"] + pos["h"])
+        }
         assert not cells & cell, f"{panel['title']} overlaps another panel"
         cells |= cell
         if panel["type"] != "row":
             assert panel["datasource"]["uid"] == "${datasource}"
-            assert {t["refId"] for t in panel["targets"]} == {chr(65 + n) for n in range(len(panel["targets"]))}
+            assert {t["refId"] for t in panel["targets"]} == {
+                chr(65 + n) for n in range(len(panel["targets"]))
+            }
     variables = {v["name"] for v in DASHBOARD["templating"]["list"]}
     assert variables == {"datasource", "instance", "model"}
 
@@ -145,12 +187,18 @@ def test_compose_provisions_the_dashboard_and_the_datasource():
     mounts = dict(v.removesuffix(":ro").split(":") for v in grafana["volumes"])
     assert all(v.endswith(":ro") for v in grafana["volumes"])
     assert mounts["./grafana/pagedserve.json"] == "/etc/grafana/dashboards/pagedserve.json"
-    provider = yaml.safe_load((GRAFANA / "provisioning/dashboards/pagedserve.yml").read_text())["providers"][0]
+    provider = yaml.safe_load((GRAFANA / "provisioning/dashboards/pagedserve.yml").read_text())["providers"][
+        0
+    ]
     assert provider["options"]["path"] == "/etc/grafana/dashboards"
-    assert mounts["./grafana/provisioning/dashboards/pagedserve.yml"].startswith("/etc/grafana/provisioning/dashboards/")
+    assert mounts["./grafana/provisioning/dashboards/pagedserve.yml"].startswith(
+        "/etc/grafana/provisioning/dashboards/"
+    )
     datasources = "./grafana/provisioning/datasources/prometheus.yml"
     assert mounts[datasources].startswith("/etc/grafana/provisioning/datasources/")
-    [source] = yaml.safe_load((GRAFANA / "provisioning/datasources/prometheus.yml").read_text())["datasources"]
+    [source] = yaml.safe_load((GRAFANA / "provisioning/datasources/prometheus.yml").read_text())[
+        "datasources"
+    ]
     assert source["type"] == "prometheus" and source["isDefault"] is True
     assert source["url"] == "http://prometheus:9090" and "prometheus" in grafana["depends_on"]
     assert "127.0.0.1:9090:9090" in compose["services"]["prometheus"]["ports"]
@@ -160,8 +208,10 @@ def test_compose_provisions_the_dashboard_and_the_datasource():
 def test_renderer_fills_variables_and_legends():
     from deploy.grafana.render_png import legend, promql
 
-    assert promql('rate(x{instance=~"$instance",model_name=~"$model"}[$__rate_interval])', "10s") == \
-        'rate(x{instance=~".*",model_name=~".*"}[10s])'
+    assert (
+        promql('rate(x{instance=~"$instance",model_name=~"$model"}[$__rate_interval])', "10s")
+        == 'rate(x{instance=~".*",model_name=~".*"}[10s])'
+    )
     assert legend("{{model_name}} p99", {"model_name": "tiny"}) == "tiny p99"
     assert legend("{{ instance }} leak", {}) == "leak"
 

@@ -34,10 +34,32 @@ from tests.system.replicas import NGINX, Nginx, Replica, http, start_and_wait
 RESULTS_NAME = "hostile.json"
 API_KEY = "hostile-key"
 ATTACKER_KEY = "hostile-attacker-key"
-REPLICA_ARGS = ["--model", str(SMALL), "--served-model-name", "primary", "--fallback", str(TINY),
-                "--api-key", API_KEY, "--api-key", ATTACKER_KEY, "--max-key-share", "0.5",
-                "--dtype", "float32", "--block-size", "8", "--max-num-seqs", "16",
-                "--max-model-len", "512", "--kv-cache-memory", "8MiB", "--num-threads", "1"]
+REPLICA_ARGS = [
+    "--model",
+    str(SMALL),
+    "--served-model-name",
+    "primary",
+    "--fallback",
+    str(TINY),
+    "--api-key",
+    API_KEY,
+    "--api-key",
+    ATTACKER_KEY,
+    "--max-key-share",
+    "0.5",
+    "--dtype",
+    "float32",
+    "--block-size",
+    "8",
+    "--max-num-seqs",
+    "16",
+    "--max-model-len",
+    "512",
+    "--kv-cache-memory",
+    "8MiB",
+    "--num-threads",
+    "1",
+]
 OPTIONS = NginxOptions(worker_processes=1, worker_connections=512, rate_limit="off")
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 NORMAL = {"model": "primary", "prompt": "def add(a, b):\n", "max_tokens": 16, "temperature": 0}
@@ -45,15 +67,18 @@ CANNOT_START = ({"grammar": "start: start"}, {"grammar": "root ::= root"})
 BOMB_INFLATED_BYTES = 1 << 30
 LIVE_P99_MS = 100.0
 
-pytestmark = [pytest.mark.skipif(NGINX is None, reason="nginx is not installed (make nginx)"),
-              pytest.mark.skipif(bool(model_dirs_missing(SMALL, TINY)), reason="the shipped models are missing"),
-              pytest.mark.timeout(600)]
+pytestmark = [
+    pytest.mark.skipif(NGINX is None, reason="nginx is not installed (make nginx)"),
+    pytest.mark.skipif(bool(model_dirs_missing(SMALL, TINY)), reason="the shipped models are missing"),
+    pytest.mark.timeout(600),
+]
 
 
 @pytest.fixture(scope="module")
 def replica(reaper, tmp_path_factory) -> Replica:
-    replica = Replica("hostile", free_port(), REPLICA_ARGS, tmp_path_factory.mktemp("hostile") / "replica.log",
-                      reaper)
+    replica = Replica(
+        "hostile", free_port(), REPLICA_ARGS, tmp_path_factory.mktemp("hostile") / "replica.log", reaper
+    )
     start_and_wait([replica])
     return replica
 
@@ -76,10 +101,13 @@ def bomb() -> bytes:
     return data
 
 
-def post(url: str, body: bytes | dict, headers: dict | None = None, timeout: float = 60.0) -> tuple[int, bytes]:
+def post(
+    url: str, body: bytes | dict, headers: dict | None = None, timeout: float = 60.0
+) -> tuple[int, bytes]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, method="POST",
-                                     headers={"Content-Type": "application/json", **(headers or {})})
+    request = urllib.request.Request(
+        url, data=data, method="POST", headers={"Content-Type": "application/json", **(headers or {})}
+    )
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return response.status, response.read()
@@ -94,7 +122,9 @@ def error_of(raw: bytes) -> dict:
 def breaker_states(replica: Replica) -> dict[str, float]:
     """Model -> 0 closed, 1 half-open, 2 open (a breaker no call reached yet is not listed: closed)."""
     _, _, body = http("GET", f"{replica.url}/metrics", timeout=10)
-    found = re.finditer(r'^pagedserve:breaker_state\{[^}]*model_name="([^"]+)"[^}]*\} (\S+)$', body.decode(), re.M)
+    found = re.finditer(
+        r'^pagedserve:breaker_state\{[^}]*model_name="([^"]+)"[^}]*\} (\S+)$', body.decode(), re.M
+    )
     return {m[1]: float(m[2]) for m in found}
 
 
@@ -156,18 +186,28 @@ def test_ten_grammar_requests_that_cannot_start_fail_alone(replica, nginx):
     with concurrent.futures.ThreadPoolExecutor(10) as pool:
         results = list(pool.map(lambda i: grammar_attack(nginx, i), range(10)))
     assert [status for status, _ in results] == [400] * 10
-    assert all(err["param"] == "structured_outputs" and "cannot produce a first token" in err["message"]
-               for _, err in results), results[0]
+    assert all(
+        err["param"] == "structured_outputs" and "cannot produce a first token" in err["message"]
+        for _, err in results
+    ), results[0]
     assert_in_rotation(replica, nginx)
 
 
-@pytest.mark.parametrize(("field", "value", "message"), [
-    ("guided_regex", "a{400000}", "too costly"),
-    ("guided_json", {"$ref": "#"}, "cannot produce a first token"),
-    ("guided_json", {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
-     "cannot produce a first token"),
-])
-def test_a_constraint_that_would_fail_in_a_step_is_a_400_naming_its_field(replica, nginx, field, value, message):
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("guided_regex", "a{400000}", "too costly"),
+        ("guided_json", {"$ref": "#"}, "cannot produce a first token"),
+        (
+            "guided_json",
+            {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+            "cannot produce a first token",
+        ),
+    ],
+)
+def test_a_constraint_that_would_fail_in_a_step_is_a_400_naming_its_field(
+    replica, nginx, field, value, message
+):
     status, raw = post(f"{nginx.url}/v1/completions", {**NORMAL, field: value}, AUTH)
     assert status == 400 and error_of(raw)["param"] == field and message in error_of(raw)["message"], raw
     assert_in_rotation(replica, nginx)
@@ -176,7 +216,10 @@ def test_a_constraint_that_would_fail_in_a_step_is_a_400_naming_its_field(replic
 def compile_bomb(i: int) -> dict:
     """A 21-pattern allOf: llguidance took 91 s and +4.9 GB to compile its like, in the server's own threads."""
     schema = {"type": "string", "allOf": [{"pattern": f"^.*{chr(97 + i)}.{{{k}}}$"} for k in range(21)]}
-    return {**NORMAL, "response_format": {"type": "json_schema", "json_schema": {"name": "bomb", "schema": schema}}}
+    return {
+        **NORMAL,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "bomb", "schema": schema}},
+    }
 
 
 def test_compile_bombs_are_stopped_in_their_workers_and_the_replica_keeps_its_memory(replica, nginx):
@@ -188,7 +231,9 @@ def test_compile_bombs_are_stopped_in_their_workers_and_the_replica_keeps_its_me
             time.sleep(0.1)
     for status, raw in (b.result() for b in bombs):
         assert status == 400 and error_of(raw)["param"] == "response_format", raw
-        assert re.search("does not compile|did not compile within|needs more than", error_of(raw)["message"]), raw
+        assert re.search(
+            "does not compile|did not compile within|needs more than", error_of(raw)["message"]
+        ), raw
     assert peak < baseline + (500 << 20)
     assert_in_rotation(replica, nginx)
 
@@ -201,8 +246,11 @@ def test_a_plain_body_sent_as_gzip_is_a_400(replica, nginx):
 def test_keyless_gzip_bombs_get_401_uninflated_and_liveness_holds(replica, nginx, bomb):
     baseline = rss_bytes(replica)
     with LiveProbe(replica) as probe, concurrent.futures.ThreadPoolExecutor(4) as pool:
-        statuses = list(pool.map(lambda _: post(f"{nginx.url}/v1/completions", bomb,
-                                                {"Content-Encoding": "gzip"})[0], range(8)))
+        statuses = list(
+            pool.map(
+                lambda _: post(f"{nginx.url}/v1/completions", bomb, {"Content-Encoding": "gzip"})[0], range(8)
+            )
+        )
         time.sleep(0.5)
     assert statuses == [401] * 8
     assert probe.failures == 0 and probe.latencies_ms
@@ -252,10 +300,17 @@ def test_a_persistent_grammar_attack_beside_eight_streams(replica, nginx, result
             time.sleep(2)
         stop.set()
         ok, bad = normals.result()
-    results_file("grammar_attack", {"attack_requests": len(attack_statuses),
-                                    "attack_4xx": sum(400 <= s < 500 for s in attack_statuses),
-                                    "normal_streams_ok": ok, "normal_streams_failed": bad,
-                                    "ready_failures": ready_failures, "samples_with_a_breaker_open": open_breakers})
+    results_file(
+        "grammar_attack",
+        {
+            "attack_requests": len(attack_statuses),
+            "attack_4xx": sum(400 <= s < 500 for s in attack_statuses),
+            "normal_streams_ok": ok,
+            "normal_streams_failed": bad,
+            "ready_failures": ready_failures,
+            "samples_with_a_breaker_open": open_breakers,
+        },
+    )
     assert all(400 <= s < 500 for s in attack_statuses) and bad == 0 and ok > 0
     assert ready_failures == 0 and open_breakers == 0
 
@@ -285,10 +340,19 @@ def test_eight_keyless_gzip_bomb_clients_for_a_minute(replica, nginx, bomb, resu
             thread.join(60)
     time.sleep(1)
     after = rss_bytes(replica)
-    results_file("gzip_bombs", {"requests": len(statuses), "answered_401": statuses.count(401),
-                                "live_probes": len(probe.latencies_ms), "live_failures": probe.failures,
-                                "live_p99_ms": round(probe.p99_ms, 1), "rss_baseline_mib": baseline >> 20,
-                                "rss_peak_mib": peak >> 20, "rss_after_mib": after >> 20})
+    results_file(
+        "gzip_bombs",
+        {
+            "requests": len(statuses),
+            "answered_401": statuses.count(401),
+            "live_probes": len(probe.latencies_ms),
+            "live_failures": probe.failures,
+            "live_p99_ms": round(probe.p99_ms, 1),
+            "rss_baseline_mib": baseline >> 20,
+            "rss_peak_mib": peak >> 20,
+            "rss_after_mib": after >> 20,
+        },
+    )
     assert statuses and statuses.count(401) == len(statuses)
     assert probe.failures == 0 and probe.p99_ms < LIVE_P99_MS
     assert peak < baseline + (128 << 20) and after < baseline + (64 << 20)
@@ -302,16 +366,41 @@ def counter(replica: Replica, name: str, model: str) -> float:
 
 
 @pytest.mark.slow
-def test_kv_pressure_from_ordinary_streams_is_queueing_not_a_sick_model(reaper, tmp_path_factory, results_file):
+def test_kv_pressure_from_ordinary_streams_is_queueing_not_a_sick_model(
+    reaper, tmp_path_factory, results_file
+):
     """Fast twin: test_router_deadlines' test_a_late_token_is_queueing_when_its_own_sequence_was_preempted.
     48 well-behaved streams of 300 tokens on a KV pool that holds about two of them, with a 1 s first-token
     deadline, so preempted streams wait between tokens far longer than it: no stream fails, and every late
     token counts as late_in_queue, none as slow; the primary's breaker stays closed."""
-    replica = Replica("kv-pressure", free_port(), [
-        "--model", str(SMALL), "--served-model-name", "primary", "--fallback", str(TINY), "--api-key", API_KEY,
-        "--dtype", "float32", "--block-size", "8", "--max-num-seqs", "32", "--max-model-len", "512",
-        "--kv-cache-memory", "4MiB", "--first-token-timeout", "1"], tmp_path_factory.mktemp("kv") / "replica.log",
-        reaper)
+    replica = Replica(
+        "kv-pressure",
+        free_port(),
+        [
+            "--model",
+            str(SMALL),
+            "--served-model-name",
+            "primary",
+            "--fallback",
+            str(TINY),
+            "--api-key",
+            API_KEY,
+            "--dtype",
+            "float32",
+            "--block-size",
+            "8",
+            "--max-num-seqs",
+            "32",
+            "--max-model-len",
+            "512",
+            "--kv-cache-memory",
+            "4MiB",
+            "--first-token-timeout",
+            "1",
+        ],
+        tmp_path_factory.mktemp("kv") / "replica.log",
+        reaper,
+    )
     start_and_wait([replica])
     body = {**NORMAL, "max_tokens": 300, "ignore_eos": True, "stream": True}
     states = []
@@ -321,12 +410,17 @@ def test_kv_pressure_from_ordinary_streams_is_queueing_not_a_sick_model(reaper, 
             states.append(breaker_states(replica).get("primary", 0.0))
             time.sleep(1)
     results = [s.result() for s in streams]
-    failed = [r for r in results if r[0] != 200 or b'"error"' in r[1] or not r[1].rstrip().endswith(b"[DONE]")]
-    figures = {"streams": len(results), "failed": len(failed),
-               "preemptions": counter(replica, "num_preemptions", "primary"),
-               "slow_calls": counter(replica, "slow_calls", "primary"),
-               "late_in_queue": counter(replica, "late_in_queue", "primary"),
-               "samples_with_the_breaker_open": sum(s != 0 for s in states)}
+    failed = [
+        r for r in results if r[0] != 200 or b'"error"' in r[1] or not r[1].rstrip().endswith(b"[DONE]")
+    ]
+    figures = {
+        "streams": len(results),
+        "failed": len(failed),
+        "preemptions": counter(replica, "num_preemptions", "primary"),
+        "slow_calls": counter(replica, "slow_calls", "primary"),
+        "late_in_queue": counter(replica, "late_in_queue", "primary"),
+        "samples_with_the_breaker_open": sum(s != 0 for s in states),
+    }
     results_file("kv_pressure", figures)
     replica.stop()
     assert figures["failed"] == 0 and figures["preemptions"] > 0, figures
@@ -337,8 +431,12 @@ def ttft_p99_ms(url: str, num: int = 12) -> tuple[float, int]:
     """(p99 time to the first SSE byte in ms, requests not answered 200) of `num` streams one after another."""
     times, failed = [], 0
     for _ in range(num):
-        request = urllib.request.Request(f"{url}/v1/completions", method="POST", headers={
-            "Content-Type": "application/json", **AUTH}, data=json.dumps({**NORMAL, "stream": True}).encode())
+        request = urllib.request.Request(
+            f"{url}/v1/completions",
+            method="POST",
+            headers={"Content-Type": "application/json", **AUTH},
+            data=json.dumps({**NORMAL, "stream": True}).encode(),
+        )
         start = time.monotonic()
         try:
             with urllib.request.urlopen(request, timeout=60) as response:
@@ -371,10 +469,16 @@ def test_an_idle_connection_flood_and_a_seat_hog_leave_normal_clients_served(rep
         time.sleep(1)
         hog_p99, hog_failed = ttft_p99_ms(replica.url)
         hog_statuses = sorted(h.result()[0] for h in hogs)
-    results_file("connections_and_seats", {
-        "idle_ttft_p99_ms": round(idle_p99, 1), "flood_1100_idle_connections_ttft_p99_ms": round(flood_p99, 1),
-        "seat_hog_ttft_p99_ms": round(hog_p99, 1), "failed": idle_failed + flood_failed + hog_failed,
-        "hog_statuses": hog_statuses})
+    results_file(
+        "connections_and_seats",
+        {
+            "idle_ttft_p99_ms": round(idle_p99, 1),
+            "flood_1100_idle_connections_ttft_p99_ms": round(flood_p99, 1),
+            "seat_hog_ttft_p99_ms": round(hog_p99, 1),
+            "failed": idle_failed + flood_failed + hog_failed,
+            "hog_statuses": hog_statuses,
+        },
+    )
     assert idle_failed == flood_failed == hog_failed == 0
     assert hog_statuses.count(429) == 3 and hog_statuses.count(200) == 1  # a key holds at most 8 of 16 seats
     assert flood_p99 < max(2 * idle_p99, 100) and hog_p99 < max(2 * idle_p99, 100)

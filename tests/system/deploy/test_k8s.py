@@ -28,11 +28,19 @@ OVERLAYS = ("cpu", "gpu")
 # the oldest release the manifests claim (PodDisruptionBudget.unhealthyPodEvictionPolicy is GA in 1.31)
 # and the newest schemas the package bundles
 K8S_VERSIONS = ("1.31.0", max(all_versions(), key=lambda v: tuple(map(int, v.split(".")))))
-DRAIN_CLEANUP_S = 20  # margin past SHUTDOWN_TIMEOUT, as compose keeps (tests/system/deploy/test_docker_files.py)
+DRAIN_CLEANUP_S = (
+    20  # margin past SHUTDOWN_TIMEOUT, as compose keeps (tests/system/deploy/test_docker_files.py)
+)
 CRDS = {"monitoring.coreos.com/v1": {"ServiceMonitor"}}
 # strategic-merge keys of the lists the overlays patch; any other list is replaced whole
-MERGE_KEYS = {"containers": "name", "initContainers": "name", "env": "name", "volumes": "name",
-              "volumeMounts": "mountPath", "ports": "containerPort"}
+MERGE_KEYS = {
+    "containers": "name",
+    "initContainers": "name",
+    "env": "name",
+    "volumes": "name",
+    "volumeMounts": "mountPath",
+    "ports": "containerPort",
+}
 
 
 # --- a small kustomize: resources, patches (strategic merge), images ------------------------------------------
@@ -99,8 +107,11 @@ def rendered(request) -> tuple[str, list[dict]]:
 
 
 def _manifest_files() -> list[Path]:
-    return sorted(p for p in K8S.rglob("*.yaml") if p.name != "kustomization.yaml" and "patch" not in p.name
-                  and p.parent.name != "k8s")
+    return sorted(
+        p
+        for p in K8S.rglob("*.yaml")
+        if p.name != "kustomization.yaml" and "patch" not in p.name and p.parent.name != "k8s"
+    )
 
 
 def test_every_base_manifest_is_listed_in_the_kustomization():
@@ -118,8 +129,13 @@ def test_rendered_manifests_validate_against_the_kubernetes_schemas(rendered, ve
         # strict: a misspelt or misplaced field fails, not only a wrong type
         kubernetes_validate.validate(doc, version, strict=True)
         checked.add(doc["kind"])
-    assert checked == {"Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler",
-                       "PersistentVolumeClaim"}
+    assert checked == {
+        "Deployment",
+        "Service",
+        "PodDisruptionBudget",
+        "HorizontalPodAutoscaler",
+        "PersistentVolumeClaim",
+    }
 
 
 def test_the_schema_check_rejects_a_broken_manifest():
@@ -149,8 +165,13 @@ KUBECTL = shutil.which("kubectl")
 @pytest.mark.skipif(KUBECTL is None, reason="kubectl is not installed: the renderer here is the only check")
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_kubectl_kustomize_renders_the_same_objects(overlay):
-    out = subprocess.run([KUBECTL, "kustomize", str(K8S / "overlays" / overlay)], capture_output=True,
-                         text=True, timeout=60, check=True).stdout
+    out = subprocess.run(
+        [KUBECTL, "kustomize", str(K8S / "overlays" / overlay)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     theirs = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(out) if d}
     ours = {(d["kind"], d["metadata"]["name"]): d for d in render(K8S / "overlays" / overlay)}
     assert theirs == ours
@@ -191,10 +212,16 @@ def test_service_targets_the_container_port(rendered):
 
 def test_disruptions_and_scale_down_keep_a_replica_serving(rendered):
     _, docs = rendered
-    deployment, hpa, pdb = _one(docs, "Deployment"), _one(docs, "HorizontalPodAutoscaler"), \
-        _one(docs, "PodDisruptionBudget")
-    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
-                                             "name": deployment["metadata"]["name"]}
+    deployment, hpa, pdb = (
+        _one(docs, "Deployment"),
+        _one(docs, "HorizontalPodAutoscaler"),
+        _one(docs, "PodDisruptionBudget"),
+    )
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": deployment["metadata"]["name"],
+    }
     assert pdb["spec"]["maxUnavailable"] < hpa["spec"]["minReplicas"] <= deployment["spec"]["replicas"]
     assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
 
@@ -203,7 +230,10 @@ def test_models_volume_is_the_claim_mounted_read_only(rendered):
     _, docs = rendered
     pod = _one(docs, "Deployment")["spec"]["template"]["spec"]
     [models] = [v for v in pod["volumes"] if v["name"] == "models"]
-    assert models["persistentVolumeClaim"]["claimName"] == _one(docs, "PersistentVolumeClaim")["metadata"]["name"]
+    assert (
+        models["persistentVolumeClaim"]["claimName"]
+        == _one(docs, "PersistentVolumeClaim")["metadata"]["name"]
+    )
     [mount] = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "models"]
     assert mount["readOnly"] is True
     assert _config(pod["containers"][0]).models_root == mount["mountPath"]  # where /admin/models/load reads
@@ -259,8 +289,11 @@ def test_probes_ask_the_real_health_routes_on_the_served_port(rendered, routes):
         assert ("GET", get["path"]) in routes, probe
         paths[probe] = get["path"]
     # liveness restarts: only a dead or hung engine loop; draining and loading replicas stay live
-    assert paths == {"startupProbe": "/health/ready", "livenessProbe": "/health/live",
-                     "readinessProbe": "/health/ready"}
+    assert paths == {
+        "startupProbe": "/health/ready",
+        "livenessProbe": "/health/live",
+        "readinessProbe": "/health/ready",
+    }
 
 
 def test_startup_probe_gives_the_models_time_to_load(rendered):
@@ -291,8 +324,14 @@ def test_container_runs_the_images_server_with_known_flags(rendered):
     for dockerfile in ("Dockerfile", "Dockerfile.cpu"):
         cmd = re.search(r"^CMD (.*)$", (ROOT / dockerfile).read_text(), re.M).group(1)
         assert "exec pagedserve serve" in cmd, dockerfile  # the image's own program, flags spelt out
-    help_text = subprocess.run([sys.executable, "-m", "service", "serve", "--help"], cwd=ROOT, capture_output=True,
-                               text=True, timeout=60, check=True).stdout
+    help_text = subprocess.run(
+        [sys.executable, "-m", "service", "serve", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     for flag in (a for a in container["args"] if a.startswith("--")):
         assert re.search(rf"(^|[\s,]){re.escape(flag)}\b", help_text), flag
 
@@ -319,7 +358,10 @@ def test_hpa_metric_is_the_adapters_name_for_the_waiting_queue(rendered):
     assert f'{{PREFIX}}{series.removeprefix("pagedserve:")}"' in (ROOT / "service/metrics.py").read_text()
     exposed = re.sub(rule["name"]["matches"], rule["name"]["as"].replace("${1}", r"\1"), series)
     assert metric["pods"]["metric"]["name"] == exposed
-    assert rule["resources"]["overrides"] == {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}
+    assert rule["resources"]["overrides"] == {
+        "namespace": {"resource": "namespace"},
+        "pod": {"resource": "pod"},
+    }
     assert "<<.Series>>" in rule["metricsQuery"] and "<<.GroupBy>>" in rule["metricsQuery"]
 
 

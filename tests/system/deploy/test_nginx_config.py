@@ -45,8 +45,12 @@ def prefix():
 def _nginx_t(prefix: Path, text: str) -> subprocess.CompletedProcess:
     conf = prefix / "nginx.conf"
     conf.write_text(text)
-    return subprocess.run([NGINX, "-t", "-p", str(prefix), "-e", str(prefix / "error.log"), "-c", str(conf)],
-                          capture_output=True, text=True, timeout=10)
+    return subprocess.run(
+        [NGINX, "-t", "-p", str(prefix), "-e", str(prefix / "error.log"), "-c", str(conf)],
+        capture_output=True,
+        text=True,
+        timeout=10,
+    )
 
 
 # --- the config as text ---------------------------------------------------------------------------
@@ -91,15 +95,25 @@ def test_render_has_the_failover_and_streaming_directives():
     ):
         assert directive in text, directive
     temp_paths = re.findall(r"^\s*(\w+_temp_path) (\S+);$", text, re.M)
-    assert {name for name, _ in temp_paths} == {"client_body_temp_path", "proxy_temp_path", "fastcgi_temp_path",
-                                                "uwsgi_temp_path", "scgi_temp_path"}
+    assert {name for name, _ in temp_paths} == {
+        "client_body_temp_path",
+        "proxy_temp_path",
+        "fastcgi_temp_path",
+        "uwsgi_temp_path",
+        "scgi_temp_path",
+    }
     assert all(path.startswith("/srv/ngx/") for _, path in temp_paths)
     assert not re.search(r"\{\{\w+\}\}", text)
 
 
 def test_options_reach_the_text():
-    options = NginxOptions(max_fails=5, fail_timeout="20s", next_upstream_tries=2, read_timeout="600s",
-                           metrics_allow=("127.0.0.1",))
+    options = NginxOptions(
+        max_fails=5,
+        fail_timeout="20s",
+        next_upstream_tries=2,
+        read_timeout="600s",
+        metrics_allow=("127.0.0.1",),
+    )
     text = render(["a:1"], [], "9000", "/p", options)
     assert "server a:1 max_fails=5 fail_timeout=20s;" in text
     assert "proxy_next_upstream_tries 2;" in text
@@ -109,7 +123,9 @@ def test_options_reach_the_text():
 
 
 def test_client_limits_are_options():
-    text = render(["a:1"], [], "9000", "/p", NginxOptions(rate_limit="5r/s", rate_burst=7, max_conns_per_client=3))
+    text = render(
+        ["a:1"], [], "9000", "/p", NginxOptions(rate_limit="5r/s", rate_burst=7, max_conns_per_client=3)
+    )
     assert "zone=pagedserve_rate:10m rate=5r/s;" in text
     assert "limit_req zone=pagedserve_rate burst=7 nodelay;" in text
     assert "limit_conn pagedserve_conns 3;" in text
@@ -117,37 +133,72 @@ def test_client_limits_are_options():
     assert not re.search(r"^\s*limit_(req|conn) ", off, re.M)
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (([], [], "8080", "/p"), "at least one primary"),
-    ((["localhost"], [], "8080", "/p"), "host:port"),
-    ((["a:1"], ["b:70000"], "8080", "/p"), "host:port"),
-    ((["a:1"], [], "nope", "/p"), "listen"),
-    ((["a:1"], [], "8080", "relative/dir"), "absolute"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (([], [], "8080", "/p"), "at least one primary"),
+        ((["localhost"], [], "8080", "/p"), "host:port"),
+        ((["a:1"], ["b:70000"], "8080", "/p"), "host:port"),
+        ((["a:1"], [], "nope", "/p"), "listen"),
+        ((["a:1"], [], "8080", "relative/dir"), "absolute"),
+    ],
+)
 def test_render_rejects_bad_arguments(args, message):
     with pytest.raises(ValueError, match=message):
         render(*args)
 
 
-@pytest.mark.parametrize(("field", "value"), [
-    ("fail_timeout", "ten"), ("next_upstream_tries", 0), ("max_fails", 0), ("worker_processes", 0),
-    ("max_body_size", "8 MB"), ("metrics_allow", ("not-an-ip",)), ("rate_limit", "50/s"),
-    ("rate_limit", "0r/s"), ("rate_burst", -1), ("max_conns_per_client", -1),
-])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("fail_timeout", "ten"),
+        ("next_upstream_tries", 0),
+        ("max_fails", 0),
+        ("worker_processes", 0),
+        ("max_body_size", "8 MB"),
+        ("metrics_allow", ("not-an-ip",)),
+        ("rate_limit", "50/s"),
+        ("rate_limit", "0r/s"),
+        ("rate_burst", -1),
+        ("max_conns_per_client", -1),
+    ],
+)
 def test_options_validate_themselves(field, value):
     with pytest.raises(ValueError, match=field):
         NginxOptions(**{field: value})
 
 
 def test_cli_prints_what_render_returns():
-    argv = ["--primary", "127.0.0.1:8001", "--primary", "127.0.0.1:8002", "--backup", "127.0.0.1:8003",
-            "--listen", "127.0.0.1:8080", "--prefix", "/srv/ngx", "--rate-limit", "9r/s", "--rate-burst", "4",
-            "--max-conns-per-client", "0"]
-    out = subprocess.run([sys.executable, "-m", "deploy.nginx.render", *argv], cwd=ROOT, capture_output=True,
-                         text=True, timeout=30, check=True).stdout
+    argv = [
+        "--primary",
+        "127.0.0.1:8001",
+        "--primary",
+        "127.0.0.1:8002",
+        "--backup",
+        "127.0.0.1:8003",
+        "--listen",
+        "127.0.0.1:8080",
+        "--prefix",
+        "/srv/ngx",
+        "--rate-limit",
+        "9r/s",
+        "--rate-burst",
+        "4",
+        "--max-conns-per-client",
+        "0",
+    ]
+    out = subprocess.run(
+        [sys.executable, "-m", "deploy.nginx.render", *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
     options = NginxOptions(rate_limit="9r/s", rate_burst=4, max_conns_per_client=0)
-    assert out == render(["127.0.0.1:8001", "127.0.0.1:8002"], ["127.0.0.1:8003"], "127.0.0.1:8080", "/srv/ngx",
-                         options)
+    assert out == render(
+        ["127.0.0.1:8001", "127.0.0.1:8002"], ["127.0.0.1:8003"], "127.0.0.1:8080", "/srv/ngx", options
+    )
 
 
 def test_compose_config_is_the_rendered_one():
@@ -160,12 +211,15 @@ def test_compose_config_is_the_rendered_one():
 
 
 @needs_nginx
-@pytest.mark.parametrize(("primaries", "backups"), [
-    (["127.0.0.1:8001", "127.0.0.1:8002"], ["127.0.0.1:8003"]),
-    (["127.0.0.1:8001"], ["127.0.0.1:8002"]),
-    (["127.0.0.1:8001"], []),
-    (["unix:/tmp/pagedserve.sock", "[::1]:8002"], []),
-])
+@pytest.mark.parametrize(
+    ("primaries", "backups"),
+    [
+        (["127.0.0.1:8001", "127.0.0.1:8002"], ["127.0.0.1:8003"]),
+        (["127.0.0.1:8001"], ["127.0.0.1:8002"]),
+        (["127.0.0.1:8001"], []),
+        (["unix:/tmp/pagedserve.sock", "[::1]:8002"], []),
+    ],
+)
 def test_nginx_accepts_the_config(prefix, primaries, backups):
     result = _nginx_t(prefix, render(primaries, backups, "127.0.0.1:18080", str(prefix)))
     assert result.returncode == 0, result.stderr
@@ -175,7 +229,9 @@ def test_nginx_accepts_the_config(prefix, primaries, backups):
 @needs_nginx
 def test_nginx_accepts_the_config_without_client_limits(prefix):
     options = NginxOptions(rate_limit="off", max_conns_per_client=0)
-    result = _nginx_t(prefix, render(["127.0.0.1:8001"], ["127.0.0.1:8002"], "127.0.0.1:18080", str(prefix), options))
+    result = _nginx_t(
+        prefix, render(["127.0.0.1:8001"], ["127.0.0.1:8002"], "127.0.0.1:18080", str(prefix), options)
+    )
     assert result.returncode == 0, result.stderr
 
 
@@ -240,14 +296,21 @@ class Replica:
         if self.status is not None:
             message, kind, code = REFUSALS[self.status]
             headers = {"X-Replica": self.name, **({"Retry-After": "1"} if self.status != 500 else {})}
-            return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": code}},
-                                     status=self.status, headers=headers)
+            return web.json_response(
+                {"error": {"message": message, "type": kind, "param": None, "code": code}},
+                status=self.status,
+                headers=headers,
+            )
         if request.path == "/v1/chat/completions":
             return await self.stream(request)
-        return web.json_response({"replica": self.name, "path": request.path}, headers={"X-Replica": self.name})
+        return web.json_response(
+            {"replica": self.name, "path": request.path}, headers={"X-Replica": self.name}
+        )
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
         await response.prepare(request)
         await response.write(b'data: {"delta": "first"}\n\n')
         await asyncio.wait_for(self.release_stream.wait(), timeout=5)
@@ -268,14 +331,18 @@ async def replicas():
     await healthy.runner.cleanup()
 
 
-def _start_nginx(prefix: Path, primaries: list[str], backups: list[str],
-                 options: NginxOptions = TEST_OPTIONS) -> tuple[subprocess.Popen, int]:
+def _start_nginx(
+    prefix: Path, primaries: list[str], backups: list[str], options: NginxOptions = TEST_OPTIONS
+) -> tuple[subprocess.Popen, int]:
     port = _free_port()
     conf = prefix / "nginx.conf"
     conf.write_text(render(primaries, backups, f"127.0.0.1:{port}", str(prefix), options))
-    proc = subprocess.Popen([NGINX, "-p", str(prefix), "-e", str(prefix / "error.log"), "-c", str(conf),
-                             "-g", "daemon off;"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [NGINX, "-p", str(prefix), "-e", str(prefix / "error.log"), "-c", str(conf), "-g", "daemon off;"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -421,12 +488,16 @@ async def stand_ins():
 
 @needs_nginx
 @pytest.mark.timeout(15)
-async def test_a_500_is_passed_on_never_replayed_and_never_marks_the_replica_down(stand_ins, nginx_factory,
-                                                                                  client, prefix):
+async def test_a_500_is_passed_on_never_replayed_and_never_marks_the_replica_down(
+    stand_ins, nginx_factory, client, prefix
+):
     # a poison request answered 500 by one replica must not be carried to the next one
     failing, healthy = await stand_ins("failing", 500), await stand_ins("healthy", None)
-    base = nginx_factory([f"127.0.0.1:{failing.port}", f"127.0.0.1:{healthy.port}"], [],
-                         NginxOptions(worker_processes=1, worker_connections=64, fail_timeout="30s", max_fails=1))
+    base = nginx_factory(
+        [f"127.0.0.1:{failing.port}", f"127.0.0.1:{healthy.port}"],
+        [],
+        NginxOptions(worker_processes=1, worker_connections=64, fail_timeout="30s", max_fails=1),
+    )
     statuses = Counter()
     for i in range(10):
         async with client.post(f"{base}/v1/completions", json={"prompt": str(i)}) as r:
@@ -444,8 +515,11 @@ async def test_a_500_is_passed_on_never_replayed_and_never_marks_the_replica_dow
 async def test_429s_are_passed_on_and_never_turn_into_502(stand_ins, nginx_factory, client, prefix):
     # both primaries saturated: every answer is the replicas' own 429, never nginx's 502
     first, second = await stand_ins("busy-1", 429), await stand_ins("busy-2", 429)
-    base = nginx_factory([f"127.0.0.1:{first.port}", f"127.0.0.1:{second.port}"], [],
-                         NginxOptions(worker_processes=1, worker_connections=64, fail_timeout="30s", max_fails=1))
+    base = nginx_factory(
+        [f"127.0.0.1:{first.port}", f"127.0.0.1:{second.port}"],
+        [],
+        NginxOptions(worker_processes=1, worker_connections=64, fail_timeout="30s", max_fails=1),
+    )
     statuses = Counter()
     for i in range(12):
         async with client.post(f"{base}/v1/completions", json={"prompt": str(i)}) as r:
@@ -463,8 +537,11 @@ async def test_a_429_primary_is_not_skipped_for_the_backup(stand_ins, nginx_fact
     # overload is not an outage: the backup takes traffic only when primaries are down, and 429 never
     # marks one down (with max_fails=1 a single counted 429 would send the next request to the backup)
     busy, backup = await stand_ins("busy", 429), await stand_ins("backup", None)
-    base = nginx_factory([f"127.0.0.1:{busy.port}"], [f"127.0.0.1:{backup.port}"],
-                         NginxOptions(worker_processes=1, worker_connections=64, fail_timeout="30s", max_fails=1))
+    base = nginx_factory(
+        [f"127.0.0.1:{busy.port}"],
+        [f"127.0.0.1:{backup.port}"],
+        NginxOptions(worker_processes=1, worker_connections=64, fail_timeout="30s", max_fails=1),
+    )
     for i in range(6):
         async with client.post(f"{base}/v1/completions", json={"prompt": str(i)}) as r:
             assert r.status == 429
@@ -483,8 +560,16 @@ async def test_nginx_rate_limit_answers_429_in_the_openai_shape(stand_ins, nginx
             statuses.append(r.status)
             bodies.append((await r.json(content_type=None), r.headers.get("Retry-After")))
     assert statuses == [200, 200, 200, 429, 429]  # the rate's first request + a burst of 2, then refused
-    assert bodies[-1] == ({"error": {"message": "too many requests from this client",
-                                     "type": "rate_limit_exceeded", "code": 429}}, "1")
+    assert bodies[-1] == (
+        {
+            "error": {
+                "message": "too many requests from this client",
+                "type": "rate_limit_exceeded",
+                "code": 429,
+            }
+        },
+        "1",
+    )
     assert len(healthy.hits) == 3
     async with client.get(f"{base}/health") as r:  # probes are not rate limited
         assert r.status == 200

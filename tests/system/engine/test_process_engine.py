@@ -22,14 +22,27 @@ from tests.harness import REPO, TINY
 
 pytestmark = pytest.mark.timeout(300)
 
-CONFIG = {"model": str(TINY), "dtype": "float32", "device": "cpu", "kv_cache_memory": 8 << 20, "num_threads": 1,
-          "block_size": 8}
+CONFIG = {
+    "model": str(TINY),
+    "dtype": "float32",
+    "device": "cpu",
+    "kv_cache_memory": 8 << 20,
+    "num_threads": 1,
+    "block_size": 8,
+}
 REQUESTS = {
     "greedy": ("def read(path):", SamplingParams(temperature=0, max_tokens=24)),
     "seeded-n2": ("import os\n", SamplingParams(temperature=0.9, top_p=0.9, seed=5, n=2, max_tokens=20)),
     "stop": ("class A:", SamplingParams(temperature=0, max_tokens=32, stop=["\n\n"])),
-    "json": ("x = ", SamplingParams(temperature=1.0, seed=1, max_tokens=24,
-                                    structured_outputs=StructuredOutputs(json={"type": "object"}))),
+    "json": (
+        "x = ",
+        SamplingParams(
+            temperature=1.0,
+            seed=1,
+            max_tokens=24,
+            structured_outputs=StructuredOutputs(json={"type": "object"}),
+        ),
+    ),
     "logprobs": ([5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=8, logprobs=2)),
 }
 
@@ -72,11 +85,16 @@ def test_a_mixed_batch_gives_what_the_in_process_engine_gives_and_every_block_co
     finally:
         alone.stop()
     got = asyncio.run(_collect(engine))
-    for request_id, (texts, finishes, logprobs) in expected.items():  # the same tokens; logprobs to float noise
+    for request_id, (
+        texts,
+        finishes,
+        logprobs,
+    ) in expected.items():  # the same tokens; logprobs to float noise
         assert got[request_id][:2] == (texts, finishes), request_id
         assert [list(step) for step in got[request_id][2]] == [list(step) for step in logprobs]
         assert [v for step in got[request_id][2] for v in step.values()] == pytest.approx(
-            [v for step in logprobs for v in step.values()], abs=1e-4)
+            [v for step in logprobs for v in step.values()], abs=1e-4
+        )
     _wait(lambda: engine.stats().num_running == 0)
     stats = engine.stats()
     assert stats.num_free_blocks == stats.num_total_blocks and stats.num_waiting == 0
@@ -108,7 +126,12 @@ def test_a_caller_that_leaves_early_is_aborted_in_the_engine_process(engine):
                 break
 
     asyncio.run(leave_after_two())
-    _wait(lambda: engine.stats().num_running == 0 and engine.stats().num_free_blocks == engine.stats().num_total_blocks)
+    _wait(
+        lambda: (
+            engine.stats().num_running == 0
+            and engine.stats().num_free_blocks == engine.stats().num_total_blocks
+        )
+    )
     assert engine.num_in_flight == 0
 
 
@@ -140,12 +163,15 @@ def test_a_script_that_never_stops_its_engine_exits_and_leaves_no_process(tmp_pa
     """multiprocessing's exit hook would wait forever for a child that ignores SIGTERM (it must, so a
     TERM to the process group does not cut the server's drain short): ours stops the engine first."""
     script = tmp_path / "leave.py"
-    script.write_text("from engine import EngineConfig\nfrom engine.frontend.process_engine import ProcessEngine\n"
-                      "if __name__ == '__main__':  # spawn imports this module again in the child\n"
-                      f"    engine = ProcessEngine(EngineConfig(**{CONFIG!r}, engine_process=True))\n"
-                      "    engine.start()\n    print(engine.pid, flush=True)\n")
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
-                          cwd=REPO)
+    script.write_text(
+        "from engine import EngineConfig\nfrom engine.frontend.process_engine import ProcessEngine\n"
+        "if __name__ == '__main__':  # spawn imports this module again in the child\n"
+        f"    engine = ProcessEngine(EngineConfig(**{CONFIG!r}, engine_process=True))\n"
+        "    engine.start()\n    print(engine.pid, flush=True)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     child = int(done.stdout.split()[-1])
     _wait(lambda: _gone(child))

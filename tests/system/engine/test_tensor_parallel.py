@@ -16,12 +16,21 @@ from engine.executor.models.llama import LlamaArgs
 from tests.harness import FAMILIES, MAX_MODEL_LEN, NUM_NEW, SCENARIOS, parity_prompts
 
 CASES = [(preset, "chunked_prefill") for preset in FAMILIES] + [
-    ("tiny-llama", "preempt_recompute"), ("tiny-qwen2", "preempt_swap"), ("tiny-qwen3", "block_size_8")]
+    ("tiny-llama", "preempt_recompute"),
+    ("tiny-qwen2", "preempt_swap"),
+    ("tiny-qwen3", "block_size_8"),
+]
 
 
 def _generate(path: str, scenario: str, tensor_parallel_size: int) -> tuple[list[list[int]], LLM]:
-    llm = LLM(path, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=32,
-              tensor_parallel_size=tensor_parallel_size, **SCENARIOS[scenario])
+    llm = LLM(
+        path,
+        dtype="float32",
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=32,
+        tensor_parallel_size=tensor_parallel_size,
+        **SCENARIOS[scenario],
+    )
     prompts = parity_prompts(7, llm.engine.vocab_size)
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, min_tokens=NUM_NEW)
     tokens = []
@@ -51,19 +60,36 @@ def test_two_ranks_give_the_tokens_of_one(random_model, preset, scenario):
 
 
 def test_a_shard_must_divide_heads_and_columns():
-    args = LlamaArgs(vocab_size=16, hidden_size=12, intermediate_size=12, num_layers=1, num_heads=6,
-                     num_kv_heads=3, head_dim=2, rms_norm_eps=1e-6, qkv_bias=False, o_bias=False, mlp_bias=False,
-                     qk_norm=False, tie_word_embeddings=True, sliding_windows=(None,), rotary_dim=2)
+    args = LlamaArgs(
+        vocab_size=16,
+        hidden_size=12,
+        intermediate_size=12,
+        num_layers=1,
+        num_heads=6,
+        num_kv_heads=3,
+        head_dim=2,
+        rms_norm_eps=1e-6,
+        qkv_bias=False,
+        o_bias=False,
+        mlp_bias=False,
+        qk_norm=False,
+        tie_word_embeddings=True,
+        sliding_windows=(None,),
+        rotary_dim=2,
+    )
     assert args.shard(3).num_kv_heads == 1 and args.shard(3).num_heads == 2
     with pytest.raises(ValueError, match="tensor_parallel_size 2 does not divide the model's num_kv_heads"):
         args.shard(2)
 
 
-@pytest.mark.parametrize(("options", "message"), [
-    ({"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive integer"),
-    ({"tensor_parallel_size": 2, "quantization": "int8"}, "tensor_parallel_size > 1 runs float weights"),
-    ({"tensor_parallel_size": 2, "compile": True}, "tensor_parallel_size > 1 runs float weights"),
-])
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive integer"),
+        ({"tensor_parallel_size": 2, "quantization": "int8"}, "tensor_parallel_size > 1 runs float weights"),
+        ({"tensor_parallel_size": 2, "compile": True}, "tensor_parallel_size > 1 runs float weights"),
+    ],
+)
 def test_config_refuses_what_tensor_parallel_cannot_run(options, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(model="m", **options)
@@ -87,7 +113,9 @@ async def test_a_killed_rank_ends_the_loop_and_the_engine_can_be_rebuilt(random_
     rebuilt = AsyncEngine(config)  # what the server's supervision does with a dead engine
     rebuilt.start()
     try:
-        outs = [o async for o in rebuilt.generate("x", SamplingParams(max_tokens=3, ignore_eos=True), "again")]
+        outs = [
+            o async for o in rebuilt.generate("x", SamplingParams(max_tokens=3, ignore_eos=True), "again")
+        ]
         assert sum(len(o.outputs[0].token_ids) for o in outs) == 3
     finally:
         rebuilt.stop()

@@ -47,8 +47,19 @@ MAX_DETECT_S = 2 * 3 * HEARTBEAT_S + 3.0
 NUM_CONCURRENT = 20
 NUM_STORM_REQUESTS = 60
 
-COMMON = ["--model", str(SMALL), "--fallback", str(TINY), "--api-key", API_KEY, "--admin-key", ADMIN_KEY,
-          "--enable-fault-injection", "--kv-cache-memory", "32MiB"]
+COMMON = [
+    "--model",
+    str(SMALL),
+    "--fallback",
+    str(TINY),
+    "--api-key",
+    API_KEY,
+    "--admin-key",
+    ADMIN_KEY,
+    "--enable-fault-injection",
+    "--kv-cache-memory",
+    "32MiB",
+]
 LEAK = ["--heartbeat-interval", str(HEARTBEAT_S), "--leak-min-growth", LEAK_MIN_GROWTH]
 SERVERS = {  # name -> extra flags
     "chaos": ["--idle-timeout", str(IDLE_TIMEOUT_S), "--breaker-open-seconds", str(BREAKER_OPEN_S)],
@@ -56,7 +67,12 @@ SERVERS = {  # name -> extra flags
     "leak": [*LEAK, "--shutdown-timeout", "30"],
     "leak_exit": [*LEAK, "--leak-action", "exit"],
 }
-USED_BY = {"chaos_server": "chaos", "leak_server": "leak", "drain_server": "leak", "leak_exit_server": "leak_exit"}
+USED_BY = {
+    "chaos_server": "chaos",
+    "leak_server": "leak",
+    "drain_server": "leak",
+    "leak_exit_server": "leak_exit",
+}
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -77,7 +93,9 @@ class Fleet:
 
     def _start(self, name: str) -> None:
         self.num_starts[name] += 1
-        self.servers[name] = start([*COMMON, *SERVERS[name]], self.logs / f"{name}-{self.num_starts[name]}.log")
+        self.servers[name] = start(
+            [*COMMON, *SERVERS[name]], self.logs / f"{name}-{self.num_starts[name]}.log"
+        )
 
     def ready(self, name: str) -> Server:
         server = self.servers.get(name)
@@ -94,8 +112,12 @@ class Fleet:
 @pytest.fixture(scope="module")
 def fleet(request, tmp_path_factory):
     require_models(SMALL, TINY)
-    used = {USED_BY.get(name) for item in request.session.items if item.module is request.module
-            for name in item.fixturenames}
+    used = {
+        USED_BY.get(name)
+        for item in request.session.items
+        if item.module is request.module
+        for name in item.fixturenames
+    }
     servers = Fleet(tmp_path_factory.mktemp("chaos"), used)
     try:
         yield servers
@@ -136,16 +158,22 @@ def figures(results_dir):
     path = results_dir / RESULTS_NAME
     old = json.loads(path.read_text()) if path.is_file() else {}
     old.update(found)
-    old["_run"] = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cpus": os.cpu_count(),
-                   "load_avg_1m_at_start": round(load_at_start, 2),
-                   "machine": platform.machine(), "primary": str(SMALL), "fallback": str(TINY)}
+    old["_run"] = {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "cpus": os.cpu_count(),
+        "load_avg_1m_at_start": round(load_at_start, 2),
+        "machine": platform.machine(),
+        "primary": str(SMALL),
+        "fallback": str(TINY),
+    }
     path.write_text(json.dumps(old, indent=2, sort_keys=True) + "\n")
 
 
 @pytest.fixture
 async def client(chaos_server):
-    async with openai.AsyncOpenAI(base_url=f"{chaos_server.url}/v1", api_key=API_KEY, max_retries=0,
-                                  timeout=60) as sdk:
+    async with openai.AsyncOpenAI(
+        base_url=f"{chaos_server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60
+    ) as sdk:
         yield sdk
 
 
@@ -196,14 +224,16 @@ async def wait_for(predicate, timeout_s: float, interval_s: float = 0.1, what: s
 async def complete(sdk: openai.AsyncOpenAI, max_tokens: int = 8) -> tuple[float, object, dict]:
     """One completion of the primary: (seconds taken, parsed body, response headers)."""
     begin = time.monotonic()
-    raw = await sdk.completions.with_raw_response.create(model=PRIMARY, prompt=PROMPT, max_tokens=max_tokens,
-                                                         temperature=0)
+    raw = await sdk.completions.with_raw_response.create(
+        model=PRIMARY, prompt=PROMPT, max_tokens=max_tokens, temperature=0
+    )
     return time.monotonic() - begin, raw.parse(), dict(raw.headers)
 
 
 async def close_breaker(server: Server, sdk: openai.AsyncOpenAI) -> None:
     """Leave the primary's breaker closed, as a fresh server has it: an open one (the storm test leaves
     it so) is waited out, then one request probes the healed primary."""
+
     def state() -> float:
         return per_model(metrics(server), "breaker_state", PRIMARY)
 
@@ -263,8 +293,11 @@ async def test_stalled_primary_fails_over_opens_breaker_and_a_probe_closes_it(ch
     cleared = time.monotonic()
 
     # after the open period one probe goes to the primary and closes the breaker
-    await wait_for(lambda: per_model(metrics(server), "breaker_state", PRIMARY) == 1, BREAKER_OPEN_S + 10,
-                   what="half-open breaker")
+    await wait_for(
+        lambda: per_model(metrics(server), "breaker_state", PRIMARY) == 1,
+        BREAKER_OPEN_S + 10,
+        what="half-open breaker",
+    )
     half_open_after_s = time.monotonic() - cleared
     _, body, headers = await complete(client, max_tokens=4)
     assert body.model == PRIMARY and headers["x-pagedserve-served-model"] == PRIMARY
@@ -274,11 +307,15 @@ async def test_stalled_primary_fails_over_opens_breaker_and_a_probe_closes_it(ch
     status, body = ready(server)
     assert status == 200 and body["status"] == "ready"
     figures["stall_failover"] = {
-        "idle_timeout_s": IDLE_TIMEOUT_S, "breaker_open_s": BREAKER_OPEN_S, "num_concurrent": NUM_CONCURRENT,
-        "fault_to_first_fallback_s": round(first_fallback_s, 3), "fault_to_last_fallback_s": round(max(done_at), 3),
+        "idle_timeout_s": IDLE_TIMEOUT_S,
+        "breaker_open_s": BREAKER_OPEN_S,
+        "num_concurrent": NUM_CONCURRENT,
+        "fault_to_first_fallback_s": round(first_fallback_s, 3),
+        "fault_to_last_fallback_s": round(max(done_at), 3),
         "open_breaker_fallback_latency_s": [round(s, 3) for s in fast_s],
         "fault_cleared_to_half_open_s": round(half_open_after_s, 3),
-        "failovers_total": opened.get("pagedserve:failovers_total")}
+        "failovers_total": opened.get("pagedserve:failovers_total"),
+    }
 
 
 # --- 4. no retry storm ------------------------------------------------------------------------------
@@ -307,8 +344,10 @@ async def test_failing_primary_causes_no_retry_storm(chaos_server, client, figur
     added = {m: per_model(after, "engine_requests_total", m) - before_engine[m] for m in (PRIMARY, FALLBACK)}
     num_failovers = after["pagedserve:failovers_total"] - before["pagedserve:failovers_total"]
     num_ok = statuses.count(200)
-    print(f"\nerror storm: {NUM_STORM_REQUESTS} requests -> engine submissions {added}, "
-          f"{num_failovers:.0f} failovers, {num_ok} answered, others {sorted(set(statuses) - {200})}")
+    print(
+        f"\nerror storm: {NUM_STORM_REQUESTS} requests -> engine submissions {added}, "
+        f"{num_failovers:.0f} failovers, {num_ok} answered, others {sorted(set(statuses) - {200})}"
+    )
     # 500 engine_error: the primary failed it and the retry budget refused a failover (work was done, so
     # nginx must not replay it); 503: refused before any work (breaker open, nothing else can serve)
     assert set(statuses) <= {200, 500, 503}
@@ -316,9 +355,15 @@ async def test_failing_primary_causes_no_retry_storm(chaos_server, client, figur
     assert sum(added.values()) <= 1.1 * NUM_STORM_REQUESTS
     assert per_model(after, "breaker_state", PRIMARY) == 2
     figures["retry_storm"] = {
-        "requests_sent": NUM_STORM_REQUESTS, "engine_requests": added, "engine_requests_total": sum(added.values()),
-        "ratio": round(sum(added.values()) / NUM_STORM_REQUESTS, 3), "failovers": num_failovers,
-        "answered": num_ok, "refused_503": statuses.count(503), "failed_500": statuses.count(500)}
+        "requests_sent": NUM_STORM_REQUESTS,
+        "engine_requests": added,
+        "engine_requests_total": sum(added.values()),
+        "ratio": round(sum(added.values()) / NUM_STORM_REQUESTS, 3),
+        "failovers": num_failovers,
+        "answered": num_ok,
+        "refused_503": statuses.count(503),
+        "failed_500": statuses.count(500),
+    }
 
 
 # --- 2. leak ----------------------------------------------------------------------------------------
@@ -358,8 +403,10 @@ async def test_leak_is_flagged_then_engines_recycle_back_to_baseline(leak_server
     recycle_s = time.monotonic() - flagged_at
     recycle = back["last_recycle"]
     baseline, before, after = recycle["baseline_bytes"], recycle["before_bytes"], recycle["after_bytes"]
-    print(f"leak: recycled; memory MiB baseline {baseline / 2**20:.0f}, before {before / 2**20:.0f}, "
-          f"after {after / 2**20:.0f}")
+    print(
+        f"leak: recycled; memory MiB baseline {baseline / 2**20:.0f}, before {before / 2**20:.0f}, "
+        f"after {after / 2**20:.0f}"
+    )
     assert back["leak"] is None and back["num_leaks"] == 1
     assert before > baseline and abs(after - baseline) <= 0.1 * baseline
     assert metrics(server)["pagedserve:leak_suspected"] == 0
@@ -367,12 +414,18 @@ async def test_leak_is_flagged_then_engines_recycle_back_to_baseline(leak_server
     status, _, reply = server.post("/v1/completions", {"model": PRIMARY, "prompt": PROMPT, "max_tokens": 4})
     assert status == 200 and json.loads(reply)["model"] == PRIMARY
     figures["leak_recycle"] = {
-        "heartbeat_interval_s": HEARTBEAT_S, "leak_bytes_per_s": 2 * LEAK_BYTES_PER_STEP,
-        "leak_min_growth": LEAK_MIN_GROWTH, "fault_to_not_ready_s": round(detect_s, 3),
-        "heartbeats_to_detect": round(detect_s / HEARTBEAT_S, 2), "baseline_bytes": baseline,
-        "before_recycle_bytes": before, "after_recycle_bytes": after,
-        "after_vs_baseline": round(after / baseline, 4), "not_ready_to_ready_s": round(recycle_s, 3),
-        "detail": body["leak"]}
+        "heartbeat_interval_s": HEARTBEAT_S,
+        "leak_bytes_per_s": 2 * LEAK_BYTES_PER_STEP,
+        "leak_min_growth": LEAK_MIN_GROWTH,
+        "fault_to_not_ready_s": round(detect_s, 3),
+        "heartbeats_to_detect": round(detect_s / HEARTBEAT_S, 2),
+        "baseline_bytes": baseline,
+        "before_recycle_bytes": before,
+        "after_recycle_bytes": after,
+        "after_vs_baseline": round(after / baseline, 4),
+        "not_ready_to_ready_s": round(recycle_s, 3),
+        "detail": body["leak"],
+    }
 
 
 async def test_leak_with_exit_action_exits_75(leak_exit_server, figures):
@@ -389,8 +442,12 @@ async def test_leak_with_exit_action_exits_75(leak_exit_server, figures):
     assert code == 75, server.log()[-3000:]
     assert "memory leak confirmed" in server.log()
     assert detect_s <= MAX_DETECT_S, body
-    figures["leak_exit"] = {"fault_to_not_ready_s": round(detect_s, 3), "not_ready_to_exit_s": round(exit_s, 3),
-                            "seen_as": "exit" if "exited" in body else "503", "exit_code": code}
+    figures["leak_exit"] = {
+        "fault_to_not_ready_s": round(detect_s, 3),
+        "not_ready_to_exit_s": round(exit_s, 3),
+        "seen_as": "exit" if "exited" in body else "503",
+        "exit_code": code,
+    }
 
 
 # --- 3. SIGTERM while streaming ---------------------------------------------------------------------
@@ -401,9 +458,15 @@ async def test_sigterm_drains_in_flight_streams_and_exits_0(drain_server, figure
 
     async def stream(sdk: openai.AsyncOpenAI) -> tuple[str | None, int]:
         nonlocal started
-        chunks = await sdk.completions.create(model=PRIMARY, prompt=PROMPT, max_tokens=64, temperature=0,
-                                              stream=True, stream_options={"include_usage": True},
-                                              extra_body={"ignore_eos": True})
+        chunks = await sdk.completions.create(
+            model=PRIMARY,
+            prompt=PROMPT,
+            max_tokens=64,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         reason, num_tokens, seen = None, 0, False
         async for chunk in chunks:
             if not seen:
@@ -416,7 +479,9 @@ async def test_sigterm_drains_in_flight_streams_and_exits_0(drain_server, figure
                 num_tokens = chunk.usage.completion_tokens
         return reason, num_tokens
 
-    async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120) as sdk:
+    async with openai.AsyncOpenAI(
+        base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120
+    ) as sdk:
         streams = [asyncio.create_task(stream(sdk)) for _ in range(NUM_CONCURRENT)]
         try:
             await asyncio.wait_for(all_started.wait(), 60)
@@ -424,7 +489,8 @@ async def test_sigterm_drains_in_flight_streams_and_exits_0(drain_server, figure
             signalled = time.monotonic()
             await wait_for(lambda: ready(server)[1].get("draining"), 10, interval_s=0.05, what="draining")
             status, headers, reply = await asyncio.to_thread(
-                server.post, "/v1/completions", {"model": PRIMARY, "prompt": PROMPT, "max_tokens": 4})
+                server.post, "/v1/completions", {"model": PRIMARY, "prompt": PROMPT, "max_tokens": 4}
+            )
             assert status == 503 and json.loads(reply)["error"]["code"] == "draining", reply
             results = await asyncio.gather(*streams)
         finally:
@@ -436,5 +502,10 @@ async def test_sigterm_drains_in_flight_streams_and_exits_0(drain_server, figure
     print(f"\nsigterm: {NUM_CONCURRENT} streams finished {drained_s:.2f} s after the signal; exit {code}")
     assert code == 0, server.log()[-3000:]
     assert "draining" in server.log()
-    figures["sigterm_drain"] = {"streams": NUM_CONCURRENT, "max_tokens": 64, "signal_to_streams_done_s":
-                                round(drained_s, 3), "exit_code": code, "new_request_status": status}
+    figures["sigterm_drain"] = {
+        "streams": NUM_CONCURRENT,
+        "max_tokens": 64,
+        "signal_to_streams_done_s": round(drained_s, 3),
+        "exit_code": code,
+        "new_request_status": status,
+    }

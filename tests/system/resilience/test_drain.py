@@ -27,8 +27,21 @@ MAX_EXIT_S = 12.0
 NUM_STREAMS = 40
 NUM_SHORT = 8  # a few short enough to finish during the drain
 SLOW_STEP_MS = 150.0  # per engine step: 200 tokens take 30 s at least, far past the drain
-FLAGS = ["--model", str(SMALL), "--fallback", str(TINY), "--api-key", API_KEY, "--admin-key", ADMIN_KEY,
-         "--enable-fault-injection", "--kv-cache-memory", "32MiB", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
+FLAGS = [
+    "--model",
+    str(SMALL),
+    "--fallback",
+    str(TINY),
+    "--api-key",
+    API_KEY,
+    "--admin-key",
+    ADMIN_KEY,
+    "--enable-fault-injection",
+    "--kv-cache-memory",
+    "32MiB",
+    "--shutdown-timeout",
+    str(SHUTDOWN_TIMEOUT_S),
+]
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 pytestmark = pytest.mark.timeout(300)
@@ -49,25 +62,40 @@ async def read_stream(response: aiohttp.ClientResponse, started: asyncio.Queue) 
         if line.startswith("data: "):
             if not events:
                 started.put_nowait(None)
-            events.append(line[len("data: "):])
-    finish = [c.get("finish_reason") for e in events[:-1] if e != "[DONE]"
-              for c in json.loads(e).get("choices", [])]
+            events.append(line[len("data: ") :])
+    finish = [
+        c.get("finish_reason") for e in events[:-1] if e != "[DONE]" for c in json.loads(e).get("choices", [])
+    ]
     errors = [json.loads(e)["error"] for e in events if e.startswith('{"error"')]
-    return {"num_events": len(events), "is_done_last": bool(events) and events[-1] == "[DONE]",
-            "finish_reasons": [f for f in finish if f], "errors": errors}
+    return {
+        "num_events": len(events),
+        "is_done_last": bool(events) and events[-1] == "[DONE]",
+        "finish_reasons": [f for f in finish if f],
+        "errors": errors,
+    }
 
 
 async def stream(session: aiohttp.ClientSession, url: str, max_tokens: int, started: asyncio.Queue) -> dict:
-    body = {"model": PRIMARY, "prompt": "def read_lines(path):\n", "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "ignore_eos": True}
+    body = {
+        "model": PRIMARY,
+        "prompt": "def read_lines(path):\n",
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     async with session.post(f"{url}/v1/completions", json=body, headers=AUTH) as response:
         assert response.status == 200, await response.text()
         return await read_stream(response, started)
 
 
 def slow_primary(server, delay_ms: float) -> None:
-    status, _, reply = server.request("POST", "/admin/faults", {"model": PRIMARY, "kind": "slow", "delay_ms": delay_ms},
-                                      {"Authorization": f"Bearer {ADMIN_KEY}"})
+    status, _, reply = server.request(
+        "POST",
+        "/admin/faults",
+        {"model": PRIMARY, "kind": "slow", "delay_ms": delay_ms},
+        {"Authorization": f"Bearer {ADMIN_KEY}"},
+    )
     assert status == 200, reply
 
 
@@ -78,9 +106,13 @@ async def test_sigterm_with_40_streams_exits_within_the_shutdown_timeout(server,
     slow_primary(server, SLOW_STEP_MS)
     started: asyncio.Queue = asyncio.Queue()
     connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as session:
-        tasks = [asyncio.create_task(stream(session, server.url, 12 if i < NUM_SHORT else 200, started))
-                 for i in range(NUM_STREAMS)]
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=aiohttp.ClientTimeout(total=120)
+    ) as session:
+        tasks = [
+            asyncio.create_task(stream(session, server.url, 12 if i < NUM_SHORT else 200, started))
+            for i in range(NUM_STREAMS)
+        ]
         async with asyncio.timeout(90):  # every stream has its first event: all in flight
             for _ in range(NUM_STREAMS):
                 await started.get()
@@ -91,8 +123,9 @@ async def test_sigterm_with_40_streams_exits_within_the_shutdown_timeout(server,
         server.process.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
         await asyncio.sleep(1.0)
-        async with session.post(f"{server.url}/v1/completions", json={"model": PRIMARY, "prompt": "hi"},
-                                headers=AUTH) as refused:
+        async with session.post(
+            f"{server.url}/v1/completions", json={"model": PRIMARY, "prompt": "hi"}, headers=AUTH
+        ) as refused:
             refused_status, refused_body = refused.status, await refused.json()
             retry_after = refused.headers.get("Retry-After")
         async with session.get(f"{server.url}/health/ready") as ready:
@@ -101,15 +134,28 @@ async def test_sigterm_with_40_streams_exits_within_the_shutdown_timeout(server,
         exit_s = time.monotonic() - signalled
         results = await asyncio.gather(*tasks, return_exceptions=True)
     failures = [r for r in results if isinstance(r, BaseException)]
-    finished = [r for r in results if not isinstance(r, BaseException) and r["finish_reasons"] and not r["errors"]]
+    finished = [
+        r for r in results if not isinstance(r, BaseException) and r["finish_reasons"] and not r["errors"]
+    ]
     drained = [r for r in results if not isinstance(r, BaseException) and r["errors"]]
-    figures = {"is_wedged": is_wedged, "streams": NUM_STREAMS, "shutdown_timeout_s": SHUTDOWN_TIMEOUT_S, "slow_step_ms": SLOW_STEP_MS,
-               "signal_to_exit_s": round(exit_s, 2), "exit_code": code, "finished": len(finished),
-               "ended_draining": len(drained), "cut": len(failures), "new_request_status": refused_status,
-               "load_avg_1m": [round(load_at_signal, 2), round(os.getloadavg()[0], 2)]}
+    figures = {
+        "is_wedged": is_wedged,
+        "streams": NUM_STREAMS,
+        "shutdown_timeout_s": SHUTDOWN_TIMEOUT_S,
+        "slow_step_ms": SLOW_STEP_MS,
+        "signal_to_exit_s": round(exit_s, 2),
+        "exit_code": code,
+        "finished": len(finished),
+        "ended_draining": len(drained),
+        "cut": len(failures),
+        "new_request_status": refused_status,
+        "load_avg_1m": [round(load_at_signal, 2), round(os.getloadavg()[0], 2)],
+    }
     path = results_dir / "drain.json"
     old = json.loads(path.read_text()) if path.is_file() else {}
-    path.write_text(json.dumps({**old, "wedged_step" if is_wedged else "slow_streams": figures}, indent=2) + "\n")
+    path.write_text(
+        json.dumps({**old, "wedged_step" if is_wedged else "slow_streams": figures}, indent=2) + "\n"
+    )
     print(f"\nSIGTERM with {NUM_STREAMS} streams: {figures}")
     assert not failures, failures[:3]
     assert code == 0, server.log()[-3000:]

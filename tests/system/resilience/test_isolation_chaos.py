@@ -33,9 +33,24 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     require_models(SMALL, TINY)
-    server = launch(["--model", str(SMALL), "--fallback", str(TINY), "--api-key", API_KEY, "--admin-key",
-                    ADMIN_KEY, "--enable-fault-injection", "--kv-cache-memory", "32MiB", "--max-num-seqs", "40"],
-                   tmp_path_factory.mktemp("isolation") / "server.log")
+    server = launch(
+        [
+            "--model",
+            str(SMALL),
+            "--fallback",
+            str(TINY),
+            "--api-key",
+            API_KEY,
+            "--admin-key",
+            ADMIN_KEY,
+            "--enable-fault-injection",
+            "--kv-cache-memory",
+            "32MiB",
+            "--max-num-seqs",
+            "40",
+        ],
+        tmp_path_factory.mktemp("isolation") / "server.log",
+    )
     yield server
     server.stop()
 
@@ -65,9 +80,16 @@ def _fault(server: Server, method: str, body: dict | None = None) -> None:
 
 
 async def _stream(sdk: openai.AsyncOpenAI, i: int, started: asyncio.Event) -> str:
-    stream = await sdk.completions.create(model=PRIMARY, prompt=f"def task_{i}(items):\n", max_tokens=48,
-                                          temperature=0.8, top_p=0.95, seed=i, stream=True,
-                                          extra_body={"ignore_eos": True})
+    stream = await sdk.completions.create(
+        model=PRIMARY,
+        prompt=f"def task_{i}(items):\n",
+        max_tokens=48,
+        temperature=0.8,
+        top_p=0.95,
+        seed=i,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     finish = None
     async for chunk in stream:
         started.set()
@@ -78,11 +100,15 @@ async def _stream(sdk: openai.AsyncOpenAI, i: int, started: asyncio.Event) -> st
 async def test_a_poisoned_request_fails_alone_among_32_streams(server, figures):
     _fault(server, "POST", {"model": PRIMARY, "kind": "poison", "marker": MARKER})
     fallback_before = _metric(server, "engine_requests_total", FALLBACK)
-    async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120) as sdk:
+    async with openai.AsyncOpenAI(
+        base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120
+    ) as sdk:
         started = asyncio.Event()
         streams = [asyncio.create_task(_stream(sdk, i, started)) for i in range(NUM_STREAMS)]
         await asyncio.wait_for(started.wait(), 60)
-        with pytest.raises(openai.InternalServerError, match="request_failed|made the engine step fail") as failed:
+        with pytest.raises(
+            openai.InternalServerError, match="request_failed|made the engine step fail"
+        ) as failed:
             await sdk.completions.create(model=PRIMARY, prompt=f"x = '{MARKER}'", max_tokens=8)
         results = await asyncio.gather(*streams, return_exceptions=True)
     errors = [r for r in results if isinstance(r, BaseException)]
@@ -94,9 +120,12 @@ async def test_a_poisoned_request_fails_alone_among_32_streams(server, figures):
     assert _metric(server, "engine_requests_total", FALLBACK) == fallback_before  # never resubmitted
     assert server.get("/health/ready")[0] == 200
     _fault(server, "DELETE")
-    figures["poison"] = {"concurrent_streams": NUM_STREAMS, "other_requests_failed": len(errors),
-                         "poison_status": failed.value.status_code,
-                         "isolated_steps": _metric(server, "isolated_steps_total", PRIMARY)}
+    figures["poison"] = {
+        "concurrent_streams": NUM_STREAMS,
+        "other_requests_failed": len(errors),
+        "poison_status": failed.value.status_code,
+        "isolated_steps": _metric(server, "isolated_steps_total", PRIMARY),
+    }
 
 
 async def test_a_crashed_engine_loop_is_rebuilt_without_a_restart(server, figures):
@@ -117,8 +146,9 @@ async def test_a_crashed_engine_loop_is_rebuilt_without_a_restart(server, figure
     assert server.process.poll() is None and server.process.pid == pid  # the same process healed
     assert _scalar(server, "pagedserve:engine_rebuilds_total") == 1
     assert _scalar(server, "pagedserve:engine_deaths_total") == 1
-    status, _, body = server.post("/v1/completions", {"model": PRIMARY, "prompt": "def f():", "max_tokens": 4,
-                                                      "ignore_eos": True})
+    status, _, body = server.post(
+        "/v1/completions", {"model": PRIMARY, "prompt": "def f():", "max_tokens": 4, "ignore_eos": True}
+    )
     assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 4
     assert server.get("/health/live")[0] == 200
     figures["crash"] = {"ready_again_s": round(ready_after_s, 2), "saw_not_ready": seen_not_ready}

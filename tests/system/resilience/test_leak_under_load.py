@@ -43,9 +43,23 @@ SOAK_S = 600.0
 RUNNING = f'pagedserve:num_requests_running{{model_name="{PRIMARY}"}}'
 SOAK_PHASE_S = 20.0
 RESULTS_NAME = "leak_under_load.json"
-FLAGS = ["--model", str(SMALL), "--fallback", str(TINY), "--api-key", API_KEY, "--admin-key", ADMIN_KEY,
-         "--enable-fault-injection", "--kv-cache-memory", "32MiB", "--heartbeat-interval", str(HEARTBEAT_S),
-         "--shutdown-timeout", "5"]
+FLAGS = [
+    "--model",
+    str(SMALL),
+    "--fallback",
+    str(TINY),
+    "--api-key",
+    API_KEY,
+    "--admin-key",
+    ADMIN_KEY,
+    "--enable-fault-injection",
+    "--kv-cache-memory",
+    "32MiB",
+    "--heartbeat-interval",
+    str(HEARTBEAT_S),
+    "--shutdown-timeout",
+    "5",
+]
 
 
 @pytest.fixture
@@ -78,18 +92,29 @@ class Users:
         self.max_tokens = (16, 96)
         self.statuses: dict[int, int] = {}
         self._stop = asyncio.Event()
-        self._tasks = [asyncio.create_task(self._user(i, random.Random(seed * 1000 + i))) for i in range(NUM_USERS)]
+        self._tasks = [
+            asyncio.create_task(self._user(i, random.Random(seed * 1000 + i))) for i in range(NUM_USERS)
+        ]
 
     async def _user(self, index: int, rng: random.Random) -> None:
         while not self._stop.is_set():
             if index >= self.num_active:
                 await asyncio.sleep(0.2)
                 continue
-            body = {"model": PRIMARY, "prompt": "def f(x):\n" * rng.randint(1, 40), "temperature": 0,
-                    "max_tokens": rng.randint(*self.max_tokens), "stream": True, "ignore_eos": True}
+            body = {
+                "model": PRIMARY,
+                "prompt": "def f(x):\n" * rng.randint(1, 40),
+                "temperature": 0,
+                "max_tokens": rng.randint(*self.max_tokens),
+                "stream": True,
+                "ignore_eos": True,
+            }
             try:
-                async with self.session.post(f"{self.server.url}/v1/completions", json=body,
-                                             headers={"Authorization": f"Bearer {API_KEY}"}) as response:
+                async with self.session.post(
+                    f"{self.server.url}/v1/completions",
+                    json=body,
+                    headers={"Authorization": f"Bearer {API_KEY}"},
+                ) as response:
                     await response.read()
                     self.statuses[response.status] = self.statuses.get(response.status, 0) + 1
             except aiohttp.ClientError:
@@ -110,8 +135,10 @@ async def get_json(session: aiohttp.ClientSession, url: str, **kwargs) -> tuple[
 async def metrics(session: aiohttp.ClientSession, server: Server) -> dict[str, float]:
     async with session.get(f"{server.url}/metrics") as response:
         text = await response.text()
-    return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in text.splitlines()
-                                     if line and not line.startswith("#"))}
+    return {
+        k: float(v)
+        for k, v in (line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    }
 
 
 async def steps_per_second(session: aiohttp.ClientSession, server: Server, seconds: float = 5.0) -> float:
@@ -130,8 +157,13 @@ async def steps_per_second(session: aiohttp.ClientSession, server: Server, secon
 
 
 async def inject_leak(session: aiohttp.ClientSession, server: Server, bytes_per_step: int) -> None:
-    status, reply = await get_json(session, f"{server.url}/admin/faults", method="POST", headers=ADMIN,
-                                   json={"model": PRIMARY, "kind": "leak", "bytes_per_step": bytes_per_step})
+    status, reply = await get_json(
+        session,
+        f"{server.url}/admin/faults",
+        method="POST",
+        headers=ADMIN,
+        json={"model": PRIMARY, "kind": "leak", "bytes_per_step": bytes_per_step},
+    )
     assert status == 200, reply
 
 
@@ -156,15 +188,25 @@ async def test_leak_under_continuous_load_is_flagged_within_three_heartbeats(ser
             running = (await metrics(session, server))[RUNNING]
         finally:
             await users.stop()
-    figures = {"heartbeat_interval_s": HEARTBEAT_S, "users": NUM_USERS, "steps_per_s": round(steps_per_s, 2),
-               "bytes_per_step": bytes_per_step, "fault_to_flag_s": round(detect_s, 2),
-               "heartbeats_to_flag": round(detect_s / HEARTBEAT_S, 2), "leaked_mib_at_flag": round(leaked / MIB),
-               "leak_mib_per_s_measured": round(leaked / MIB / detect_s, 1), "running_at_flag": running,
-               "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
-               "statuses": users.statuses, "detail": body.get("leak")}
+    figures = {
+        "heartbeat_interval_s": HEARTBEAT_S,
+        "users": NUM_USERS,
+        "steps_per_s": round(steps_per_s, 2),
+        "bytes_per_step": bytes_per_step,
+        "fault_to_flag_s": round(detect_s, 2),
+        "heartbeats_to_flag": round(detect_s / HEARTBEAT_S, 2),
+        "leaked_mib_at_flag": round(leaked / MIB),
+        "leak_mib_per_s_measured": round(leaked / MIB / detect_s, 1),
+        "running_at_flag": running,
+        "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        "statuses": users.statuses,
+        "detail": body.get("leak"),
+    }
     save(results_dir, "leak_under_load", figures)
-    print(f"\nleak under {NUM_USERS} users: flagged after {detect_s:.2f} s, {leaked / MIB:.0f} MiB leaked by then; "
-          f"{figures}")
+    print(
+        f"\nleak under {NUM_USERS} users: flagged after {detect_s:.2f} s, {leaked / MIB:.0f} MiB leaked by then; "
+        f"{figures}"
+    )
     assert body.get("leak"), body
     assert "busy" in body["leak"], body["leak"]  # seen in samples taken under load, not in an idle gap
     assert detect_s <= MAX_DETECT_S, figures
@@ -197,10 +239,19 @@ async def test_ten_minutes_of_varying_load_without_a_leak_raise_no_alarm(server,
         finally:
             await users.stop()
     num_leaks = body.get("num_leaks")
-    figures = {"seconds": SOAK_S, "phase_s": SOAK_PHASE_S, "polls": num_polls, "alarms": alarms,
-               "num_leaks": num_leaks, "statuses": users.statuses,
-               "load_avg_1m": {"min": round(min(load_avgs), 2), "max": round(max(load_avgs), 2),
-                               "mean": round(sum(load_avgs) / len(load_avgs), 2)}}
+    figures = {
+        "seconds": SOAK_S,
+        "phase_s": SOAK_PHASE_S,
+        "polls": num_polls,
+        "alarms": alarms,
+        "num_leaks": num_leaks,
+        "statuses": users.statuses,
+        "load_avg_1m": {
+            "min": round(min(load_avgs), 2),
+            "max": round(max(load_avgs), 2),
+            "mean": round(sum(load_avgs) / len(load_avgs), 2),
+        },
+    }
     save(results_dir, "no_leak_soak", figures)
     print(f"\n{SOAK_S:.0f} s of varying load: {len(alarms)} alarms, num_leaks {num_leaks}; {figures}")
     assert not alarms and num_leaks == 0, figures

@@ -71,10 +71,27 @@ RECOVERY_WAIT_S = 150.0
 # is open again, and the clear -> closed time is measured from an open breaker
 MAX_FAULT_EXTENSION_S = 90.0
 
-FLAGS = ["--model", str(SMALL), "--fallback", str(TINY), "--api-key", API_KEY, "--admin-key", ADMIN_KEY,
-         "--enable-fault-injection", "--kv-cache-memory", "32MiB", "--first-token-timeout",
-         str(FIRST_TOKEN_TIMEOUT_S), "--stall-timeout", str(STALL_TIMEOUT_S), "--breaker-open-seconds",
-         str(BREAKER_OPEN_S), "--shutdown-timeout", "5"]
+FLAGS = [
+    "--model",
+    str(SMALL),
+    "--fallback",
+    str(TINY),
+    "--api-key",
+    API_KEY,
+    "--admin-key",
+    ADMIN_KEY,
+    "--enable-fault-injection",
+    "--kv-cache-memory",
+    "32MiB",
+    "--first-token-timeout",
+    str(FIRST_TOKEN_TIMEOUT_S),
+    "--stall-timeout",
+    str(STALL_TIMEOUT_S),
+    "--breaker-open-seconds",
+    str(BREAKER_OPEN_S),
+    "--shutdown-timeout",
+    "5",
+]
 BREAKER_LINE = re.compile(r"breaker (\S+): (\w+) -> (\w+) \((.*)\)")
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # 2-3 minutes: 64-user runs of 15, 45-60 and 30 s
@@ -99,8 +116,14 @@ class Answer:
 
 async def stream_once(session: aiohttp.ClientSession, url: str, model: str) -> Answer:
     """One streamed completion; TTFT is the time to the first `data:` chunk (the headers go out with it)."""
-    body = {"model": model, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+    body = {
+        "model": model,
+        "prompt": PROMPT,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     answer = Answer(time.monotonic(), 0)
     try:
         async with session.post(f"{url}/v1/completions", json=body, headers=AUTH) as response:
@@ -114,7 +137,7 @@ async def stream_once(session: aiohttp.ClientSession, url: str, model: str) -> A
             async for line in response.content:
                 if not line.startswith(b"data: "):
                     continue
-                data = line[len(b"data: "):].strip()
+                data = line[len(b"data: ") :].strip()
                 if data == b"[DONE]":
                     is_done = True
                     answer.total_s = time.monotonic() - answer.sent_at
@@ -151,8 +174,9 @@ class Users:
         return self.answers
 
 
-async def run_users(session: aiohttp.ClientSession, url: str, model: str, num_users: int,
-                    seconds: float) -> list[Answer]:
+async def run_users(
+    session: aiohttp.ClientSession, url: str, model: str, num_users: int, seconds: float
+) -> list[Answer]:
     users = Users(session, url, model, num_users)
     await asyncio.sleep(seconds)
     return await users.stop()
@@ -254,14 +278,18 @@ def summary(answers: list[Answer]) -> dict:
     degraded = [a for a in ok if a.is_degraded]
     errors = [a for a in answers if not a.is_ok]
     return {
-        "requests": len(answers), "ok": len(ok), "errors": len(errors),
+        "requests": len(answers),
+        "ok": len(ok),
+        "errors": len(errors),
         "error_samples": sorted({f"{a.status} {a.error}" for a in errors})[:5],
-        "ttft_p50_s": _round(percentile(ttfts, 50)), "ttft_p99_s": _round(percentile(ttfts, 99)),
+        "ttft_p50_s": _round(percentile(ttfts, 50)),
+        "ttft_p99_s": _round(percentile(ttfts, 99)),
         "ttft_max_s": _round(max(ttfts, default=None)),
         "total_p50_s": _round(percentile([a.total_s for a in ok], 50)),
         "total_p99_s": _round(percentile([a.total_s for a in ok], 99)),
         "total_max_s": _round(max((a.total_s for a in ok), default=None)),
-        "degraded": len(degraded), "degraded_share": round(len(degraded) / len(ok), 4) if ok else None,
+        "degraded": len(degraded),
+        "degraded_share": round(len(degraded) / len(ok), 4) if ok else None,
         "served_by": {m: sum(a.served_model == m for a in ok) for m in (PRIMARY, FALLBACK)},
     }
 
@@ -288,15 +316,21 @@ def open_reasons(server: Server) -> list[tuple[int, int, float]]:
         if change["to"] == "open":
             counts = re.search(r"(\d+) failed and (\d+) slow", change["why"])
             period = re.search(r"open for ([\d.]+) s", change["why"])
-            found.append((int(counts.group(1)) if counts else -1, int(counts.group(2)) if counts else -1,
-                          float(period.group(1)) if period else BREAKER_OPEN_S))
+            found.append(
+                (
+                    int(counts.group(1)) if counts else -1,
+                    int(counts.group(2)) if counts else -1,
+                    float(period.group(1)) if period else BREAKER_OPEN_S,
+                )
+            )
     return found
 
 
 # --- fixtures ---------------------------------------------------------------------------------------
 def http_session() -> aiohttp.ClientSession:
-    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120),
-                                 connector=aiohttp.TCPConnector(limit=0))
+    return aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=120), connector=aiohttp.TCPConnector(limit=0)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -312,11 +346,19 @@ def server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def figures(results_dir):
     """What the tests measured, written to overload.json at the end of the module."""
-    found: dict = {"_run": {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cpus": os.cpu_count(),
-                            "load_avg_at_start": [round(x, 2) for x in os.getloadavg()],
-                            "primary": str(SMALL), "fallback": str(TINY), "num_users": NUM_USERS,
-                            "max_tokens": MAX_TOKENS, "first_token_timeout_s": FIRST_TOKEN_TIMEOUT_S,
-                            "breaker_open_s": BREAKER_OPEN_S}}
+    found: dict = {
+        "_run": {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "cpus": os.cpu_count(),
+            "load_avg_at_start": [round(x, 2) for x in os.getloadavg()],
+            "primary": str(SMALL),
+            "fallback": str(TINY),
+            "num_users": NUM_USERS,
+            "max_tokens": MAX_TOKENS,
+            "first_token_timeout_s": FIRST_TOKEN_TIMEOUT_S,
+            "breaker_open_s": BREAKER_OPEN_S,
+        }
+    }
     yield found
     found["_run"]["load_avg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     for key, value in found.items():
@@ -327,6 +369,7 @@ def figures(results_dir):
 @pytest.fixture(scope="module")
 def baseline(server, figures) -> dict:
     """The fallback's own TTFT, asked directly: alone (one user) and under the 64 users."""
+
     async def measure() -> tuple[list[Answer], list[Answer], list[Answer]]:
         async with http_session() as http:
             alone = [await stream_once(http, server.url, FALLBACK) for _ in range(20)]
@@ -335,11 +378,17 @@ def baseline(server, figures) -> dict:
         return alone, primary_alone, loaded
 
     alone, primary_alone, loaded = asyncio.run(measure())
-    found = {"fallback_1_user": summary(alone), "primary_1_user": summary(primary_alone),
-             f"fallback_{NUM_USERS}_users": summary(loaded), "seconds": BASELINE_S}
+    found = {
+        "fallback_1_user": summary(alone),
+        "primary_1_user": summary(primary_alone),
+        f"fallback_{NUM_USERS}_users": summary(loaded),
+        "seconds": BASELINE_S,
+    }
     figures["baseline"] = found
-    print(f"\nbaseline: fallback p99 TTFT alone {found['fallback_1_user']['ttft_p99_s']} s, under {NUM_USERS} "
-          f"users {found[f'fallback_{NUM_USERS}_users']['ttft_p99_s']} s")
+    print(
+        f"\nbaseline: fallback p99 TTFT alone {found['fallback_1_user']['ttft_p99_s']} s, under {NUM_USERS} "
+        f"users {found[f'fallback_{NUM_USERS}_users']['ttft_p99_s']} s"
+    )
     for name in ("fallback_1_user", "primary_1_user", f"fallback_{NUM_USERS}_users"):
         assert found[name]["errors"] == 0, found[name]
     return {"fallback_p99_s": found[f"fallback_{NUM_USERS}_users"]["ttft_p99_s"]}
@@ -379,21 +428,27 @@ def check_degraded_answers(answers: list[Answer], watch: BreakerWatch) -> int:
         if answer.ttft_s > FIRST_TOKEN_TIMEOUT_S + PRIMARY_SLACK_S:
             assert answer.is_degraded, answer
         end = answer.sent_at + answer.ttft_s
-        if watch.state_at(answer.sent_at) == 2 and not watch.changes_between(answer.sent_at - 2 * POLL_S,
-                                                                               end + 2 * POLL_S):
+        if watch.state_at(answer.sent_at) == 2 and not watch.changes_between(
+            answer.sent_at - 2 * POLL_S, end + 2 * POLL_S
+        ):
             num_while_open += 1
             assert answer.is_degraded, answer
     return num_while_open
 
 
 def metric_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    names = {"slow_calls": ("slow_calls_total", {}), "engine_requests": ("engine_requests_total", {}),
-             "deadline_hits_first_token": ("deadline_hits_total", {"kind": "first_token"}),
-             "deadline_hits_stall": ("deadline_hits_total", {"kind": "stall"})}
+    names = {
+        "slow_calls": ("slow_calls_total", {}),
+        "engine_requests": ("engine_requests_total", {}),
+        "deadline_hits_first_token": ("deadline_hits_total", {"kind": "first_token"}),
+        "deadline_hits_stall": ("deadline_hits_total", {"kind": "stall"}),
+    }
     found = {}
     for key, (name, labels) in names.items():
         found[key] = per_model(after, name, PRIMARY, **labels) - per_model(before, name, PRIMARY, **labels)
-    found["failovers"] = after.get("pagedserve:failovers_total", 0.0) - before.get("pagedserve:failovers_total", 0.0)
+    found["failovers"] = after.get("pagedserve:failovers_total", 0.0) - before.get(
+        "pagedserve:failovers_total", 0.0
+    )
     return found
 
 
@@ -441,21 +496,32 @@ async def test_slowed_primary_degrades_within_bound_and_breaker_recovers(server,
     deltas = metric_deltas(before, after)
     num_while_open = check_degraded_answers([a for a in answers if a.is_ok], watch)
     found = {
-        "slow_delay_ms": SLOW_DELAY_MS, "fault_s": round(cleared - faulted, 3), "ttft_bound_s": round(bound_s, 3),
-        "fault_kept_past_fault_s_until_open_s": _round(open_again_at - faulted - FAULT_S if open_again_at else None),
-        "closes_during_fault": sum(1 for (_, old), (at, new) in itertools.pairwise(watch.states)
-                                   if faulted < at < cleared and old != 0 and new == 0),
+        "slow_delay_ms": SLOW_DELAY_MS,
+        "fault_s": round(cleared - faulted, 3),
+        "ttft_bound_s": round(bound_s, 3),
+        "fault_kept_past_fault_s_until_open_s": _round(
+            open_again_at - faulted - FAULT_S if open_again_at else None
+        ),
+        "closes_during_fault": sum(
+            1
+            for (_, old), (at, new) in itertools.pairwise(watch.states)
+            if faulted < at < cleared and old != 0 and new == 0
+        ),
         "ttft_bound_formula": "first_token_timeout_s + fallback p99 TTFT under the same users + margin "
-                              f"= {FIRST_TOKEN_TIMEOUT_S} + {baseline['fallback_p99_s']} + {TTFT_MARGIN_S}",
-        "during_fault": during, "whole_run": overall, "answers_sent_while_open": num_while_open,
+        f"= {FIRST_TOKEN_TIMEOUT_S} + {baseline['fallback_p99_s']} + {TTFT_MARGIN_S}",
+        "during_fault": during,
+        "whole_run": overall,
+        "answers_sent_while_open": num_while_open,
         "fault_to_open_s": _round(opened_at - faulted if opened_at else None),
         "breaker_state_at_clear": state_at_clear,
         "clear_to_half_open_s": _round(half_open_at - cleared if half_open_at else None),
-        "clear_to_closed_s": _round(closed_after_s), "clear_to_closed_bound_s": close_bound_s(server),
+        "clear_to_closed_s": _round(closed_after_s),
+        "clear_to_closed_bound_s": close_bound_s(server),
         "breaker_states": [(round(at - faulted, 2), state) for at, state in watch.states],
         "breaker_log": changes,
         "breaker_opens": [{"failed": f, "slow": s, "open_s": p} for f, s, p in opens],
-        "metrics": deltas}
+        "metrics": deltas,
+    }
     figures["slow_fault"] = found
     print(f"\nslow fault: {json.dumps(found)}")
 
@@ -498,13 +564,21 @@ async def test_flooded_primary_degrades_only_past_the_deadline(server, baseline,
     deltas = metric_deltas(before, after)
     exceeded = deltas["slow_calls"] > 0
     found = {
-        "flood_s": FLOOD_S, "ttft_bound_s": round(bound_s, 3), "flood": flood, "metrics": deltas,
+        "flood_s": FLOOD_S,
+        "ttft_bound_s": round(bound_s, 3),
+        "flood": flood,
+        "metrics": deltas,
         "primary_ttft_exceeded_deadline": exceeded,
-        "slow_share": round(deltas["slow_calls"] / deltas["engine_requests"], 4) if deltas["engine_requests"] else None,
+        "slow_share": round(deltas["slow_calls"] / deltas["engine_requests"], 4)
+        if deltas["engine_requests"]
+        else None,
         "fault_to_open_s": _round(opened_at - started if opened_at else None),
         "end_to_closed_s": _round(closed_after_s),
         "breaker_states": [(round(at - started, 2), state) for at, state in watch.states],
-        "breaker_opens": [{"failed": f, "slow": s, "open_s": p} for f, s, p in open_reasons(server)[num_opens_before:]]}
+        "breaker_opens": [
+            {"failed": f, "slow": s, "open_s": p} for f, s, p in open_reasons(server)[num_opens_before:]
+        ],
+    }
     figures["flood"] = found
     print(f"\nflood: {json.dumps(found)}")
 

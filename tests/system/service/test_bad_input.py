@@ -69,9 +69,12 @@ def chat_case(name: str, status: int, body: Any, param: Any = ANY, **kw: Any) ->
     return Case(name, status, body, path="/v1/chat/completions", param=param, **kw)
 
 
-def admin(name: str, status: int, path: str, body: Any = None, method: str = "POST", param: Any = ANY,
-          **kw: Any) -> Case:
-    return Case(name, status, body, path=path, method=method, auth=kw.pop("auth", ADMIN_KEY), param=param, **kw)
+def admin(
+    name: str, status: int, path: str, body: Any = None, method: str = "POST", param: Any = ANY, **kw: Any
+) -> Case:
+    return Case(
+        name, status, body, path=path, method=method, auth=kw.pop("auth", ADMIN_KEY), param=param, **kw
+    )
 
 
 # fields of /v1/completions: wrong types, bounds and non-finite numbers, each naming its param
@@ -136,7 +139,9 @@ FIELD_CASES = [
     bad("min-p-list", completion(min_p=[0.1]), "min_p"),
     bad("repetition-penalty-zero", completion(repetition_penalty=0), "repetition_penalty"),
     bad("repetition-penalty-3", completion(repetition_penalty=3), "repetition_penalty"),
-    bad("repetition-penalty-1e309", raw(completion(repetition_penalty="@v@"), v="1e309"), "repetition_penalty"),
+    bad(
+        "repetition-penalty-1e309", raw(completion(repetition_penalty="@v@"), v="1e309"), "repetition_penalty"
+    ),
     bad("presence-penalty-3", completion(presence_penalty=3), "presence_penalty"),
     bad("presence-penalty--1e309", raw(completion(presence_penalty="@v@"), v="-1e309"), "presence_penalty"),
     bad("frequency-penalty--3", completion(frequency_penalty=-3), "frequency_penalty"),
@@ -163,8 +168,11 @@ FIELD_CASES = [
     bad("stop-token-ids-2^64", completion(stop_token_ids=[2**64]), "stop_token_ids"),
     bad("stop-token-ids-float", completion(stop_token_ids=[1.5]), "stop_token_ids"),
     bad("stop-token-ids-257", completion(stop_token_ids=list(range(257))), "stop_token_ids"),
-    bad("stop-token-ids-outside-vocab-min-tokens", completion(stop_token_ids=[10**6], min_tokens=1),
-        code="request_rejected"),
+    bad(
+        "stop-token-ids-outside-vocab-min-tokens",
+        completion(stop_token_ids=[10**6], min_tokens=1),
+        code="request_rejected",
+    ),
     bad("min-tokens-negative", completion(min_tokens=-1), "min_tokens"),
     bad("min-tokens-over-max-tokens", completion(min_tokens=5), "min_tokens"),
     bad("min-tokens-2^63", completion(min_tokens=2**63), "min_tokens"),
@@ -181,8 +189,13 @@ FIELD_CASES = [
     bad("tools", completion(tools=[{"type": "function"}]), "tools"),
     bad("tool-choice", completion(tool_choice="auto"), "tool_choice"),
     bad("response-format-xml", completion(response_format={"type": "xml"}), "response_format"),
-    bad("response-format-schema-bad-type", completion(response_format={
-        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "florp"}}}), "response_format"),
+    bad(
+        "response-format-schema-bad-type",
+        completion(
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "florp"}}}
+        ),
+        "response_format",
+    ),
     bad("guided-json-array", completion(guided_json=[1]), "guided_json"),
     bad("guided-json-bad-ref", completion(guided_json={"$ref": "#/$defs/none"}), "guided_json"),
     bad("guided-regex-unclosed", completion(guided_regex="(a"), "guided_regex"),
@@ -191,21 +204,52 @@ FIELD_CASES = [
     bad("guided-grammar-undefined-rule", completion(guided_grammar="start: nowhere"), "guided_grammar"),
     bad("guided-grammar-over-32k", completion(guided_grammar="x" * 40_000), "guided_grammar"),
     bad("add-special-tokens-string", completion(add_special_tokens="yes"), "add_special_tokens"),
-    bad("guided-grammar-cannot-start", completion(prompt=["x", "y"], guided_grammar="start: start"), "guided_grammar"),
-    bad("guided-gbnf-cannot-start", completion(structured_outputs={"grammar": "root ::= root"}), "structured_outputs"),
+    bad(
+        "guided-grammar-cannot-start",
+        completion(prompt=["x", "y"], guided_grammar="start: start"),
+        "guided_grammar",
+    ),
+    bad(
+        "guided-gbnf-cannot-start",
+        completion(structured_outputs={"grammar": "root ::= root"}),
+        "structured_outputs",
+    ),
     bad("guided-regex-mask-too-costly", completion(guided_regex="a{400000}"), "guided_regex"),
     bad("guided-json-ref-loop", completion(guided_json={"$ref": "#"}), "guided_json"),
-    bad("gzip-header-on-a-plain-body", completion(), "Content-Encoding", headers={"Content-Encoding": "gzip"},
-        code="invalid_content_encoding"),
-    bad("unknown-content-encoding", completion(), "Content-Encoding", status=415, headers={"Content-Encoding": "br"}),
-    bad("two-constraints", completion(guided_regex="a", response_format={"type": "json_object"}), "guided_regex"),
-    bad("structured-outputs-two-keys", completion(structured_outputs={"regex": "a", "choice": ["a"]}),
-        "structured_outputs"),
+    bad(
+        "gzip-header-on-a-plain-body",
+        completion(),
+        "Content-Encoding",
+        headers={"Content-Encoding": "gzip"},
+        code="invalid_content_encoding",
+    ),
+    bad(
+        "unknown-content-encoding",
+        completion(),
+        "Content-Encoding",
+        status=415,
+        headers={"Content-Encoding": "br"},
+    ),
+    bad(
+        "two-constraints",
+        completion(guided_regex="a", response_format={"type": "json_object"}),
+        "guided_regex",
+    ),
+    bad(
+        "structured-outputs-two-keys",
+        completion(structured_outputs={"regex": "a", "choice": ["a"]}),
+        "structured_outputs",
+    ),
     bad("stream-string", completion(stream="yes"), "stream"),
-    bad("stream-options-without-stream", completion(stream_options={"include_usage": True}), "stream_options"),
+    bad(
+        "stream-options-without-stream", completion(stream_options={"include_usage": True}), "stream_options"
+    ),
     bad("stream-options-list", completion(stream=True, stream_options=[]), "stream_options"),
-    bad("stream-options-usage-int", completion(stream=True, stream_options={"include_usage": 1}),
-        "stream_options.include_usage"),
+    bad(
+        "stream-options-usage-int",
+        completion(stream=True, stream_options={"include_usage": 1}),
+        "stream_options.include_usage",
+    ),
     bad("stream-with-bad-field-is-json", completion(stream=True, temperature=-1), "temperature"),
     bad("ignore-eos-int", completion(ignore_eos=1), "ignore_eos"),
     bad("skip-special-tokens-string", completion(skip_special_tokens="no"), "skip_special_tokens"),
@@ -247,11 +291,15 @@ SERVED_CASES = [
     ok("logprobs-20", completion(logprobs=20)),
     ok("ignore-eos", completion(ignore_eos=True)),
     ok("stream", completion(stream=True, stream_options={"include_usage": True}, n=2)),
-    ok("unsupported-off-values", completion(echo=False, logit_bias={}, tools=[], tool_choice="none",
-                                            response_format={"type": "text"})),
+    ok(
+        "unsupported-off-values",
+        completion(echo=False, logit_bias={}, tools=[], tool_choice="none", response_format={"type": "text"}),
+    ),
     ok("guided-choice", completion(guided_choice=["a", "b"], n=2, max_tokens=4)),
     ok("guided-regex-cut-by-max-tokens", completion(guided_regex="[a-z]{50}", max_tokens=2)),
-    ok("response-format-json-object-stream", completion(response_format={"type": "json_object"}, stream=True)),
+    ok(
+        "response-format-json-object-stream", completion(response_format={"type": "json_object"}, stream=True)
+    ),
     ok("guided-json-empty-schema", completion(guided_json={})),
 ]
 
@@ -297,8 +345,10 @@ JSON_CASES = [
     bad("nested-1000-arrays", b"[" * 1000 + b"]" * 1000),
     bad("600k-tiny-lists", completion(prompt=[[1]] * 600_000)),
     bad("unterminated-string-with-brackets", b'{"prompt": "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[['),
-    ok("brackets-and-quotes-in-strings", completion(prompt='[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[ \\" {{{{',
-                                                   stop=["\\", '"', "]"])),
+    ok(
+        "brackets-and-quotes-in-strings",
+        completion(prompt='[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[ \\" {{{{', stop=["\\", '"', "]"]),
+    ),
     bad("nested-40-in-unknown-field", raw(completion(x="@v@"), v="[" * 40 + "]" * 40)),
     bad("nested-in-prompt", completion(prompt=[[[[1]]]]), "prompt"),
     ok("nested-10-in-unknown-field", raw(completion(x="@v@"), v="[" * 10 + "]" * 10)),
@@ -313,30 +363,63 @@ CHAT_CASES = [
     chat_case("messages-string", 400, chat(messages="hi"), "messages"),
     chat_case("messages-object", 400, chat(messages={"role": "user"}), "messages"),
     chat_case("message-string", 400, chat(messages=["hi"]), "messages[0]"),
-    chat_case("message-role-unknown", 400, chat(messages=[{"role": "robot", "content": "x"}]), "messages[0].role"),
+    chat_case(
+        "message-role-unknown", 400, chat(messages=[{"role": "robot", "content": "x"}]), "messages[0].role"
+    ),
     chat_case("message-role-number", 400, chat(messages=[{"role": 5, "content": "x"}]), "messages[0].role"),
-    chat_case("message-role-list", 400, chat(messages=[{"role": ["user"], "content": "x"}]), "messages[0].role"),
+    chat_case(
+        "message-role-list", 400, chat(messages=[{"role": ["user"], "content": "x"}]), "messages[0].role"
+    ),
     chat_case("message-content-missing", 400, chat(messages=[{"role": "user"}]), "messages[0].content"),
-    chat_case("message-content-number", 400, chat(messages=[{"role": "user", "content": 3}]),
-              "messages[0].content"),
-    chat_case("message-content-image", 400,
-              chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
-              "messages[0].content[0]"),
-    chat_case("message-content-part-number", 400, chat(messages=[{"role": "user", "content": [5]}]),
-              "messages[0].content[0]"),
-    chat_case("message-content-part-text-number", 400,
-              chat(messages=[{"role": "user", "content": [{"type": "text", "text": 5}]}]), "messages[0].content[0]"),
-    chat_case("message-content-part-type-object", 400,
-              chat(messages=[{"role": "user", "content": [{"type": {"a": 1}}]}]), "messages[0].content[0]"),
-    chat_case("message-content-surrogate", 400, chat(messages=[{"role": "user", "content": "\ud800"}]),
-              "messages[0].content"),
-    chat_case("message-role-surrogate", 400, chat(messages=[{"role": "\udc00", "content": "x"}]),
-              "messages[0].role"),
-    chat_case("message-name-surrogate", 400, chat(messages=[{"role": "user", "content": "x", "name": "\ud800"}]),
-              "messages[0].name"),
+    chat_case(
+        "message-content-number", 400, chat(messages=[{"role": "user", "content": 3}]), "messages[0].content"
+    ),
+    chat_case(
+        "message-content-image",
+        400,
+        chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+        "messages[0].content[0]",
+    ),
+    chat_case(
+        "message-content-part-number",
+        400,
+        chat(messages=[{"role": "user", "content": [5]}]),
+        "messages[0].content[0]",
+    ),
+    chat_case(
+        "message-content-part-text-number",
+        400,
+        chat(messages=[{"role": "user", "content": [{"type": "text", "text": 5}]}]),
+        "messages[0].content[0]",
+    ),
+    chat_case(
+        "message-content-part-type-object",
+        400,
+        chat(messages=[{"role": "user", "content": [{"type": {"a": 1}}]}]),
+        "messages[0].content[0]",
+    ),
+    chat_case(
+        "message-content-surrogate",
+        400,
+        chat(messages=[{"role": "user", "content": "\ud800"}]),
+        "messages[0].content",
+    ),
+    chat_case(
+        "message-role-surrogate", 400, chat(messages=[{"role": "\udc00", "content": "x"}]), "messages[0].role"
+    ),
+    chat_case(
+        "message-name-surrogate",
+        400,
+        chat(messages=[{"role": "user", "content": "x", "name": "\ud800"}]),
+        "messages[0].name",
+    ),
     chat_case("messages-1025", 400, chat(messages=[{"role": "user", "content": "x"}] * 1025), "messages"),
-    chat_case("message-over-context", 400, chat(messages=[{"role": "user", "content": "x " * 3000}]),
-              code="request_rejected"),
+    chat_case(
+        "message-over-context",
+        400,
+        chat(messages=[{"role": "user", "content": "x " * 3000}]),
+        code="request_rejected",
+    ),
     chat_case("logprobs-int", 400, chat(logprobs=1), "logprobs"),
     chat_case("top-logprobs-without-logprobs", 400, chat(top_logprobs=3), "top_logprobs"),
     chat_case("top-logprobs-21", 400, chat(logprobs=True, top_logprobs=21), "top_logprobs"),
@@ -348,34 +431,90 @@ CHAT_CASES = [
     chat_case("n-zero", 400, chat(n=0), "n"),
     chat_case("seed-2^64", 400, chat(seed=2**64), "seed"),
     chat_case("tool-choice", 400, chat(tool_choice="required"), "tool_choice"),
-    chat_case("response-format-schema-not-object", 400, chat(response_format={
-        "type": "json_schema", "json_schema": {"name": "x", "schema": "object"}}), "response_format"),
-    chat_case("tool-choice-unknown-function", 400, chat(tools=[{"type": "function", "function": {"name": "f"}}],
-                                                         tool_choice={"type": "function", "function": {"name": "g"}}),
-              "tool_choice"),
+    chat_case(
+        "response-format-schema-not-object",
+        400,
+        chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": "object"}}),
+        "response_format",
+    ),
+    chat_case(
+        "tool-choice-unknown-function",
+        400,
+        chat(
+            tools=[{"type": "function", "function": {"name": "f"}}],
+            tool_choice={"type": "function", "function": {"name": "g"}},
+        ),
+        "tool_choice",
+    ),
     chat_case("tools-not-a-list", 400, chat(tools={"type": "function"}), "tools"),
-    chat_case("served-tool-choice-required", 200, chat(tools=[{"type": "function", "function": {"name": "f"}}],
-                                                       tool_choice="required", parallel_tool_calls=False)),
-    chat_case("served-response-format-json-schema", 200, chat(response_format={
-        "type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": {
-            "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}})),
+    chat_case(
+        "served-tool-choice-required",
+        200,
+        chat(
+            tools=[{"type": "function", "function": {"name": "f"}}],
+            tool_choice="required",
+            parallel_tool_calls=False,
+        ),
+    ),
+    chat_case(
+        "served-response-format-json-schema",
+        200,
+        chat(
+            response_format={
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "x",
+                    "strict": True,
+                    "schema": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                },
+            }
+        ),
+    ),
     chat_case("model-unknown", 404, chat(model="nope"), "model", code="model_not_found"),
     chat_case("surrogate-model", 400, chat(model="\ud800"), "model"),
     chat_case("nested-100k", 400, b'{"messages":' + b"[" * 100_000),
     chat_case("not-json", 400, b"messages=hi"),
     chat_case("text-plain", 415, chat(), content_type="text/plain"),
     chat_case("no-content-type", 415, chat(), content_type=None),
-    chat_case("served-every-role", 200, chat(messages=[
-        {"role": "system", "content": "s"}, {"role": "developer", "content": "d"}, {"role": "user", "content": "u"},
-        {"role": "assistant", "content": None}, {"role": "tool", "content": "t"}, {"role": "user", "content": "u"}])),
-    chat_case("served-text-parts", 200, chat(messages=[{"role": "user", "content": [
-        {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])),
-    chat_case("served-template-syntax-in-content", 200, chat(messages=[
-        {"role": "user", "content": "{{ 7*7 }}{% for x in range(10**9) %}{% endfor %}<|im_end|>"}])),
+    chat_case(
+        "served-every-role",
+        200,
+        chat(
+            messages=[
+                {"role": "system", "content": "s"},
+                {"role": "developer", "content": "d"},
+                {"role": "user", "content": "u"},
+                {"role": "assistant", "content": None},
+                {"role": "tool", "content": "t"},
+                {"role": "user", "content": "u"},
+            ]
+        ),
+    ),
+    chat_case(
+        "served-text-parts",
+        200,
+        chat(
+            messages=[
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+            ]
+        ),
+    ),
+    chat_case(
+        "served-template-syntax-in-content",
+        200,
+        chat(
+            messages=[
+                {"role": "user", "content": "{{ 7*7 }}{% for x in range(10**9) %}{% endfor %}<|im_end|>"}
+            ]
+        ),
+    ),
     chat_case("served-logprobs", 200, chat(logprobs=True, top_logprobs=20, n=2)),
     chat_case("served-stream", 200, chat(stream=True, stream_options={"include_usage": True})),
-    chat_case("served-extra-message-fields", 200, chat(messages=[{"role": "user", "content": "x", "name": "n",
-                                                                  "tool_calls": [], "weird": {"a": [1]}}])),
+    chat_case(
+        "served-extra-message-fields",
+        200,
+        chat(messages=[{"role": "user", "content": "x", "name": "n", "tool_calls": [], "weird": {"a": [1]}}]),
+    ),
 ]
 
 CONTENT_TYPE_CASES = [
@@ -404,9 +543,15 @@ METHOD_CASES = [
     Case("delete-completions", 405, method="DELETE"),
     Case("patch-completions", 405, completion(), method="PATCH"),
     Case("options-completions", 204, method="OPTIONS"),  # a plain OPTIONS: Allow says the methods
-    Case("preflight-origin-not-allowed", 403, path="/v1/chat/completions", method="OPTIONS", auth=None,
-         headers={"Origin": "https://evil.example.com", "Access-Control-Request-Method": "POST"},
-         code="origin_not_allowed"),
+    Case(
+        "preflight-origin-not-allowed",
+        403,
+        path="/v1/chat/completions",
+        method="OPTIONS",
+        auth=None,
+        headers={"Origin": "https://evil.example.com", "Access-Control-Request-Method": "POST"},
+        code="origin_not_allowed",
+    ),
     Case("options-unknown-v1-route", 404, path="/v1/nothing", method="OPTIONS"),
     Case("get-chat", 405, path="/v1/chat/completions", method="GET"),
     Case("post-models", 405, completion(), path="/v1/models"),
@@ -434,7 +579,13 @@ AUTH_CASES = [
     Case("no-key", 401, completion(), auth=None, code="invalid_api_key"),
     Case("wrong-key", 401, completion(), auth="nope", code="invalid_api_key"),
     Case("empty-bearer", 401, completion(), headers={"Authorization": "Bearer "}, code="invalid_api_key"),
-    Case("basic-scheme", 401, completion(), headers={"Authorization": "Basic dGVzdDp0ZXN0"}, code="invalid_api_key"),
+    Case(
+        "basic-scheme",
+        401,
+        completion(),
+        headers={"Authorization": "Basic dGVzdDp0ZXN0"},
+        code="invalid_api_key",
+    ),
     Case("latin1-key-bytes", 401, completion(), auth=b"\xff\xfe\xed\xa0\x80", code="invalid_api_key"),
     Case("admin-key-on-v1", 401, completion(), auth=ADMIN_KEY, code="invalid_api_key"),
     Case("no-key-models", 401, path="/v1/models", method="GET", auth=None),
@@ -442,7 +593,14 @@ AUTH_CASES = [
     Case("no-key-text-plain", 401, completion(), auth=None, content_type="text/plain"),
     ok("bearer-lower-case", completion(), auth=None, headers={"Authorization": f"bearer {API_KEY}"}),
     ok("bearer-extra-spaces", completion(), auth=None, headers={"Authorization": f"Bearer   {API_KEY}  "}),
-    Case("bearer-only", 401, completion(), auth=None, headers={"Authorization": "Bearer"}, code="invalid_api_key"),
+    Case(
+        "bearer-only",
+        401,
+        completion(),
+        auth=None,
+        headers={"Authorization": "Bearer"},
+        code="invalid_api_key",
+    ),
     Case("key-4000-chars", 401, completion(), auth="k" * 4000, code="invalid_api_key"),
 ]
 
@@ -453,7 +611,9 @@ ADMIN_CASES = [
     admin("list-no-key", 401, "/admin/models", method="GET", auth=None),
     admin("faults-no-key", 401, "/admin/faults", {"model": MODEL, "kind": "stall"}, auth=None),
     admin("faults-delete-no-key", 401, "/admin/faults", method="DELETE", auth=None),
-    admin("load-text-plain", 415, "/admin/models/load", {"name": "x", "path": "x"}, content_type="text/plain"),
+    admin(
+        "load-text-plain", 415, "/admin/models/load", {"name": "x", "path": "x"}, content_type="text/plain"
+    ),
     admin("load-not-json", 400, "/admin/models/load", b"name=x"),
     admin("load-array", 400, "/admin/models/load", []),
     admin("load-empty", 400, "/admin/models/load", {}, param="name"),
@@ -461,30 +621,69 @@ ADMIN_CASES = [
     admin("load-name-spaces", 400, "/admin/models/load", {"name": " x ", "path": "x"}, param="name"),
     admin("load-name-dot-dot", 400, "/admin/models/load", {"name": "../x", "path": TINY.name}, param="name"),
     admin("load-name-slash", 400, "/admin/models/load", {"name": "a/b", "path": TINY.name}, param="name"),
-    admin("load-name-newline", 400, "/admin/models/load", {"name": "x\nFAKE log line", "path": TINY.name},
-          param="name"),
+    admin(
+        "load-name-newline",
+        400,
+        "/admin/models/load",
+        {"name": "x\nFAKE log line", "path": TINY.name},
+        param="name",
+    ),
     admin("load-name-surrogate", 400, "/admin/models/load", {"name": "\ud800", "path": "x"}, param="name"),
-    admin("load-unknown-field", 400, "/admin/models/load", {"name": "x", "path": "x", "evil": 1}, param="evil"),
+    admin(
+        "load-unknown-field", 400, "/admin/models/load", {"name": "x", "path": "x", "evil": 1}, param="evil"
+    ),
     admin("load-path-missing", 400, "/admin/models/load", {"name": "x"}, param="path"),
     admin("load-path-null", 400, "/admin/models/load", {"name": "x", "path": None}, param="path"),
     admin("load-path-dot-dot", 400, "/admin/models/load", {"name": "x", "path": "../../etc"}, param="path"),
-    admin("load-path-absolute", 400, "/admin/models/load", {"name": "x", "path": "/etc/passwd"}, param="path"),
+    admin(
+        "load-path-absolute", 400, "/admin/models/load", {"name": "x", "path": "/etc/passwd"}, param="path"
+    ),
     admin("load-path-missing-dir", 400, "/admin/models/load", {"name": "x", "path": "nope"}, param="path"),
     admin("load-path-300-chars", 400, "/admin/models/load", {"name": "x", "path": "a" * 300}, param="path"),
-    admin("load-path-5000-chars", 400, "/admin/models/load", {"name": "x", "path": "a/" * 2500}, param="path"),
+    admin(
+        "load-path-5000-chars", 400, "/admin/models/load", {"name": "x", "path": "a/" * 2500}, param="path"
+    ),
     admin("load-path-nul", 400, "/admin/models/load", {"name": "x", "path": "a\u0000b"}, param="path"),
-    admin("load-quota-string", 400, "/admin/models/load", {"name": "x", "path": TINY.name, "quota_bytes": "abc"},
-          param="quota_bytes"),
-    admin("load-quota-negative", 400, "/admin/models/load", {"name": "x", "path": TINY.name, "quota_bytes": -1},
-          param="quota_bytes"),
-    admin("load-quota-1e309", 400, "/admin/models/load",
-          raw({"name": "x", "path": TINY.name, "quota_bytes": "@v@"}, v="1e309"), param="quota_bytes"),
-    admin("load-quota-below-weights", 400, "/admin/models/load", {"name": "x", "path": TINY.name, "quota_bytes": 1},
-          param="quota_bytes"),
-    admin("load-kv-memory-1e309", 400, "/admin/models/load",
-          raw({"name": "x", "path": TINY.name, "kv_cache_memory": "@v@"}, v="1e309")),
-    admin("load-kv-memory-10^400", 400, "/admin/models/load",
-          {"name": "x", "path": TINY.name, "kv_cache_memory": 10**400}),
+    admin(
+        "load-quota-string",
+        400,
+        "/admin/models/load",
+        {"name": "x", "path": TINY.name, "quota_bytes": "abc"},
+        param="quota_bytes",
+    ),
+    admin(
+        "load-quota-negative",
+        400,
+        "/admin/models/load",
+        {"name": "x", "path": TINY.name, "quota_bytes": -1},
+        param="quota_bytes",
+    ),
+    admin(
+        "load-quota-1e309",
+        400,
+        "/admin/models/load",
+        raw({"name": "x", "path": TINY.name, "quota_bytes": "@v@"}, v="1e309"),
+        param="quota_bytes",
+    ),
+    admin(
+        "load-quota-below-weights",
+        400,
+        "/admin/models/load",
+        {"name": "x", "path": TINY.name, "quota_bytes": 1},
+        param="quota_bytes",
+    ),
+    admin(
+        "load-kv-memory-1e309",
+        400,
+        "/admin/models/load",
+        raw({"name": "x", "path": TINY.name, "kv_cache_memory": "@v@"}, v="1e309"),
+    ),
+    admin(
+        "load-kv-memory-10^400",
+        400,
+        "/admin/models/load",
+        {"name": "x", "path": TINY.name, "kv_cache_memory": 10**400},
+    ),
     admin("load-block-size-3", 400, "/admin/models/load", {"name": "x", "path": TINY.name, "block_size": 3}),
     admin("load-dtype-number", 400, "/admin/models/load", {"name": "x", "path": TINY.name, "dtype": 5}),
     admin("load-nested-100k", 400, "/admin/models/load", b'{"name":' + b"[" * 100_000),
@@ -505,24 +704,52 @@ ADMIN_CASES = [
     admin("fault-model-missing", 400, "/admin/faults", {"kind": "slow"}, param="model"),
     admin("fault-model-number", 400, "/admin/faults", {"model": 5, "kind": "slow"}, param="model"),
     admin("fault-model-unknown", 404, "/admin/faults", {"model": "zz", "kind": "slow"}, param="model"),
-    admin("fault-unknown-field", 400, "/admin/faults", {"model": MODEL, "kind": "slow", "evil": 1}, param="evil"),
+    admin(
+        "fault-unknown-field", 400, "/admin/faults", {"model": MODEL, "kind": "slow", "evil": 1}, param="evil"
+    ),
     admin("fault-delay-string", 400, "/admin/faults", {"model": MODEL, "kind": "slow", "delay_ms": "x"}),
-    admin("fault-delay-1e309", 400, "/admin/faults",
-          raw({"model": MODEL, "kind": "slow", "delay_ms": "@v@"}, v="1e309")),
+    admin(
+        "fault-delay-1e309",
+        400,
+        "/admin/faults",
+        raw({"model": MODEL, "kind": "slow", "delay_ms": "@v@"}, v="1e309"),
+    ),
     admin("fault-delay-negative", 400, "/admin/faults", {"model": MODEL, "kind": "slow", "delay_ms": -5}),
     admin("fault-seconds-negative", 400, "/admin/faults", {"model": MODEL, "kind": "stall", "seconds": -5}),
-    admin("fault-seconds-1e309", 400, "/admin/faults",
-          raw({"model": MODEL, "kind": "stall", "seconds": "@v@"}, v="1e309")),
-    admin("fault-bytes-negative", 400, "/admin/faults", {"model": MODEL, "kind": "leak", "bytes_per_step": -1}),
-    admin("fault-bytes-1e20", 400, "/admin/faults", {"model": MODEL, "kind": "leak", "bytes_per_step": 10**20}),
-    admin("fault-text-plain", 415, "/admin/faults", {"model": MODEL, "kind": "slow"}, content_type="text/plain"),
+    admin(
+        "fault-seconds-1e309",
+        400,
+        "/admin/faults",
+        raw({"model": MODEL, "kind": "stall", "seconds": "@v@"}, v="1e309"),
+    ),
+    admin(
+        "fault-bytes-negative", 400, "/admin/faults", {"model": MODEL, "kind": "leak", "bytes_per_step": -1}
+    ),
+    admin(
+        "fault-bytes-1e20", 400, "/admin/faults", {"model": MODEL, "kind": "leak", "bytes_per_step": 10**20}
+    ),
+    admin(
+        "fault-text-plain", 415, "/admin/faults", {"model": MODEL, "kind": "slow"}, content_type="text/plain"
+    ),
     admin("served-faults-clear", 200, "/admin/faults", method="DELETE"),
 ]
 
-GROUPS = {"field": FIELD_CASES, "served": SERVED_CASES, "encoding": ENCODING_CASES, "json": JSON_CASES,
-          "chat": CHAT_CASES, "content-type": CONTENT_TYPE_CASES, "method": METHOD_CASES, "auth": AUTH_CASES,
-          "admin": ADMIN_CASES}  # admin last: its fault cases run when everything else is done
-CASES = [dataclasses.replace(case, name=f"{group}:{case.name}") for group, cases in GROUPS.items() for case in cases]
+GROUPS = {
+    "field": FIELD_CASES,
+    "served": SERVED_CASES,
+    "encoding": ENCODING_CASES,
+    "json": JSON_CASES,
+    "chat": CHAT_CASES,
+    "content-type": CONTENT_TYPE_CASES,
+    "method": METHOD_CASES,
+    "auth": AUTH_CASES,
+    "admin": ADMIN_CASES,
+}  # admin last: its fault cases run when everything else is done
+CASES = [
+    dataclasses.replace(case, name=f"{group}:{case.name}")
+    for group, cases in GROUPS.items()
+    for case in cases
+]
 
 
 @dataclass
@@ -536,9 +763,24 @@ class Tally:
 def server(tmp_path_factory):
     require_models(TINY)
     # --models-dir: every model name below also goes through the on-demand loader's lookup first
-    srv = launch(["--model", str(TINY), "--api-key", API_KEY, "--admin-key", ADMIN_KEY, "--enable-fault-injection",
-                  "--kv-cache-memory", "32MiB", "--max-num-seqs", "128", "--models-dir", str(TINY.parent)],
-                 tmp_path_factory.mktemp("bad-input") / "server.log")
+    srv = launch(
+        [
+            "--model",
+            str(TINY),
+            "--api-key",
+            API_KEY,
+            "--admin-key",
+            ADMIN_KEY,
+            "--enable-fault-injection",
+            "--kv-cache-memory",
+            "32MiB",
+            "--max-num-seqs",
+            "128",
+            "--models-dir",
+            str(TINY.parent),
+        ],
+        tmp_path_factory.mktemp("bad-input") / "server.log",
+    )
     yield srv
     assert srv.stop() == 0, srv.log()[-3000:]
     assert "Traceback" not in srv.log(), srv.log()[-5000:]
@@ -548,8 +790,10 @@ def server(tmp_path_factory):
 def tally(request):
     counts = Tally()
     yield counts
-    line = (f"bad-input suite: {counts.num_cases} cases, {counts.num_5xx} answered 5xx, "
-            f"{counts.num_unhealthy} left the replica unhealthy or holding work")
+    line = (
+        f"bad-input suite: {counts.num_cases} cases, {counts.num_5xx} answered 5xx, "
+        f"{counts.num_unhealthy} left the replica unhealthy or holding work"
+    )
     capture = request.config.pluginmanager.get_plugin("capturemanager")
     with capture.global_and_fixture_disabled():  # shown even without -s
         print(f"\n{line}")
@@ -583,7 +827,9 @@ def send(port: int, case: Case) -> tuple[int, dict[str, str], bytes]:
     if case.content_type is not None and body is not None:
         headers["Content-Type"] = case.content_type
     if case.auth is not None:
-        headers["Authorization"] = b"Bearer " + case.auth if isinstance(case.auth, bytes) else f"Bearer {case.auth}"
+        headers["Authorization"] = (
+            b"Bearer " + case.auth if isinstance(case.auth, bytes) else f"Bearer {case.auth}"
+        )
     headers.update(case.headers)
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
     try:

@@ -26,9 +26,21 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     require_models(TINY)
-    server = launch(["--model", str(TINY), "--api-key", API_KEY, "--admin-key", ADMIN_KEY, "--engine-process",
-                     "--enable-fault-injection", "--kv-cache-memory", "16MiB"],
-                    tmp_path_factory.mktemp("engine-process") / "server.log")
+    server = launch(
+        [
+            "--model",
+            str(TINY),
+            "--api-key",
+            API_KEY,
+            "--admin-key",
+            ADMIN_KEY,
+            "--engine-process",
+            "--enable-fault-injection",
+            "--kv-cache-memory",
+            "16MiB",
+        ],
+        tmp_path_factory.mktemp("engine-process") / "server.log",
+    )
     yield server
     engine = _engine_pid(server)
     server.stop()
@@ -79,22 +91,34 @@ def _ready_again(server: Server, old_engine: int) -> int:
 
 
 def _completes(server: Server) -> None:
-    status, _, body = server.post("/v1/completions", {"model": MODEL, "prompt": "def f():", "max_tokens": 4,
-                                                      "ignore_eos": True}, {"Authorization": f"Bearer {API_KEY}"})
+    status, _, body = server.post(
+        "/v1/completions",
+        {"model": MODEL, "prompt": "def f():", "max_tokens": 4, "ignore_eos": True},
+        {"Authorization": f"Bearer {API_KEY}"},
+    )
     assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 4, body
 
 
 def test_the_openai_client_streams_from_the_engine_process(server):
     assert _engine_pid(server) is not None
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY)
-    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Write a loop."}],
-                                            max_tokens=16, temperature=0, stream=True,
-                                            stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Write a loop."}],
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert chunks[-1].usage.completion_tokens == 16
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Name a colour."}],
-                                           max_tokens=24, response_format={"type": "json_object"})
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Name a colour."}],
+        max_tokens=24,
+        response_format={"type": "json_object"},
+    )
     assert isinstance(json.loads(reply.choices[0].message.content), dict)
 
 
@@ -103,20 +127,32 @@ def test_a_crashed_loop_is_rebuilt_in_a_new_engine_process(server):
     continuation): no error, every token once; the same server process serves on."""
     pid, engine = server.process.pid, _engine_pid(server)
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
-    stream = client.completions.create(model=MODEL, prompt="def f():", max_tokens=400, stream=True,
-                                       extra_body={"ignore_eos": True}, stream_options={"include_usage": True})
+    stream = client.completions.create(
+        model=MODEL,
+        prompt="def f():",
+        max_tokens=400,
+        stream=True,
+        extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True},
+    )
     chunks = [next(iter(stream))]
-    status, _, body = server.request("POST", "/admin/faults", {"model": MODEL, "kind": "crash"},
-                                     {"Authorization": f"Bearer {ADMIN_KEY}"})
+    status, _, body = server.request(
+        "POST", "/admin/faults", {"model": MODEL, "kind": "crash"}, {"Authorization": f"Bearer {ADMIN_KEY}"}
+    )
     assert status == 200, body
     chunks += list(stream)
-    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        "length"
+    ]
     assert chunks[-1].usage.completion_tokens == 400
     _ready_again(server, engine)
     _wait_gone(engine)
     assert server.process.poll() is None and server.process.pid == pid
     metrics = server.get("/metrics")[2].decode()
-    assert f'pagedserve:continuations_total{{model_name="{MODEL}",reason="engine_dead",to="{MODEL}"}} 1.0' in metrics
+    assert (
+        f'pagedserve:continuations_total{{model_name="{MODEL}",reason="engine_dead",to="{MODEL}"}} 1.0'
+        in metrics
+    )
     _completes(server)
 
 
@@ -130,4 +166,6 @@ def test_a_killed_engine_process_is_rebuilt(server):
 
 def _deaths(server: Server) -> float:
     lines = server.get("/metrics")[2].decode().splitlines()
-    return next(float(line.split()[-1]) for line in lines if line.startswith("pagedserve:engine_deaths_total "))
+    return next(
+        float(line.split()[-1]) for line in lines if line.startswith("pagedserve:engine_deaths_total ")
+    )

@@ -36,11 +36,29 @@ BODY_TIMEOUT_S = 2
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     require_models(TINY)
-    srv = launch(["--model", str(TINY), "--api-key", API_KEY, "--admin-key", ADMIN_KEY,
-                  "--max-connections", str(MAX_CONNECTIONS), "--stream-write-timeout", str(WRITE_TIMEOUT_S),
-                  "--header-timeout", str(HEADER_TIMEOUT_S), "--body-read-timeout", str(BODY_TIMEOUT_S),
-                  "--health-details-auth", "--metrics-auth", "--kv-cache-memory", "16MiB"],
-                 tmp_path_factory.mktemp("hardening") / "server.log")
+    srv = launch(
+        [
+            "--model",
+            str(TINY),
+            "--api-key",
+            API_KEY,
+            "--admin-key",
+            ADMIN_KEY,
+            "--max-connections",
+            str(MAX_CONNECTIONS),
+            "--stream-write-timeout",
+            str(WRITE_TIMEOUT_S),
+            "--header-timeout",
+            str(HEADER_TIMEOUT_S),
+            "--body-read-timeout",
+            str(BODY_TIMEOUT_S),
+            "--health-details-auth",
+            "--metrics-auth",
+            "--kv-cache-memory",
+            "16MiB",
+        ],
+        tmp_path_factory.mktemp("hardening") / "server.log",
+    )
     yield srv
     assert srv.stop() == 0, srv.log()[-3000:]
 
@@ -74,8 +92,11 @@ def read_all(sock: socket.socket) -> bytes:
 def engine_figures(server) -> dict[str, float]:
     _, _, body = get(server, "/metrics")
     names = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
-    return {line.split("{")[0].removeprefix("pagedserve:"): float(line.rsplit(" ", 1)[1])
-            for line in body.decode().splitlines() if line.startswith(tuple(f"pagedserve:{n}{{" for n in names))}
+    return {
+        line.split("{")[0].removeprefix("pagedserve:"): float(line.rsplit(" ", 1)[1])
+        for line in body.decode().splitlines()
+        if line.startswith(tuple(f"pagedserve:{n}{{" for n in names))
+    }
 
 
 def test_server_header_names_no_version(server):
@@ -109,8 +130,11 @@ def test_malformed_requests_log_one_warning_without_the_key_or_a_traceback(serve
     before = len(server.log().splitlines())
     for _ in range(5):
         with connect(server) as sock:
-            sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + API_KEY.encode()
-                         + b"\x01\r\n\r\n")
+            sock.sendall(
+                b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                + API_KEY.encode()
+                + b"\x01\r\n\r\n"
+            )
             assert sock.recv(4096).startswith(b"HTTP/1.0 400")
     time.sleep(0.2)
     new = server.log().splitlines()[before:]
@@ -154,8 +178,10 @@ def test_busy_connections_over_the_cap_get_503_and_probes_still_answer(server):
     busy = [connect(server) for _ in range(MAX_CONNECTIONS)]  # each in a request whose body never comes
     try:
         for sock in busy:
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: 100\r\n\r\n{")
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: 100\r\n\r\n{"
+            )
         time.sleep(0.2)
         code, headers, body = get(server, "/v1/models")
         assert code == 503 and headers["Retry-After"] and headers.get("Connection") == "close"
@@ -174,8 +200,19 @@ def test_busy_connections_over_the_cap_get_503_and_probes_still_answer(server):
 @pytest.fixture(scope="module")
 def per_client_server(tmp_path_factory):
     require_models(TINY)
-    srv = launch(["--model", str(TINY), "--max-connections-per-client", "2", "--body-read-timeout", "3",
-                  "--kv-cache-memory", "16MiB"], tmp_path_factory.mktemp("per-client") / "server.log")
+    srv = launch(
+        [
+            "--model",
+            str(TINY),
+            "--max-connections-per-client",
+            "2",
+            "--body-read-timeout",
+            "3",
+            "--kv-cache-memory",
+            "16MiB",
+        ],
+        tmp_path_factory.mktemp("per-client") / "server.log",
+    )
     yield srv
     assert srv.stop() == 0, srv.log()[-3000:]
 
@@ -185,8 +222,10 @@ def test_one_client_address_holds_at_most_its_connections_and_others_are_served(
     busy = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(2)]
     try:
         for sock in busy:  # each in a request whose body never comes
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: 100\r\n\r\n{")
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 100\r\n\r\n{"
+            )
         time.sleep(0.2)
         with socket.create_connection(("127.0.0.1", srv.port)) as third:
             third.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -227,8 +266,11 @@ def test_a_connection_that_never_finishes_its_request_head_is_closed(server):
 
 def test_a_body_that_never_arrives_is_408(server):
     with connect(server) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + API_KEY.encode()
-                     + b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\": ")
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+            + API_KEY.encode()
+            + b'\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"prompt": '
+        )
         start = time.monotonic()
         head = sock.recv(65536)
         assert head.startswith(b"HTTP/1.1 408 "), head[:200]
@@ -240,12 +282,27 @@ def test_a_client_that_stops_reading_a_stream_releases_its_request(server):
     """4 choices x 1200 tokens with 20 logprobs each is megabytes of events: far more than the socket
     buffers hold, so the server's writes block, time out after WRITE_TIMEOUT_S, and the request is
     aborted well before it could have finished."""
-    body = json.dumps({"model": TINY.name, "prompt": "def f(x):", "stream": True, "max_tokens": 1200, "n": 4,
-                       "logprobs": 20, "ignore_eos": True, "temperature": 0}).encode()
+    body = json.dumps(
+        {
+            "model": TINY.name,
+            "prompt": "def f(x):",
+            "stream": True,
+            "max_tokens": 1200,
+            "n": 4,
+            "logprobs": 20,
+            "ignore_eos": True,
+            "temperature": 0,
+        }
+    ).encode()
     with connect(server, receive_buffer=4096) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + API_KEY.encode()
-                     + b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(body)).encode()
-                     + b"\r\n\r\n" + body)
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+            + API_KEY.encode()
+            + b"\r\nContent-Type: application/json\r\nContent-Length: "
+            + str(len(body)).encode()
+            + b"\r\n\r\n"
+            + body
+        )
         deadline = time.monotonic() + 240
         while engine_figures(server)["num_requests_running"] == 0:  # admitted
             assert time.monotonic() < deadline
@@ -305,18 +362,24 @@ def test_sse_events_and_log_fields_survive_surrogates_and_newlines():
     assert escape("/v1/a\nb c\\d\ud800é") == "/v1/a\\nb\\x20c\\\\d\\ud800\\xe9"
 
 
-@pytest.mark.parametrize(("raw", "fragment"), [
-    (b'{"a": "' + b"[" * 100 + b'\\" \\\\"}', None),  # brackets, an escaped quote and backslash inside strings
-    (b'{"a": ' + b"[" * 31 + b"]" * 31 + b"}", None),  # 32 levels
-    (b'{"a": ' + b"[" * 32 + b"]" * 32 + b"}", "nested more than 32 levels"),
-    (b'{"a": ' + b'{"b": [' * 16 + b"]}" * 16 + b"}", "nested more than 32 levels"),  # 33, alternating
-    (b"[" * 100_000, "more than 16384 arrays and objects"),
-    (b'{"a": "[[[[', "not valid JSON"),  # unterminated: not mistaken for depth
-    (b'{"a": [1}', "not valid JSON"),
-    (b'{"a": "\\\\ud800"}', None),  # an escaped backslash, then text: no surrogate
-    (b'{"a": "\\ud83d\\ude00"}', None),  # a pair
-    (b'{"a": ["x", {"b": "\\udc00"}]}', "in a[1].b holds a lone UTF-16 surrogate"),
-])
+@pytest.mark.parametrize(
+    ("raw", "fragment"),
+    [
+        (
+            b'{"a": "' + b"[" * 100 + b'\\" \\\\"}',
+            None,
+        ),  # brackets, an escaped quote and backslash inside strings
+        (b'{"a": ' + b"[" * 31 + b"]" * 31 + b"}", None),  # 32 levels
+        (b'{"a": ' + b"[" * 32 + b"]" * 32 + b"}", "nested more than 32 levels"),
+        (b'{"a": ' + b'{"b": [' * 16 + b"]}" * 16 + b"}", "nested more than 32 levels"),  # 33, alternating
+        (b"[" * 100_000, "more than 16384 arrays and objects"),
+        (b'{"a": "[[[[', "not valid JSON"),  # unterminated: not mistaken for depth
+        (b'{"a": [1}', "not valid JSON"),
+        (b'{"a": "\\\\ud800"}', None),  # an escaped backslash, then text: no surrogate
+        (b'{"a": "\\ud83d\\ude00"}', None),  # a pair
+        (b'{"a": ["x", {"b": "\\udc00"}]}', "in a[1].b holds a lone UTF-16 surrogate"),
+    ],
+)
 def test_parse_json_bounds(raw: bytes, fragment: str | None):
     if fragment is None:
         assert isinstance(parse_json(raw), dict)

@@ -23,8 +23,10 @@ PROMPT = "def read_lines(path):\n"
 def server(tmp_path_factory):
     require_models(SMALL, TINY)
     # two sequences per model, so a third request queues (disconnect-while-queued test)
-    srv = launch(["--model", str(SMALL), "--fallback", str(TINY), "--api-key", API_KEY, "--max-num-seqs", "2"],
-                 tmp_path_factory.mktemp("server-api") / "server.log")
+    srv = launch(
+        ["--model", str(SMALL), "--fallback", str(TINY), "--api-key", API_KEY, "--max-num-seqs", "2"],
+        tmp_path_factory.mktemp("server-api") / "server.log",
+    )
     yield srv
     assert srv.stop() == 0, srv.log()[-3000:]  # SIGTERM: graceful shutdown, exit 0
     assert "shutting down" in srv.log()
@@ -53,7 +55,9 @@ def test_models_health_version(server, sdk):
     models = sdk.models.list().data
     assert [m.id for m in models] == [SMALL.name, TINY.name]  # configuration order
     assert [(m.object, m.owned_by, m.fallback, m.max_model_len) for m in models] == [
-        ("model", "pagedserve", TINY.name, 2048), ("model", "pagedserve", None, 2048)]
+        ("model", "pagedserve", TINY.name, 2048),
+        ("model", "pagedserve", None, 2048),
+    ]
     status, _, body = server.get("/health/live")
     assert (status, json.loads(body)) == (200, {"status": "live"})
     for path in ("/health", "/health/ready"):
@@ -86,48 +90,87 @@ def test_streamed_text_equals_the_whole_text(sdk):
 
 
 async def test_async_chat(async_sdk):
-    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "sort a list"}]
-    done = await async_sdk.chat.completions.create(model=TINY.name, messages=messages, max_tokens=12,
-                                                   temperature=0)
+    messages = [
+        {"role": "system", "content": "You write Python."},
+        {"role": "user", "content": "sort a list"},
+    ]
+    done = await async_sdk.chat.completions.create(
+        model=TINY.name, messages=messages, max_tokens=12, temperature=0
+    )
     assert done.object == "chat.completion" and done.choices[0].message.role == "assistant"
     assert done.choices[0].message.content and done.model == TINY.name
-    stream = await async_sdk.chat.completions.create(model=TINY.name, messages=messages, max_tokens=12,
-                                                     temperature=0, stream=True)
+    stream = await async_sdk.chat.completions.create(
+        model=TINY.name, messages=messages, max_tokens=12, temperature=0, stream=True
+    )
     chunks = [c async for c in stream]
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == done.choices[0].message.content
 
 
 async def test_async_completions_concurrently(async_sdk):
-    results = await asyncio.gather(*[
-        async_sdk.completions.create(model=TINY.name, prompt=f"x = {i}\n", max_tokens=8, temperature=0,
-                                     extra_body={"ignore_eos": True})
-        for i in range(6)])
-    assert [(r.model, r.choices[0].finish_reason, r.usage.completion_tokens) for r in results] == \
-        [(TINY.name, "length", 8)] * 6
+    results = await asyncio.gather(
+        *[
+            async_sdk.completions.create(
+                model=TINY.name,
+                prompt=f"x = {i}\n",
+                max_tokens=8,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+            for i in range(6)
+        ]
+    )
+    assert [(r.model, r.choices[0].finish_reason, r.usage.completion_tokens) for r in results] == [
+        (TINY.name, "length", 8)
+    ] * 6
     assert len({r.id for r in results}) == 6
 
 
 def test_n_and_several_prompts(sdk):
     ignore_eos = {"ignore_eos": True}
-    done = sdk.completions.create(model=TINY.name, prompt=PROMPT, max_tokens=8, n=2, seed=5, extra_body=ignore_eos)
+    done = sdk.completions.create(
+        model=TINY.name, prompt=PROMPT, max_tokens=8, n=2, seed=5, extra_body=ignore_eos
+    )
     assert [c.index for c in done.choices] == [0, 1] and done.usage.completion_tokens == 16
     prompts = ["import os\n", "class A:\n"]
-    done = sdk.completions.create(model=TINY.name, prompt=prompts, max_tokens=4, n=2, temperature=0,
-                                  extra_body=ignore_eos)
+    done = sdk.completions.create(
+        model=TINY.name, prompt=prompts, max_tokens=4, n=2, temperature=0, extra_body=ignore_eos
+    )
     assert [c.index for c in done.choices] == [0, 1, 2, 3]
-    alone = [sdk.completions.create(model=TINY.name, prompt=p, max_tokens=4, temperature=0,
-                                    extra_body=ignore_eos).choices[0].text for p in prompts]
-    assert [c.text for c in done.choices] == [alone[0], alone[0], alone[1], alone[1]]  # choice i: prompt i // n
-    chat = sdk.chat.completions.create(model=TINY.name, messages=[{"role": "user", "content": "hi"}],
-                                       max_tokens=6, n=2, extra_body=ignore_eos)
+    alone = [
+        sdk.completions.create(model=TINY.name, prompt=p, max_tokens=4, temperature=0, extra_body=ignore_eos)
+        .choices[0]
+        .text
+        for p in prompts
+    ]
+    assert [c.text for c in done.choices] == [
+        alone[0],
+        alone[0],
+        alone[1],
+        alone[1],
+    ]  # choice i: prompt i // n
+    chat = sdk.chat.completions.create(
+        model=TINY.name,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=6,
+        n=2,
+        extra_body=ignore_eos,
+    )
     assert [c.index for c in chat.choices] == [0, 1] and chat.usage.completion_tokens == 12
 
 
 def test_n_samples_differ_and_a_seed_fixes_them(sdk):
     # n=2: this server runs --max-num-seqs 2, and a request's n samples run side by side
-    args = dict(model=TINY.name, prompt=PROMPT, max_tokens=16, n=2, temperature=1.0, top_p=0.9, seed=11,
-                extra_body={"ignore_eos": True, "min_p": 0.01, "top_k": 100})
+    args = dict(
+        model=TINY.name,
+        prompt=PROMPT,
+        max_tokens=16,
+        n=2,
+        temperature=1.0,
+        top_p=0.9,
+        seed=11,
+        extra_body={"ignore_eos": True, "min_p": 0.01, "top_k": 100},
+    )
     texts = [c.text for c in sdk.completions.create(**args).choices]
     assert len(set(texts)) == 2, texts  # n draws, not one draw copied n times
     assert [c.text for c in sdk.completions.create(**args).choices] == texts
@@ -138,16 +181,26 @@ async def test_mixed_sampling_parameters_in_one_batch(server, async_sdk):
     is served by the model it asked, filters that keep one token give the greedy text, and no step had
     to be re-run by poison isolation (which would hide such a bug from the client, not from /metrics)."""
     base = dict(model=TINY.name, prompt=PROMPT, max_tokens=16, temperature=1.0)
-    greedy = (await async_sdk.completions.create(**{**base, "temperature": 0},
-                                                 extra_body={"ignore_eos": True})).choices[0].text
+    greedy = (
+        (await async_sdk.completions.create(**{**base, "temperature": 0}, extra_body={"ignore_eos": True}))
+        .choices[0]
+        .text
+    )
     isolated = server.metric("isolated_steps_total", TINY.name)
 
     def create(extra: dict | None = None, **params):
-        return async_sdk.completions.create(**{**base, **params}, extra_body={"ignore_eos": True, **(extra or {})})
+        return async_sdk.completions.create(
+            **{**base, **params}, extra_body={"ignore_eos": True, **(extra or {})}
+        )
 
     results = await asyncio.gather(
-        create({"top_k": 1}, seed=1), create({"min_p": 1.0}, seed=2), create(top_p=1e-6, seed=3),
-        create(n=2, top_p=0.9, seed=4), create({"top_k": 40, "min_p": 0.05}, top_p=0.95, seed=5), create(seed=6))
+        create({"top_k": 1}, seed=1),
+        create({"min_p": 1.0}, seed=2),
+        create(top_p=1e-6, seed=3),
+        create(n=2, top_p=0.9, seed=4),
+        create({"top_k": 40, "min_p": 0.05}, top_p=0.95, seed=5),
+        create(seed=6),
+    )
     assert [r.model for r in results] == [TINY.name] * 6
     assert [r.choices[0].text for r in results[:3]] == [greedy] * 3
     assert [r.usage.completion_tokens for r in results] == [16, 16, 16, 32, 16, 16]
@@ -160,7 +213,7 @@ def test_stop_strings(sdk):
     stop = text.strip()[3:6] if len(text.strip()) >= 6 else text[:1]
     assert stop, f"greedy text too short to cut: {text!r}"
     cut = sdk.completions.create(**args, stop=[stop]).choices[0]
-    assert cut.text == text[:text.find(stop)] and cut.finish_reason == "stop"
+    assert cut.text == text[: text.find(stop)] and cut.finish_reason == "stop"
 
 
 def test_seed_reproduces(sdk):
@@ -178,8 +231,14 @@ def test_logprobs(sdk):
     assert all(v <= 0 for v in lp.token_logprobs) and all(1 <= len(t) <= 4 for t in lp.top_logprobs)
     # greedy: the sampled token is the most likely one
     assert all(lp.token_logprobs[i] >= max(lp.top_logprobs[i].values()) - 1e-4 for i in range(6))
-    chat = sdk.chat.completions.create(model=TINY.name, messages=[{"role": "user", "content": "hi"}],
-                                       max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+    chat = sdk.chat.completions.create(
+        model=TINY.name,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 2 for c in content)
     assert all(bytes(c.bytes).decode("utf-8", "replace") == c.token for c in content)
@@ -203,7 +262,7 @@ async def test_multibyte_stream_is_valid_utf8(server, constrained):
             raw = await response.read()
     events = raw.decode("utf-8").strip().split("\n\n")  # strict decode: broken UTF-8 raises
     assert events[-1] == "data: [DONE]"
-    deltas = [json.loads(e[len("data: "):])["choices"][0]["text"] for e in events[:-1]]
+    deltas = [json.loads(e[len("data: ") :])["choices"][0]["text"] for e in events[:-1]]
     assert "".join(deltas) == whole and whole
     if constrained:
         assert re.fullmatch(MULTIBYTE + "{6,12}", whole), whole
@@ -212,8 +271,9 @@ async def test_multibyte_stream_is_valid_utf8(server, constrained):
 
 
 def test_served_model_headers_and_request_id(server):
-    status, headers, body = server.post("/v1/completions", {"model": TINY.name, "prompt": "x", "max_tokens": 2},
-                                  {"X-Request-Id": "it-req-7"})
+    status, headers, body = server.post(
+        "/v1/completions", {"model": TINY.name, "prompt": "x", "max_tokens": 2}, {"X-Request-Id": "it-req-7"}
+    )
     assert status == 200 and headers["x-pagedserve-served-model"] == TINY.name
     assert "x-pagedserve-degraded" not in headers and headers["X-Request-Id"] == "it-req-7"
     time.sleep(0.1)
@@ -222,15 +282,18 @@ def test_served_model_headers_and_request_id(server):
     assert "ttft_s=" in line and "total_s=" in line and API_KEY not in server.log()
 
 
-@pytest.mark.parametrize(("body", "status", "fragment"), [
-    (b"{not json", 400, "not valid JSON"),
-    ({"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens must be an integer"),
-    ({"prompt": "x", "temperature": -0.5}, 400, "temperature must be non-negative"),
-    ({"prompt": "x", "top_p": 0}, 400, "top_p must be in (0, 1]"),
-    ({"prompt": "x", "n": 0}, 400, "n must be at least 1"),
-    ({"prompt": "x", "max_tokens": 100000}, 400, "maximum context length is"),
-    ({"prompt": "x", "model": "no-such-model"}, 404, "does not exist"),
-])
+@pytest.mark.parametrize(
+    ("body", "status", "fragment"),
+    [
+        (b"{not json", 400, "not valid JSON"),
+        ({"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens must be an integer"),
+        ({"prompt": "x", "temperature": -0.5}, 400, "temperature must be non-negative"),
+        ({"prompt": "x", "top_p": 0}, 400, "top_p must be in (0, 1]"),
+        ({"prompt": "x", "n": 0}, 400, "n must be at least 1"),
+        ({"prompt": "x", "max_tokens": 100000}, 400, "maximum context length is"),
+        ({"prompt": "x", "model": "no-such-model"}, 404, "does not exist"),
+    ],
+)
 def test_error_cases(server, body, status, fragment):
     got, headers, raw = server.post("/v1/completions", body)
     error = json.loads(raw)["error"]
@@ -262,11 +325,20 @@ def test_metrics_after_traffic(server, sdk):
     sdk.completions.create(model=TINY.name, prompt=PROMPT, max_tokens=3)
     _, _, body = server.get("/metrics")
     text = body.decode()
-    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries_total",
-                 "prefix_cache_hits_total", "num_preemptions_total", "prompt_tokens_total",
-                 "generation_tokens_total", "time_to_first_token_seconds_count",
-                 "inter_token_latency_seconds_count", "e2e_request_latency_seconds_count",
-                 "request_queue_time_seconds_count"):
+    for name in (
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "prefix_cache_queries_total",
+        "prefix_cache_hits_total",
+        "num_preemptions_total",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        "time_to_first_token_seconds_count",
+        "inter_token_latency_seconds_count",
+        "e2e_request_latency_seconds_count",
+        "request_queue_time_seconds_count",
+    ):
         assert f'pagedserve:{name}{{model_name="{TINY.name}"}}' in text, name
     assert f'pagedserve:request_success_total{{finished_reason="length",model_name="{TINY.name}"}}' in text
     assert 'pagedserve:http_requests_total{method="POST",route="/v1/completions",status="200"}' in text
@@ -287,7 +359,9 @@ async def test_disconnect_mid_stream_frees_everything_within_a_second(server):
 async def test_disconnect_while_queued_frees_everything(server):
     long = {"model": TINY.name, "prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True, "stream": True}
     async with aiohttp.ClientSession(headers=AUTH) as session:
-        running = [await session.post(f"{server.url}/v1/completions", json=long) for _ in range(2)]  # both slots
+        running = [
+            await session.post(f"{server.url}/v1/completions", json=long) for _ in range(2)
+        ]  # both slots
         for response in running:
             await response.content.readline()
         queued = asyncio.create_task(session.post(f"{server.url}/v1/completions", json=long))
@@ -301,8 +375,10 @@ async def test_disconnect_while_queued_frees_everything(server):
 
 
 def _idle(server, model: str) -> bool:
-    return all(server.metric(name, model) == 0 for name in
-               ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"))
+    return all(
+        server.metric(name, model) == 0
+        for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+    )
 
 
 async def _until(predicate, timeout: float = 10.0) -> None:
@@ -311,7 +387,6 @@ async def _until(predicate, timeout: float = 10.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"not reached within {timeout} s")
         await asyncio.sleep(0.05)
-
 
 
 async def test_completions_add_the_bos_as_hf_does_unless_asked_not_to(start, bos_model):
@@ -324,10 +399,19 @@ async def test_completions_add_the_bos_as_hf_does_unless_asked_not_to(start, bos
     body = {"model": "fallback", "prompt": text, "max_tokens": 2, "temperature": 0}
     usage = (await (await h.client.post("/v1/completions", json=body)).json())["usage"]
     assert usage["prompt_tokens"] == len(expected)
-    plain = (await (await h.client.post("/v1/completions", json={**body, "add_special_tokens": False})).json())["usage"]
+    plain = (
+        await (await h.client.post("/v1/completions", json={**body, "add_special_tokens": False})).json()
+    )["usage"]
     assert plain["prompt_tokens"] == len(expected) - 1
-    tokens = (await (await h.client.post("/tokenize", json={"model": "fallback", "prompt": text})).json())["tokens"]
+    tokens = (await (await h.client.post("/tokenize", json={"model": "fallback", "prompt": text})).json())[
+        "tokens"
+    ]
     assert tokens == expected
-    chat = (await (await h.client.post("/tokenize", json={"model": "fallback", "messages": [
-        {"role": "user", "content": "hi"}]})).json())["tokens"]
+    chat = (
+        await (
+            await h.client.post(
+                "/tokenize", json={"model": "fallback", "messages": [{"role": "user", "content": "hi"}]}
+            )
+        ).json()
+    )["tokens"]
     assert chat[0] == BOS_ID and chat[1] != BOS_ID

@@ -33,17 +33,39 @@ def _kv_bytes(tokens: int) -> int:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     require_models(TINY)
-    srv = launch(["--model", str(TINY), "--dtype", "float32", "--block-size", "8",
-                  "--kv-cache-memory", str(_kv_bytes(POOL_TOKENS)), "--max-num-seqs", str(MAX_NUM_SEQS),
-                  "--max-num-waiting", str(MAX_NUM_WAITING), "--max-model-len", "32",
-                  "--idle-timeout", str(IDLE_TIMEOUT_S)], tmp_path_factory.mktemp("server-load") / "server.log")
+    srv = launch(
+        [
+            "--model",
+            str(TINY),
+            "--dtype",
+            "float32",
+            "--block-size",
+            "8",
+            "--kv-cache-memory",
+            str(_kv_bytes(POOL_TOKENS)),
+            "--max-num-seqs",
+            str(MAX_NUM_SEQS),
+            "--max-num-waiting",
+            str(MAX_NUM_WAITING),
+            "--max-model-len",
+            "32",
+            "--idle-timeout",
+            str(IDLE_TIMEOUT_S),
+        ],
+        tmp_path_factory.mktemp("server-load") / "server.log",
+    )
     yield srv
     assert srv.stop() == 0, srv.log()[-3000:]
 
 
 async def _one(session: aiohttp.ClientSession, url: str, i: int) -> str:
-    body = {"model": TINY.name, "prompt": f"def f{i}(x):\n", "max_tokens": 8, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": TINY.name,
+        "prompt": f"def f{i}(x):\n",
+        "max_tokens": 8,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     async with session.post(f"{url}/v1/completions", json=body) as response:
         if response.status == 429:
             assert int(response.headers["Retry-After"]) >= 1
@@ -52,7 +74,7 @@ async def _one(session: aiohttp.ClientSession, url: str, i: int) -> str:
         assert response.status == 200, await response.text()
         events = (await response.read()).decode("utf-8").strip().split("\n\n")
     assert events[-1] == "data: [DONE]", events[-3:]
-    chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    chunks = [json.loads(e[len("data: ") :]) for e in events[:-1]]
     assert "error" not in chunks[-1], chunks[-1]
     finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
     assert finish[-1] in ("stop", "length") and chunks[-1]["usage"]["completion_tokens"] >= 1
@@ -73,11 +95,14 @@ def _live_latencies(server, stop: threading.Event) -> list[float]:
 
 async def test_200_concurrent_streams_complete_or_429(server):
     connector = aiohttp.TCPConnector(limit=0)  # no client-side queueing: all 200 hit the server at once
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=150)) as session:
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=aiohttp.ClientTimeout(total=150)
+    ) as session:
         stop = threading.Event()
         probe = asyncio.create_task(asyncio.to_thread(_live_latencies, server, stop))
-        outcomes = await asyncio.wait_for(asyncio.gather(*[_one(session, server.url, i) for i in range(NUM_CLIENTS)]),
-                                          timeout=150)
+        outcomes = await asyncio.wait_for(
+            asyncio.gather(*[_one(session, server.url, i) for i in range(NUM_CLIENTS)]), timeout=150
+        )
         stop.set()
         latencies = await probe
     assert outcomes.count("ok") + outcomes.count("429") == NUM_CLIENTS
@@ -95,5 +120,7 @@ async def test_200_concurrent_streams_complete_or_429(server):
 
 
 def _idle(server) -> bool:
-    return all(server.metric(name, TINY.name) == 0 for name in
-               ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"))
+    return all(
+        server.metric(name, TINY.name) == 0
+        for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+    )

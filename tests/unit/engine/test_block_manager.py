@@ -12,8 +12,9 @@ NUM_BLOCKS = 8
 
 
 def make_bm(num_swap_blocks: int = 0, enable_prefix_caching: bool = True) -> BlockManager:
-    return BlockManager(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=enable_prefix_caching,
-                        num_swap_blocks=num_swap_blocks)
+    return BlockManager(
+        NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=enable_prefix_caching, num_swap_blocks=num_swap_blocks
+    )
 
 
 def make_seq(prompt: list[int]) -> Sequence:

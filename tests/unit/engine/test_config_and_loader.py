@@ -6,21 +6,24 @@ import pytest
 from engine.config import EngineConfig
 
 
-@pytest.mark.parametrize("options,message", [
-    (dict(block_size=12), "block_size must be a power of two"),
-    (dict(block_size=512), "block_size must be a power of two"),
-    (dict(dtype="int8"), "dtype must be one of"),
-    (dict(scheduler_policy="lifo"), "scheduler_policy"),
-    (dict(preemption_mode="drop"), "preemption_mode"),
-    (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
-    (dict(max_num_seqs=0), "max_num_seqs"),
-    (dict(max_num_seqs=10**9), r"max_num_seqs must be in 1\.\.16384"),
-    (dict(max_num_batched_tokens=10**9), r"max_num_batched_tokens must be in 1\.\.1048576"),
-    (dict(max_num_waiting=10**9), "max_num_waiting must be in"),
-    (dict(attention_backend="triton"), "attention_backend must be one of"),
-    (dict(linear_kernel="mkl"), "linear_kernel must be one of"),
-    (dict(linear_kernel="onednn", compile=True), "compile runs aten's linear layers"),
-])
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        (dict(block_size=12), "block_size must be a power of two"),
+        (dict(block_size=512), "block_size must be a power of two"),
+        (dict(dtype="int8"), "dtype must be one of"),
+        (dict(scheduler_policy="lifo"), "scheduler_policy"),
+        (dict(preemption_mode="drop"), "preemption_mode"),
+        (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+        (dict(max_num_seqs=0), "max_num_seqs"),
+        (dict(max_num_seqs=10**9), r"max_num_seqs must be in 1\.\.16384"),
+        (dict(max_num_batched_tokens=10**9), r"max_num_batched_tokens must be in 1\.\.1048576"),
+        (dict(max_num_waiting=10**9), "max_num_waiting must be in"),
+        (dict(attention_backend="triton"), "attention_backend must be one of"),
+        (dict(linear_kernel="mkl"), "linear_kernel must be one of"),
+        (dict(linear_kernel="onednn", compile=True), "compile runs aten's linear layers"),
+    ],
+)
 def test_config_rejects_bad_values(options, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(model="m", **options)

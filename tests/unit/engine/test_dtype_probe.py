@@ -23,7 +23,9 @@ def fresh_probe():
 def test_probe_measures_both_dtypes_and_chooses_by_its_figures():
     probe = probe_cpu_dtype(576, 1536)  # the SmolLM-135M shape
     assert set(probe.seconds) == {"float32", "bfloat16"}
-    assert set(probe.seconds["float32"]) == set(ROWS) and all(s > 0 for s in probe.seconds["float32"].values())
+    assert set(probe.seconds["float32"]) == set(ROWS) and all(
+        s > 0 for s in probe.seconds["float32"].values()
+    )
     assert probe.seconds["bfloat16"] and set(probe.seconds["bfloat16"]) <= set(ROWS)
     is_complete = set(probe.seconds["bfloat16"]) == set(ROWS)
     assert probe.chosen == ("bfloat16" if probe.speedup >= MIN_SPEEDUP and is_complete else "float32")
@@ -33,14 +35,19 @@ def test_probe_measures_both_dtypes_and_chooses_by_its_figures():
     assert json.loads(json.dumps(report)) == report and report["chosen"] == probe.chosen
 
 
-@pytest.mark.parametrize(("fp32_s", "bf16_s", "chosen"), [
-    (2.0, 1.0, "bfloat16"),  # an AMX machine: bf16 twice as fast
-    (1.0, 2.0, "float32"),  # an EPYC without AMX: bf16 slower
-    (1.05, 1.0, "float32"),  # a tie keeps fp32, whose CPU path is the tuned one
-])
+@pytest.mark.parametrize(
+    ("fp32_s", "bf16_s", "chosen"),
+    [
+        (2.0, 1.0, "bfloat16"),  # an AMX machine: bf16 twice as fast
+        (1.0, 2.0, "float32"),  # an EPYC without AMX: bf16 slower
+        (1.05, 1.0, "float32"),  # a tie keeps fp32, whose CPU path is the tuned one
+    ],
+)
 def test_the_choice_follows_the_measured_ratio(monkeypatch, fp32_s, bf16_s, chosen):
     times = {"torch.float32": fp32_s, "torch.bfloat16": bf16_s}
-    monkeypatch.setattr(dtype_probe, "_best_time", lambda x, w, give_up_s=math.inf: (times[str(x.dtype)], False))
+    monkeypatch.setattr(
+        dtype_probe, "_best_time", lambda x, w, give_up_s=math.inf: (times[str(x.dtype)], False)
+    )
     probe = probe_cpu_dtype(64, 128)
     assert (probe.chosen, round(probe.speedup, 3)) == (chosen, round(fp32_s / bf16_s, 3))
 
@@ -88,5 +95,9 @@ def test_a_big_model_is_probed_on_a_capped_weight():
 
 def test_to_dict_is_plain_json():
     probe = DtypeProbe("float32", 0.5, {"float32": {1: 1e-4}}, 0.01)
-    assert probe.to_dict() == {"chosen": "float32", "bf16_speedup": 0.5, "probe_seconds": 0.01,
-                               "seconds": {"float32": {"1": 0.0001}}}
+    assert probe.to_dict() == {
+        "chosen": "float32",
+        "bf16_speedup": 0.5,
+        "probe_seconds": 0.01,
+        "seconds": {"float32": {"1": 0.0001}},
+    }

@@ -35,8 +35,9 @@ def _step(rng: random.Random, window: int | None):
         chunks.append((table, start, end))
         rows.extend((table, p) for p in range(start, end))
     slots = torch.zeros(len(rows), dtype=torch.long)  # not read by the masks
-    meta = build_metadata(BLOCK_SIZE, NUM_BLOCKS, slots, [t for t, _ in decodes], [n for _, n in decodes],
-                          chunks, window)
+    meta = build_metadata(
+        BLOCK_SIZE, NUM_BLOCKS, slots, [t for t, _ in decodes], [n for _, n in decodes], chunks, window
+    )
     return meta, rows
 
 
@@ -52,7 +53,11 @@ def test_block_masks_list_every_block_a_query_sees_once_and_no_other_sequences()
         meta, rows = _step(rng, window)
         for call in meta.calls:
             for windowed in (False, True):
-                mask = call.window_block_mask if windowed and call.window_block_mask is not None else call.block_mask
+                mask = (
+                    call.window_block_mask
+                    if windowed and call.window_block_mask is not None
+                    else call.block_mask
+                )
                 counts, indices = mask.kv_num_blocks, mask.kv_indices
                 group = mask.BLOCK_SIZE[1] // BLOCK_SIZE  # KV blocks per block of the mask
                 assert group == MIN_KV_BLOCK // BLOCK_SIZE
@@ -63,10 +68,12 @@ def test_block_masks_list_every_block_a_query_sees_once_and_no_other_sequences()
                     else:
                         n, listed = int(counts[0, 0, q_block]), indices[0, 0, q_block]
                         first = call.start + q_block * Q_BLOCK
-                        members = rows[first:min(first + Q_BLOCK, call.end)]
+                        members = rows[first : min(first + Q_BLOCK, call.end)]
                     listed = listed[:n].tolist()
                     assert len(set(listed)) == n, f"case {case}: a block listed twice"
-                    seen = set().union(*(_visible_blocks(t, p, window if windowed else None) for t, p in members))
+                    seen = set().union(
+                        *(_visible_blocks(t, p, window if windowed else None) for t, p in members)
+                    )
                     assert {b // group for b in seen} <= set(listed), f"case {case}: visible blocks missing"
                     own = {b // group for t, _ in members for b in t}
                     assert set(listed) <= own, f"case {case}: the block mask reads another sequence's blocks"

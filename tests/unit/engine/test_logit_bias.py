@@ -30,16 +30,20 @@ def test_a_bias_moves_the_greedy_choice():
 
 
 def test_bias_applies_to_its_own_row_only():
-    rows = [SampleRow(_seq(SamplingParams(temperature=0, logit_bias={3: 100})), 1),
-            SampleRow(_seq(SamplingParams(temperature=0)), 1)]
+    rows = [
+        SampleRow(_seq(SamplingParams(temperature=0, logit_bias={3: 100})), 1),
+        SampleRow(_seq(SamplingParams(temperature=0)), 1),
+    ]
     out = Sampler()(_logits(2), rows)
     assert [out[r.seq.seq_id][0].token_id for r in rows] == [3, 1]
 
 
 def test_sampled_rows_never_draw_a_token_biased_by_minus_100():
     params = SamplingParams(temperature=1.0, seed=7, logit_bias={t: -100 for t in range(1, 8)})
-    draws = {next(iter(Sampler()(_logits(), [SampleRow(_seq(params, seed=s), 1)]).values()))[0].token_id
-             for s in range(30)}
+    draws = {
+        next(iter(Sampler()(_logits(), [SampleRow(_seq(params, seed=s), 1)]).values()))[0].token_id
+        for s in range(30)
+    }
     assert draws == {0}
 
 
@@ -48,14 +52,17 @@ def test_a_bias_does_not_lift_a_token_min_tokens_bans():
     assert _greedy({0: 100}) == 0
 
 
-@pytest.mark.parametrize(("bias", "message"), [
-    ({1: 100.5}, "logit_bias values must be in [-100, 100]"),
-    ({1: float("nan")}, "logit_bias values must be finite numbers"),
-    ({1: True}, "logit_bias values must be finite numbers"),
-    ({"1": 1.0}, "logit_bias keys must be integer token ids"),
-    ({-1: 1.0}, "logit_bias keys must be non-negative token ids"),
-    ({t: 1.0 for t in range(301)}, "logit_bias must hold at most 300 entries, got 301"),
-])
+@pytest.mark.parametrize(
+    ("bias", "message"),
+    [
+        ({1: 100.5}, "logit_bias values must be in [-100, 100]"),
+        ({1: float("nan")}, "logit_bias values must be finite numbers"),
+        ({1: True}, "logit_bias values must be finite numbers"),
+        ({"1": 1.0}, "logit_bias keys must be integer token ids"),
+        ({-1: 1.0}, "logit_bias keys must be non-negative token ids"),
+        ({t: 1.0 for t in range(301)}, "logit_bias must hold at most 300 entries, got 301"),
+    ],
+)
 def test_sampling_params_check_the_shape(bias, message):
     with pytest.raises(ValueError) as info:
         SamplingParams(logit_bias=bias)

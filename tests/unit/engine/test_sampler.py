@@ -31,8 +31,7 @@ def test_greedy_is_argmax():
 
 def test_seeded_samples_do_not_depend_on_the_batch():
     params = SamplingParams(temperature=1.0, seed=42)
-    alone = [Sampler()(_logits(), [SampleRow(_seq(params, seed=42, outputs=[5] * k), 1)])
-             for k in range(20)]
+    alone = [Sampler()(_logits(), [SampleRow(_seq(params, seed=42, outputs=[5] * k), 1)]) for k in range(20)]
     tokens_alone = [next(iter(o.values()))[0].token_id for o in alone]
     batched = []
     for k in range(20):
@@ -44,12 +43,15 @@ def test_seeded_samples_do_not_depend_on_the_batch():
     assert len(set(tokens_alone)) > 1  # it does sample
 
 
-@pytest.mark.parametrize("params,allowed", [
-    (SamplingParams(temperature=1.0, top_k=2), {1, 5}),
-    (SamplingParams(temperature=1.0, top_p=0.5), {1, 5}),
-    (SamplingParams(temperature=1.0, min_p=0.5), {1, 5}),
-    (SamplingParams(temperature=1.0, top_k=3, top_p=0.99), {1, 5, 2}),
-])
+@pytest.mark.parametrize(
+    "params,allowed",
+    [
+        (SamplingParams(temperature=1.0, top_k=2), {1, 5}),
+        (SamplingParams(temperature=1.0, top_p=0.5), {1, 5}),
+        (SamplingParams(temperature=1.0, min_p=0.5), {1, 5}),
+        (SamplingParams(temperature=1.0, top_k=3, top_p=0.99), {1, 5, 2}),
+    ],
+)
 def test_filters_never_sample_outside_the_allowed_set(params, allowed):
     seen = set()
     for seed in range(300):

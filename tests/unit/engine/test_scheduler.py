@@ -19,20 +19,36 @@ BLOCK_SIZE = 4
 NUM_BLOCKS = 8
 
 
-def make_scheduler(num_swap_blocks: int = 0, clock: Callable[[], float] | None = None,
-                   **overrides) -> Scheduler:
+def make_scheduler(
+    num_swap_blocks: int = 0, clock: Callable[[], float] | None = None, **overrides
+) -> Scheduler:
     settings = {"block_size": BLOCK_SIZE, "max_num_batched_tokens": 64, "max_num_seqs": 8} | overrides
     config = EngineConfig(model="x", **settings)
-    bm = BlockManager(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=config.enable_prefix_caching,
-                      num_swap_blocks=num_swap_blocks)
+    bm = BlockManager(
+        NUM_BLOCKS,
+        BLOCK_SIZE,
+        enable_prefix_caching=config.enable_prefix_caching,
+        num_swap_blocks=num_swap_blocks,
+    )
     return Scheduler(config, bm, clock=clock or FakeClock(0.0))
 
 
-def add(sched: Scheduler, prompt: list[int], arrival: float = 0.0, priority: int = 0, eos: int | None = None,
-        **params) -> Sequence:
-    seq = Sequence(request_id=f"req-{len(prompt)}-{arrival}", prompt_token_ids=list(prompt),
-                   params=SamplingParams(**params), priority=priority, arrival_time=arrival,
-                   eos_token_ids=frozenset() if eos is None else frozenset({eos}))
+def add(
+    sched: Scheduler,
+    prompt: list[int],
+    arrival: float = 0.0,
+    priority: int = 0,
+    eos: int | None = None,
+    **params,
+) -> Sequence:
+    seq = Sequence(
+        request_id=f"req-{len(prompt)}-{arrival}",
+        prompt_token_ids=list(prompt),
+        params=SamplingParams(**params),
+        priority=priority,
+        arrival_time=arrival,
+        eos_token_ids=frozenset() if eos is None else frozenset({eos}),
+    )
     sched.add_seq(seq)
     return seq
 
@@ -41,14 +57,18 @@ def step(sched: Scheduler, token: int | Callable[[Sequence], int] = 7) -> Schedu
     """One engine step: every item that samples gets `token` (or token(seq)) num_samples times."""
     out = sched.schedule()
     pick = token if callable(token) else (lambda seq: token)
-    sampled = {item.seq.seq_id: [SampledToken(pick(item.seq))] * item.num_samples
-               for item in out.scheduled if item.num_samples}
+    sampled = {
+        item.seq.seq_id: [SampledToken(pick(item.seq))] * item.num_samples
+        for item in out.scheduled
+        if item.num_samples
+    }
     sched.postprocess(out, sampled)
     return out
 
 
-def drain(sched: Scheduler, token: int | Callable[[Sequence], int] = 7,
-          max_steps: int = 50) -> list[SchedulerOutput]:
+def drain(
+    sched: Scheduler, token: int | Callable[[Sequence], int] = 7, max_steps: int = 50
+) -> list[SchedulerOutput]:
     """Step until nothing is left; a livelock fails instead of hanging."""
     outs = []
     while sched.has_unfinished:
@@ -211,7 +231,9 @@ def test_queue_heads_say_since_when_each_priority_has_waited(mode):
     assert c.num_preemptions == 1 and {late.status, later.status} == {SequenceStatus.WAITING}
     assert sched.queue_heads() == ((0, 9.0), (2, 3.0))
     required = {f.name: 0 for f in dataclasses.fields(EngineStats) if f.default is dataclasses.MISSING}
-    stats = EngineStats(**{**required, "last_step_time": None, "is_busy": True, "queue_heads": sched.queue_heads()})
+    stats = EngineStats(
+        **{**required, "last_step_time": None, "is_busy": True, "queue_heads": sched.queue_heads()}
+    )
     assert (stats.queue_delay_s(10.0), stats.queue_delay_s(10.0, max_priority=0)) == (7.0, 1.0)
     assert stats.queue_delay_s(10.0, max_priority=-1) == 0.0
     drain(sched)
@@ -326,7 +348,10 @@ def test_priority_preempts_the_least_important_running_sequence():
     assert sched.waiting == [low]  # low's 2 cached blocks + 3 more do not fit yet
 
     out = step(sched)
-    assert chunks(out) == [(high, 3, 1, 1), (low, 8, 8, 0)]  # the rest of low's prompt, then its token replayed
+    assert chunks(out) == [
+        (high, 3, 1, 1),
+        (low, 8, 8, 0),
+    ]  # the rest of low's prompt, then its token replayed
     out = step(sched)
     assert chunks(out) == [(low, 16, 1, 1)]
     assert low.output_token_ids == [7, 7]
@@ -431,8 +456,14 @@ def test_hybrid_aging_does_not_ping_pong_preemptions():
     # regression: running sequences were not aged but preempted ones were (from arrival), so two
     # sequences preempted each other every step and a chunked prefill never finished
     clock = FakeClock(0.0)
-    sched = make_scheduler(scheduler_policy="hybrid", max_num_seqs=1, max_num_batched_tokens=8,
-                           max_prefill_tokens=4, aging_seconds=5.0, clock=clock)
+    sched = make_scheduler(
+        scheduler_policy="hybrid",
+        max_num_seqs=1,
+        max_num_batched_tokens=8,
+        max_prefill_tokens=4,
+        aging_seconds=5.0,
+        clock=clock,
+    )
     a = add(sched, list(range(10, 22)), arrival=0.0, priority=0, max_tokens=2)
     b = add(sched, [30, 31], arrival=0.0, priority=1, max_tokens=1)
     assert chunks(step(sched)) == [(a, 0, 4, 0)]
@@ -632,8 +663,9 @@ def test_min_tokens_suppresses_an_early_stop():
 
 def test_max_model_len_caps_max_tokens():
     sched = make_scheduler()
-    a = Sequence(request_id="r", prompt_token_ids=[1, 2, 3], params=SamplingParams(max_tokens=None),
-                 max_model_len=5)
+    a = Sequence(
+        request_id="r", prompt_token_ids=[1, 2, 3], params=SamplingParams(max_tokens=None), max_model_len=5
+    )
     sched.add_seq(a)
     step(sched)
     step(sched)

@@ -22,9 +22,20 @@ from loadtests.arrivals import (
 from loadtests.run import check_gates, e2e_limit_ms
 
 
-def record(kind="chat-short", start_s=0.0, status=200, ttft_ms=100.0, e2e_ms=1000.0, degraded=False, error=None):
-    return {"kind": kind, "start_s": start_s, "status": status, "error": error, "ttft_ms": ttft_ms,
-            "e2e_ms": e2e_ms, "itl_ms": [10.0, 30.0], "output_tokens": 3, "degraded": degraded}
+def record(
+    kind="chat-short", start_s=0.0, status=200, ttft_ms=100.0, e2e_ms=1000.0, degraded=False, error=None
+):
+    return {
+        "kind": kind,
+        "start_s": start_s,
+        "status": status,
+        "error": error,
+        "ttft_ms": ttft_ms,
+        "e2e_ms": e2e_ms,
+        "itl_ms": [10.0, 30.0],
+        "output_tokens": 3,
+        "degraded": degraded,
+    }
 
 
 def test_poisson_offsets_have_the_rate_and_exponential_gaps():
@@ -52,10 +63,23 @@ def test_kinds_follow_the_mix_weights():
 
 def test_percentile_interpolates_between_ranks():
     values = [5.0, 1.0, 4.0, 2.0, 3.0]
-    assert [percentile(values, q) for q in (0.0, 0.5, 0.9, 0.99, 1.0)] == [1.0, 3.0, 4.6, pytest.approx(4.96), 5.0]
+    assert [percentile(values, q) for q in (0.0, 0.5, 0.9, 0.99, 1.0)] == [
+        1.0,
+        3.0,
+        4.6,
+        pytest.approx(4.96),
+        5.0,
+    ]
     assert percentile([], 0.5) is None
-    assert latency([1.0, 2.0, 3.0, 4.0]) == {"count": 4, "mean": 2.5, "p50": 2.5, "p90": 3.7, "p99": 4.0,
-                                            "p99.9": 4.0, "max": 4.0}
+    assert latency([1.0, 2.0, 3.0, 4.0]) == {
+        "count": 4,
+        "mean": 2.5,
+        "p50": 2.5,
+        "p90": 3.7,
+        "p99": 4.0,
+        "p99.9": 4.0,
+        "max": 4.0,
+    }
 
 
 def test_growth_is_the_slope_of_the_second_half_of_the_window():
@@ -80,14 +104,22 @@ def test_capacity_by_littles_law_and_by_counting():
 
 def test_summary_counts_shed_unfinished_and_degraded():
     records = [record(e2e_ms=100.0 * i, degraded=i % 4 == 0) for i in range(1, 9)]
-    records += [record(status=429, ttft_ms=None, e2e_ms=None, error="HTTP 429"),
-                record(status=503, ttft_ms=None, e2e_ms=None, error="HTTP 503"),
-                record(status=None, ttft_ms=5000.0, e2e_ms=9000.0),  # cut at the end, 9 s old
-                record(status=0, ttft_ms=None, e2e_ms=None, error="dropped at the cap")]
+    records += [
+        record(status=429, ttft_ms=None, e2e_ms=None, error="HTTP 429"),
+        record(status=503, ttft_ms=None, e2e_ms=None, error="HTTP 503"),
+        record(status=None, ttft_ms=5000.0, e2e_ms=9000.0),  # cut at the end, 9 s old
+        record(status=0, ttft_ms=None, e2e_ms=None, error="dropped at the cap"),
+    ]
     s = summarize_records(records, [(0.0, 1), (1.0, 3), (2.0, 2)], window_s=2.0)
     assert (s["requests"], s["completed"], s["failures"]) == (12, 8, 4)
     assert s["error_rate"] == pytest.approx(4 / 12)
-    assert s["shares"] == {"ok": 0.6667, "429": 0.0833, "503": 0.0833, "unfinished": 0.0833, "other_errors": 0.0833}
+    assert s["shares"] == {
+        "ok": 0.6667,
+        "429": 0.0833,
+        "503": 0.0833,
+        "unfinished": 0.0833,
+        "other_errors": 0.0833,
+    }
     assert s["degraded_share"] == 0.25
     assert s["e2e_ms"]["count"] == 9 and s["e2e_ms"]["max"] == 9000.0  # the unfinished one, at its age
     assert s["ttft_ms"]["max"] == 5000.0
@@ -106,11 +138,23 @@ def test_e2e_gate_is_the_tighter_of_fixed_and_scaled():
 
 
 def test_gates_name_what_an_open_loop_run_missed():
-    s = summarize_records([record(ttft_ms=12_000.0, e2e_ms=30_000.0), record(status=503, error="HTTP 503")],
-                          [(0.0, 2)], window_s=1.0)
-    missed = check_gates(s, p99_ttft_ms=10_000, p99_itl_ms=None, p99_e2e_ms=e2e_limit_ms(None, 4, 2000.0),
-                         max_error_rate=0, min_requests=1)
-    assert missed == ["p99 ttft_ms 12000.0 > 10000", "p99 e2e_ms 30000.0 > 8000.0",
-                      "error_rate 0.5 > 0 (1 failures)"]
+    s = summarize_records(
+        [record(ttft_ms=12_000.0, e2e_ms=30_000.0), record(status=503, error="HTTP 503")],
+        [(0.0, 2)],
+        window_s=1.0,
+    )
+    missed = check_gates(
+        s,
+        p99_ttft_ms=10_000,
+        p99_itl_ms=None,
+        p99_e2e_ms=e2e_limit_ms(None, 4, 2000.0),
+        max_error_rate=0,
+        min_requests=1,
+    )
+    assert missed == [
+        "p99 ttft_ms 12000.0 > 10000",
+        "p99 e2e_ms 30000.0 > 8000.0",
+        "error_rate 0.5 > 0 (1 failures)",
+    ]
     ok = summarize_records([record()], [(0.0, 1)], window_s=1.0)
     assert check_gates(ok, 10_000, None, 8000.0, 0, 1) == []

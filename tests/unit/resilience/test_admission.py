@@ -13,14 +13,21 @@ def make(clock, **kwargs) -> Bulkhead:
     return Bulkhead("small", BulkheadConfig(**kwargs), clock=clock)
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"max_num_seqs": 0}, "max_num_seqs must be >= 1, got 0"),
-    ({"max_num_tokens": 0}, "max_num_tokens must be >= 1, got 0"),
-    ({"max_queue_delay_s": 0.0}, "max_queue_delay_s must be > 0 (None: off), got 0.0"),
-    ({"max_owner_share": 1.5}, "max_owner_share must be in (0, 1] (None: off), got 1.5"),
-    ({"min_retry_after_s": 0.0}, "need 0 < min_retry_after_s <= max_retry_after_s, got 0.0, 30.0"),
-    ({"min_retry_after_s": 5.0, "max_retry_after_s": 2.0}, "need 0 < min_retry_after_s <= max_retry_after_s, got 5.0, 2.0"),
-], ids=kwargs_id)
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_num_seqs": 0}, "max_num_seqs must be >= 1, got 0"),
+        ({"max_num_tokens": 0}, "max_num_tokens must be >= 1, got 0"),
+        ({"max_queue_delay_s": 0.0}, "max_queue_delay_s must be > 0 (None: off), got 0.0"),
+        ({"max_owner_share": 1.5}, "max_owner_share must be in (0, 1] (None: off), got 1.5"),
+        ({"min_retry_after_s": 0.0}, "need 0 < min_retry_after_s <= max_retry_after_s, got 0.0, 30.0"),
+        (
+            {"min_retry_after_s": 5.0, "max_retry_after_s": 2.0},
+            "need 0 < min_retry_after_s <= max_retry_after_s, got 5.0, 2.0",
+        ),
+    ],
+    ids=kwargs_id,
+)
 def test_config_rejects_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         BulkheadConfig(**kwargs)
@@ -28,13 +35,16 @@ def test_config_rejects_bad_values(kwargs, message):
 
 def test_one_owner_holds_at_most_its_share_of_the_engines_seats(clock):
     """A key sending n=128 with long outputs took every seat of a model; others got no answer."""
-    bulkhead = Bulkhead("small", BulkheadConfig(max_owner_share=0.5), clock=clock, engine_capacity=40,
-                        engine_seats=8)
+    bulkhead = Bulkhead(
+        "small", BulkheadConfig(max_owner_share=0.5), clock=clock, engine_capacity=40, engine_seats=8
+    )
     first = bulkhead.try_acquire(10, 3, owner="key-a")
     with pytest.raises(AdmissionRejected) as info:
         bulkhead.try_acquire(10, 2, owner="key-a")
     assert info.value.reason == "this API key holds 3 sequences; 3 + 2 exceed its share, 4"
-    with pytest.raises(RequestRejectedError, match="one API key may hold at most 4 of the seats of model 'small'"):
+    with pytest.raises(
+        RequestRejectedError, match="one API key may hold at most 4 of the seats of model 'small'"
+    ):
         bulkhead.try_acquire(10, 5, owner="key-b")
     bulkhead.try_acquire(10, 4, owner="key-b")
     bulkhead.try_acquire(10, 8)  # no owner (no API keys): only the model's own bounds
@@ -68,8 +78,11 @@ def test_token_cap_counts_prompt_and_max_tokens(clock):
 
 def test_request_larger_than_the_bulkhead_is_a_request_error(clock):
     bulkhead = make(clock, max_num_tokens=100)
-    with pytest.raises(RequestRejectedError, match=r"needs 101 tokens \(prompt \+ n x max_tokens\); model "
-                                                   r"'small' admits at most 100 at a time"):
+    with pytest.raises(
+        RequestRejectedError,
+        match=r"needs 101 tokens \(prompt \+ n x max_tokens\); model "
+        r"'small' admits at most 100 at a time",
+    ):
         bulkhead.try_acquire(101)
     with pytest.raises(ValueError, match="need num_tokens >= 0 and num_seqs >= 1, got -1, 1"):
         bulkhead.try_acquire(-1)

@@ -51,19 +51,23 @@ async def trip(breaker: ModelBreaker) -> None:
     assert breaker.state == OPEN
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"failure_rate_threshold": 0.0}, "failure_rate_threshold must be in (0, 1], got 0.0"),
-    ({"failure_rate_threshold": 1.5}, "failure_rate_threshold must be in (0, 1], got 1.5"),
-    ({"slow_call_rate_threshold": 0.0}, "slow_call_rate_threshold must be in (0, 1], got 0.0"),
-    ({"slow_call_rate_threshold": float("nan")}, "slow_call_rate_threshold must be in (0, 1], got nan"),
-    ({"min_calls": 0}, "min_calls must be >= 1, got 0"),
-    ({"window_s": 0.0}, "window_s must be > 0, got 0.0"),
-    ({"open_s": -1.0}, "open_s must be > 0, got -1.0"),
-    ({"max_open_s": 5.0, "open_s": 10.0}, "max_open_s must be >= open_s (10.0), got 5.0"),
-    ({"backoff_factor": 0.5}, "backoff_factor must be >= 1, got 0.5"),
-    ({"jitter": 1.0}, "jitter must be in [0, 1), got 1.0"),
-    ({"success_threshold": 0}, "success_threshold must be >= 1, got 0"),
-], ids=kwargs_id)
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"failure_rate_threshold": 0.0}, "failure_rate_threshold must be in (0, 1], got 0.0"),
+        ({"failure_rate_threshold": 1.5}, "failure_rate_threshold must be in (0, 1], got 1.5"),
+        ({"slow_call_rate_threshold": 0.0}, "slow_call_rate_threshold must be in (0, 1], got 0.0"),
+        ({"slow_call_rate_threshold": float("nan")}, "slow_call_rate_threshold must be in (0, 1], got nan"),
+        ({"min_calls": 0}, "min_calls must be >= 1, got 0"),
+        ({"window_s": 0.0}, "window_s must be > 0, got 0.0"),
+        ({"open_s": -1.0}, "open_s must be > 0, got -1.0"),
+        ({"max_open_s": 5.0, "open_s": 10.0}, "max_open_s must be >= open_s (10.0), got 5.0"),
+        ({"backoff_factor": 0.5}, "backoff_factor must be >= 1, got 0.5"),
+        ({"jitter": 1.0}, "jitter must be in [0, 1), got 1.0"),
+        ({"success_threshold": 0}, "success_threshold must be >= 1, got 0"),
+    ],
+    ids=kwargs_id,
+)
 def test_config_rejects_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         BreakerConfig(**kwargs)
@@ -71,8 +75,12 @@ def test_config_rejects_bad_values(kwargs, message):
 
 def test_defaults_are_half_of_ten_calls_in_thirty_seconds():
     config = BreakerConfig()
-    assert (config.failure_rate_threshold, config.slow_call_rate_threshold, config.min_calls,
-            config.window_s) == (0.5, 0.5, 10, 30.0)
+    assert (
+        config.failure_rate_threshold,
+        config.slow_call_rate_threshold,
+        config.min_calls,
+        config.window_s,
+    ) == (0.5, 0.5, 10, 30.0)
 
 
 async def test_below_minimum_volume_never_opens(clock):
@@ -231,8 +239,10 @@ async def test_cancelled_probe_neither_closes_nor_reopens(clock):
     assert breaker.is_call_permitted()  # the probe slot is free again
 
 
-@pytest.mark.parametrize("exc", [RequestRejectedError("prompt too long"), ValueError("bad top_p"),
-                                 ConnectionResetError("client gone")])
+@pytest.mark.parametrize(
+    "exc",
+    [RequestRejectedError("prompt too long"), ValueError("bad top_p"), ConnectionResetError("client gone")],
+)
 async def test_client_errors_count_as_nothing(clock, exc):
     breaker = make(clock)
     for _ in range(3):
@@ -278,14 +288,19 @@ async def test_slow_calls_open_on_the_slow_call_rate(clock, caplog):
     await slow(breaker)
     assert breaker.state == CLOSED
     with caplog.at_level(logging.WARNING, logger="resilience.breaker"):
-        await slow(breaker, DeadlineExceeded("first_token", 10.0))  # moved on at the deadline: slow, not failed
+        await slow(
+            breaker, DeadlineExceeded("first_token", 10.0)
+        )  # moved on at the deadline: slow, not failed
     assert (breaker.state, breaker.num_failed_calls, breaker.num_slow_calls) == (OPEN, 0, 2)
     assert [r.getMessage() for r in caplog.records] == [
-        "breaker primary: closed -> open (0 failed and 2 slow of 4 calls in 30 s; open for 10.0 s)"]
+        "breaker primary: closed -> open (0 failed and 2 slow of 4 calls in 30 s; open for 10.0 s)"
+    ]
 
 
 async def test_failure_and_slow_call_rates_are_separate(clock):
-    breaker = make(clock, BreakerConfig(failure_rate_threshold=0.5, slow_call_rate_threshold=0.75, min_calls=4))
+    breaker = make(
+        clock, BreakerConfig(failure_rate_threshold=0.5, slow_call_rate_threshold=0.75, min_calls=4)
+    )
     await run(breaker)
     await slow(breaker)
     await fail(breaker)
@@ -364,11 +379,17 @@ async def test_listeners_and_one_log_line_per_change(clock, caplog):
         await trip(breaker)
         clock.advance(10.0)
         await run(breaker)
-    assert changes == [("primary", CLOSED, OPEN), ("primary", OPEN, HALF_OPEN), ("primary", HALF_OPEN, CLOSED)]
+    assert changes == [
+        ("primary", CLOSED, OPEN),
+        ("primary", OPEN, HALF_OPEN),
+        ("primary", HALF_OPEN, CLOSED),
+    ]
     lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert lines == ["breaker primary: closed -> open (4 failed and 0 slow of 4 calls in 30 s; open for 10.0 s)",
-                     "breaker primary: open -> half_open (open period over; letting one probe through)",
-                     "breaker primary: half_open -> closed (probe succeeded)"]
+    assert lines == [
+        "breaker primary: closed -> open (4 failed and 0 slow of 4 calls in 30 s; open for 10.0 s)",
+        "breaker primary: open -> half_open (open period over; letting one probe through)",
+        "breaker primary: half_open -> closed (probe succeeded)",
+    ]
 
 
 async def test_pybreaker_holds_the_state(clock):
@@ -378,8 +399,11 @@ async def test_pybreaker_holds_the_state(clock):
         await step(breaker)
         seen.append((breaker.state, type(breaker.circuit.state)))
         clock.advance(10.0)
-    assert seen == [(OPEN, pybreaker.CircuitOpenState), (HALF_OPEN, pybreaker.CircuitHalfOpenState),
-                    (CLOSED, pybreaker.CircuitClosedState)]
+    assert seen == [
+        (OPEN, pybreaker.CircuitOpenState),
+        (HALF_OPEN, pybreaker.CircuitHalfOpenState),
+        (CLOSED, pybreaker.CircuitClosedState),
+    ]
     assert breaker._cb is breaker.circuit
 
 
@@ -409,9 +433,14 @@ async def test_pybreaker_listeners_see_each_counted_outcome_and_nothing_else(clo
     clock.advance(30.0)
     await run(breaker)  # the probe
     assert recorder.calls == [
-        ("success",), ("failure", "EngineDeadError", "boom"),
-        ("failure", "SlowCallError", "primary: slow call"), ("state", "closed", "open"),
-        ("state", "open", "half-open"), ("state", "half-open", "closed"), ("success",)]  # pybreaker's order
+        ("success",),
+        ("failure", "EngineDeadError", "boom"),
+        ("failure", "SlowCallError", "primary: slow call"),
+        ("state", "closed", "open"),
+        ("state", "open", "half-open"),
+        ("state", "half-open", "closed"),
+        ("success",),
+    ]  # pybreaker's order
 
 
 async def test_pybreakers_own_open_timer_runs_on_the_injected_clock(clock):
@@ -424,4 +453,3 @@ async def test_pybreakers_own_open_timer_runs_on_the_injected_clock(clock):
     assert breaker.circuit.current_state == "open"  # nobody asked yet
     assert breaker.circuit.call(lambda: "probe") == "probe"  # pybreaker half-opens itself, the call closes it
     assert breaker.state == CLOSED
-

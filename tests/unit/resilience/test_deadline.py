@@ -13,8 +13,9 @@ TICK_S = 0.005  # real idle timeouts in these tests: a few ms
 class Source:
     """A fake engine stream: yields `items`, then hangs or ends; records how it was closed."""
 
-    def __init__(self, items: list[int], hang: bool = False, clock: FakeClock | None = None,
-                 step_s: float = 0.0) -> None:
+    def __init__(
+        self, items: list[int], hang: bool = False, clock: FakeClock | None = None, step_s: float = 0.0
+    ) -> None:
         self.items, self.hang, self.clock, self.step_s = items, hang, clock, step_s
         self.num_yielded = 0
         self.closed_by: str | None = None
@@ -179,7 +180,9 @@ async def test_first_item_deadline_fires_even_while_the_producer_is_busy():
     loop = asyncio.get_running_loop()
     started = loop.time()
     with pytest.raises(DeadlineExceeded, match="deadline exceeded at first_token") as info:
-        await collect(source.stream(), 10.0, first_item_deadline=time.monotonic() + 0.05, alive_at=time.monotonic)
+        await collect(
+            source.stream(), 10.0, first_item_deadline=time.monotonic() + 0.05, alive_at=time.monotonic
+        )
     assert not isinstance(info.value, StallDetected)  # slow, not broken
     assert info.value.timeout_s == pytest.approx(0.05, abs=0.01)
     assert 0.04 <= loop.time() - started < 5.0
@@ -193,7 +196,10 @@ async def test_first_item_deadline_does_not_bound_later_items():
         yield 2
 
     deadline = time.monotonic() + 0.05
-    assert await collect(slow_after_first(), 10.0, first_item_deadline=deadline, alive_at=time.monotonic) == [1, 2]
+    assert await collect(slow_after_first(), 10.0, first_item_deadline=deadline, alive_at=time.monotonic) == [
+        1,
+        2,
+    ]
 
 
 async def test_first_item_deadline_already_past_never_starts_the_source(clock):
@@ -206,7 +212,9 @@ async def test_first_item_deadline_already_past_never_starts_the_source(clock):
 async def test_total_before_first_item_deadline_blames_total(clock):
     source = Source([], hang=True)
     with pytest.raises(DeadlineExceeded) as info:
-        await collect(source.stream(), 10.0, clock.now + TICK_S, first_item_deadline=clock.now + 1.0, clock=clock)
+        await collect(
+            source.stream(), 10.0, clock.now + TICK_S, first_item_deadline=clock.now + 1.0, clock=clock
+        )
     assert (info.value.stage, info.value.timeout_s) == ("total", pytest.approx(TICK_S))
 
 
@@ -228,8 +236,12 @@ async def test_busy_producer_is_checked_again_a_stall_timeout_after_its_last_ste
 async def test_at_the_first_item_deadline_a_producer_silent_all_along_is_stalled_not_slow():
     silent_since = time.monotonic() - 1.0
     with pytest.raises(StallDetected, match="deadline exceeded at first_token"):
-        await collect(Source([], hang=True).stream(), 0.5, first_item_deadline=time.monotonic() + 0.05,
-                      alive_at=lambda: silent_since)
+        await collect(
+            Source([], hang=True).stream(),
+            0.5,
+            first_item_deadline=time.monotonic() + 0.05,
+            alive_at=lambda: silent_since,
+        )
 
 
 async def test_waits_in_the_callers_task_with_no_task_per_item():

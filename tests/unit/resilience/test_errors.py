@@ -19,7 +19,11 @@ def test_retry_after_header_is_whole_seconds_rounded_up(retry_after_s, header):
 
 
 def test_refusals_share_one_family():
-    errors = [BreakerOpenError("m", "open", 3.0), AdmissionRejected("m", "full", 1.0), NoModelAvailable("x", 2.0)]
+    errors = [
+        BreakerOpenError("m", "open", 3.0),
+        AdmissionRejected("m", "full", 1.0),
+        NoModelAvailable("x", 2.0),
+    ]
     assert all(isinstance(e, RetryLater) for e in errors)
     assert str(errors[0]) == "breaker of model 'm' is open"
     with pytest.raises(ValueError, match="retry_after_s must be >= 0, got -1.0"):

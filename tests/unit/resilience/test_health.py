@@ -24,8 +24,13 @@ class Replica:
         self.fallbacks = {name: (fallbacks or {}).get(name) for name in models}
         config = RouterConfig(breaker=BreakerConfig(min_calls=1, jitter=0.0, open_s=30.0))
         self.router = ModelRouter(self.engines, self.fallbacks, config, clock=clock)
-        self.health = HealthState(clock=clock, hang_timeout_s=60.0, engines=self.engines,
-                                  model_states=lambda: self.states, required=models)
+        self.health = HealthState(
+            clock=clock,
+            hang_timeout_s=60.0,
+            engines=self.engines,
+            model_states=lambda: self.states,
+            required=models,
+        )
         self.health.router = self.router
         self.health.set_loading(False)
 
@@ -52,15 +57,36 @@ def test_starts_loading_then_ready(clock):
     assert health.report()["reasons"] == ["models are warming up"]
     replica = Replica(clock, "primary")
     report = replica.health.report()
-    assert report == {"status": "ready", "live": True, "ready": True, "degraded": False, "reasons": [],
-                      "loading": False, "draining": False, "leak": None, "num_leaks": 0, "last_recycle": None,
-                      "rebuilding": [], "models": {"primary": "ready"}, "breakers": {"primary": "closed"},
-                      "engines": {"primary": {"is_dead": False, "seconds_since_progress": 0.0, "queue_delay_s": 0.0,
-                                              "dtype": "float32",
-                                              "dtype_probe": None, "quantization": None,
-                                              "attention_backend": "torch", "linear_kernel": "aten",
-                                              "linear_choice": None, "tensor_parallel_pids": []}},
-                      "memory": None}
+    assert report == {
+        "status": "ready",
+        "live": True,
+        "ready": True,
+        "degraded": False,
+        "reasons": [],
+        "loading": False,
+        "draining": False,
+        "leak": None,
+        "num_leaks": 0,
+        "last_recycle": None,
+        "rebuilding": [],
+        "models": {"primary": "ready"},
+        "breakers": {"primary": "closed"},
+        "engines": {
+            "primary": {
+                "is_dead": False,
+                "seconds_since_progress": 0.0,
+                "queue_delay_s": 0.0,
+                "dtype": "float32",
+                "dtype_probe": None,
+                "quantization": None,
+                "attention_backend": "torch",
+                "linear_kernel": "aten",
+                "linear_choice": None,
+                "tensor_parallel_pids": [],
+            }
+        },
+        "memory": None,
+    }
     assert json.loads(json.dumps(report)) == report
     assert replica.health.refusal("primary") is None
 
@@ -78,7 +104,10 @@ def test_draining_and_leak_take_it_out_of_rotation_and_refuse_requests_but_keep_
     assert replica.health.refusal("primary") == ("the replica is recycling after a memory leak", "recycling")
     replica.health.start_draining()
     assert (replica.health.is_live(), replica.health.is_ready()) == (True, False)
-    assert replica.health.report()["reasons"] == ["draining", "memory leak suspected: cpu: +192 MiB over 60 s"]
+    assert replica.health.report()["reasons"] == [
+        "draining",
+        "memory leak suspected: cpu: +192 MiB over 60 s",
+    ]
     assert replica.health.report()["status"] == "not_ready"
     assert replica.health.refusal("primary") == ("the server is shutting down", "draining")
 
@@ -122,7 +151,9 @@ def test_a_dead_loop_is_not_ready_until_rebuilt_and_its_model_falls_back(clock):
     assert replica.health.report()["models"] == {"fallback": "ready", "primary": "dead"}
     replica.health.set_rebuilding("primary", "its loop died: RuntimeError('x')")
     del replica.engines["primary"]  # the registry takes it out while it rebuilds
-    assert replica.health.report()["reasons"] == ["rebuilding engine of 'primary': its loop died: RuntimeError('x')"]
+    assert replica.health.report()["reasons"] == [
+        "rebuilding engine of 'primary': its loop died: RuntimeError('x')"
+    ]
     assert replica.health.refusal("primary") is None  # the fallback answers
     assert replica.health.why_unavailable("primary")[1] == "engine_rebuilding"
     replica.engines["primary"] = FakeLoop(clock.now)
@@ -139,8 +170,12 @@ async def test_open_breakers_degrade_and_a_ladder_that_cannot_serve_is_not_ready
     assert (replica.health.is_live(), replica.health.is_ready()) == (True, False)
     assert replica.health.report()["reasons"] == [
         "no model of the fallback ladder can serve: ['primary', 'fallback']",
-        "breaker of 'fallback' is open", "breaker of 'primary' is open"]
-    clock.advance(31.0)  # the open periods end: each breaker lets its probe in, the replica is back in rotation
+        "breaker of 'fallback' is open",
+        "breaker of 'primary' is open",
+    ]
+    clock.advance(
+        31.0
+    )  # the open periods end: each breaker lets its probe in, the replica is back in rotation
     assert replica.health.is_ready() and replica.health.report()["status"] == "degraded"
     assert replica.health.report()["breakers"] == {"fallback": "half_open", "primary": "half_open"}
 

@@ -31,8 +31,14 @@ def make(clock, probe, **kwargs) -> Heartbeat:
     return Heartbeat(probe, LeakDetector(NO_WARMUP, clock=clock), clock=clock, **kwargs)
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [({"interval_s": 0.0}, "interval_s must be > 0, got 0.0"),
-                                                 ({"probe_timeout_s": -1.0}, "probe_timeout_s must be > 0, got -1.0")], ids=kwargs_id)
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"interval_s": 0.0}, "interval_s must be > 0, got 0.0"),
+        ({"probe_timeout_s": -1.0}, "probe_timeout_s must be > 0, got -1.0"),
+    ],
+    ids=kwargs_id,
+)
 def test_rejects_bad_intervals(clock, kwargs, message):
     with pytest.raises(ValueError, match=message):
         make(clock, GrowingProbe(clock), **kwargs)
@@ -108,7 +114,9 @@ async def test_hung_probe_is_reported_then_fatal_and_never_stacked(clock):
     clock.advance(30.0)
     assert await heartbeat.beat() is None
     assert [(str(e), e.is_fatal) for e in errors] == [
-        ("memory probe did not answer within 0.005 s", False), ("memory probe hung for 30.0 s", True)]
+        ("memory probe did not answer within 0.005 s", False),
+        ("memory probe hung for 30.0 s", True),
+    ]
     release.set()
     async with asyncio.timeout(10.0):
         while heartbeat._pending is not None:
@@ -134,7 +142,9 @@ async def test_start_runs_beats_until_stop_despite_a_failing_callback(clock):
     def broken_callback(exc: BaseException) -> None:
         raise RuntimeError("broken callback")
 
-    heartbeat = make(clock, flaky_probe, interval_s=0.001, probe_timeout_s=1.0, on_probe_error=broken_callback)
+    heartbeat = make(
+        clock, flaky_probe, interval_s=0.001, probe_timeout_s=1.0, on_probe_error=broken_callback
+    )
     heartbeat.start()
     with pytest.raises(RuntimeError, match="heartbeat already running"):
         heartbeat.start()

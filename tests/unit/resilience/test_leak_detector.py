@@ -17,8 +17,12 @@ Beat = tuple[float, MemorySample]  # (load: 0.0 idle, else the fraction of seque
 
 def cuda_sample(footprint: float, cache: float = 0.0, non_torch: float = 300 * MIB) -> MemorySample:
     allocated = int(footprint - non_torch)
-    return MemorySample("cuda:0", used_bytes=int(footprint + cache), allocated_bytes=allocated,
-                        reserved_bytes=allocated + int(cache))
+    return MemorySample(
+        "cuda:0",
+        used_bytes=int(footprint + cache),
+        allocated_bytes=allocated,
+        reserved_bytes=allocated + int(cache),
+    )
 
 
 def normal_load(rng: random.Random, is_cuda: bool) -> list[Beat]:
@@ -44,9 +48,11 @@ def leaking(rng: random.Random, start: int, kind: str) -> list[Beat]:
     for i in range(NUM_BEATS):
         leaked = 64 * MIB * max(0, i - start + 1)
         base = 1024 * MIB + rng.uniform(-10, 10) * MIB
-        sample = {"rss": MemorySample("cpu", used_bytes=int(base + leaked)),
-                  "tensors": cuda_sample(base + leaked),  # allocated grows
-                  "non_torch": cuda_sample(base + leaked, non_torch=300 * MIB + leaked)}[kind]
+        sample = {
+            "rss": MemorySample("cpu", used_bytes=int(base + leaked)),
+            "tensors": cuda_sample(base + leaked),  # allocated grows
+            "non_torch": cuda_sample(base + leaked, non_torch=300 * MIB + leaked),
+        }[kind]
         beats.append((0.0, sample))
     return beats
 
@@ -61,15 +67,19 @@ def feed(beats: list[Beat], config: LeakDetectorConfig | None = None, beat_s: fl
     return flags
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"warmup_s": -1.0}, "warmup_s must be >= 0, got -1.0"),
-    ({"window_s": 0.0}, "window_s must be > 0, got 0.0"),
-    ({"min_samples": 2}, "min_samples must be >= 3 (a line and a step fit any 2), got 2"),
-    ({"min_growth_bytes": -1.0}, "min_growth_bytes must be >= 0, got -1.0"),
-    ({"min_slope_bytes_per_s": -1.0}, "min_slope_bytes_per_s must be >= 0, got -1.0"),
-    ({"min_samples": 5, "max_samples": 4}, "max_samples must be >= min_samples (5), got 4"),
-    ({"load_tolerance": -0.1}, "load_tolerance must be >= 0, got -0.1"),
-], ids=kwargs_id)
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"warmup_s": -1.0}, "warmup_s must be >= 0, got -1.0"),
+        ({"window_s": 0.0}, "window_s must be > 0, got 0.0"),
+        ({"min_samples": 2}, "min_samples must be >= 3 (a line and a step fit any 2), got 2"),
+        ({"min_growth_bytes": -1.0}, "min_growth_bytes must be >= 0, got -1.0"),
+        ({"min_slope_bytes_per_s": -1.0}, "min_slope_bytes_per_s must be >= 0, got -1.0"),
+        ({"min_samples": 5, "max_samples": 4}, "max_samples must be >= min_samples (5), got 4"),
+        ({"load_tolerance": -0.1}, "load_tolerance must be >= 0, got -0.1"),
+    ],
+    ids=kwargs_id,
+)
 def test_config_rejects_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         LeakDetectorConfig(**kwargs)
@@ -87,7 +97,7 @@ def test_flags_64_mib_per_heartbeat_within_three_heartbeats(kind, start):
     for seed in range(20):
         flags = feed(leaking(random.Random(seed), start, kind))
         assert not any(flags[:start]), seed
-        assert any(flags[start:start + 3]), seed
+        assert any(flags[start : start + 3]), seed
 
 
 def test_allocator_cache_growth_is_not_a_leak_but_the_same_growth_in_tensors_is():
@@ -109,16 +119,21 @@ def test_report_keeps_cache_apart():
     assert (report.device, report.num_samples, report.span_s) == ("cuda:0", 3, 60.0)
     assert report.growth_bytes == pytest.approx(128 * MIB)
     assert report.cache_growth_bytes == pytest.approx(64 * MIB)
-    assert report.describe() == ("cuda:0: +128 MiB over 60 s of idle samples (7680 MiB/h, 3 samples; "
-                                 "allocator cache +64 MiB apart)")
+    assert report.describe() == (
+        "cuda:0: +128 MiB over 60 s of idle samples (7680 MiB/h, 3 samples; allocator cache +64 MiB apart)"
+    )
 
 
 def test_samples_at_other_loads_are_not_compared():
-    jumps = [(0.5 * (i % 2), MemorySample("cpu", used_bytes=(1024 + 300 * (i % 2)) * MIB))
-             for i in range(NUM_BEATS)]  # busy every other beat with 300 MiB of working set
+    jumps = [
+        (0.5 * (i % 2), MemorySample("cpu", used_bytes=(1024 + 300 * (i % 2)) * MIB))
+        for i in range(NUM_BEATS)
+    ]  # busy every other beat with 300 MiB of working set
     assert not any(feed(jumps))
-    steps = [(0.25 * (i % 4), MemorySample("cpu", used_bytes=(1024 + 200 * (i % 4)) * MIB))
-             for i in range(NUM_BEATS)]  # 0, 25, 50, 75 % of the slots, +200 MiB of working set each
+    steps = [
+        (0.25 * (i % 4), MemorySample("cpu", used_bytes=(1024 + 200 * (i % 4)) * MIB))
+        for i in range(NUM_BEATS)
+    ]  # 0, 25, 50, 75 % of the slots, +200 MiB of working set each
     assert not any(feed(steps))
 
 
@@ -126,8 +141,9 @@ def test_growth_below_the_floor_or_slope_is_not_flagged():
     slow = [(0.0, MemorySample("cpu", used_bytes=(1024 + 4 * i) * MIB)) for i in range(NUM_BEATS)]
     assert not any(feed(slow))  # 4 MiB per beat: 40 MiB over the 300 s window, under the 64 MiB floor
     assert any(feed(slow, LeakDetectorConfig(min_growth_bytes=32 * MIB)))
-    assert not any(feed(slow, LeakDetectorConfig(min_growth_bytes=32 * MIB,
-                                                 min_slope_bytes_per_s=1 * MIB)))  # 0.13 MiB/s
+    assert not any(
+        feed(slow, LeakDetectorConfig(min_growth_bytes=32 * MIB, min_slope_bytes_per_s=1 * MIB))
+    )  # 0.13 MiB/s
 
 
 def test_reset_restarts_the_warm_up():
@@ -168,8 +184,9 @@ TRAFFIC = LeakDetectorConfig(warmup_s=3.0)  # what supervision builds for a 1 s 
 WORKING_SET = 300 * MIB  # activations at full load (every sequence slot running)
 
 
-def traffic(rng: random.Random, loads: list[float], leak_from: int | None = None,
-            leak_per_beat: float = 64 * MIB) -> list[Beat]:
+def traffic(
+    rng: random.Random, loads: list[float], leak_from: int | None = None, leak_per_beat: float = 64 * MIB
+) -> list[Beat]:
     """One sample per second at the given loads: a working set of WORKING_SET x load, +-10 MiB of
     noise, a one-time 25 MiB step at the first burst (the allocator's pools), and from `leak_from` on
     `leak_per_beat` more each beat."""
@@ -206,7 +223,7 @@ def test_leak_under_continuous_traffic_is_flagged_within_three_heartbeats(leak_f
         rng = random.Random(seed)
         flags = feed(traffic(rng, continuous_load(rng, leak_from + 10), leak_from), TRAFFIC, beat_s=1.0)
         assert not any(flags[:leak_from]), seed
-        assert any(flags[leak_from:leak_from + 3]), seed
+        assert any(flags[leak_from : leak_from + 3]), seed
 
 
 def test_leak_under_varying_traffic_is_flagged_once_the_load_holds_still():
@@ -217,10 +234,10 @@ def test_leak_under_varying_traffic_is_flagged_once_the_load_holds_still():
         rng = random.Random(seed)
         loads = varying_load(rng)
         leak_from = rng.randrange(30, 590)
-        flags = feed(traffic(rng, loads[:leak_from + 12], leak_from), TRAFFIC, beat_s=1.0)
+        flags = feed(traffic(rng, loads[: leak_from + 12], leak_from), TRAFFIC, beat_s=1.0)
         assert not any(flags[:leak_from]), seed
-        assert any(flags[leak_from:]), (seed, loads[leak_from - 3:leak_from + 3])
-        num_fast += any(flags[leak_from:leak_from + 3])
+        assert any(flags[leak_from:]), (seed, loads[leak_from - 3 : leak_from + 3])
+        num_fast += any(flags[leak_from : leak_from + 3])
     assert num_fast >= 90
 
 

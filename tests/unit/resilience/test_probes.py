@@ -12,10 +12,18 @@ from resilience.probes import CpuMemoryProbe, CudaMemoryProbe, MemorySample, mak
 MIB = 1024 * 1024
 
 
-def fake_torch(is_initialized: bool = True, host_stats: dict[str, int] | None = None,
-               allocated: int = 0, reserved: int = 0) -> SimpleNamespace:
-    cuda = SimpleNamespace(is_initialized=lambda: is_initialized, host_memory_stats=lambda: host_stats or {},
-                           memory_allocated=lambda index: allocated, memory_reserved=lambda index: reserved)
+def fake_torch(
+    is_initialized: bool = True,
+    host_stats: dict[str, int] | None = None,
+    allocated: int = 0,
+    reserved: int = 0,
+) -> SimpleNamespace:
+    cuda = SimpleNamespace(
+        is_initialized=lambda: is_initialized,
+        host_memory_stats=lambda: host_stats or {},
+        memory_allocated=lambda index: allocated,
+        memory_reserved=lambda index: reserved,
+    )
     return SimpleNamespace(cuda=cuda)
 
 
@@ -25,8 +33,12 @@ class FakeNvml:
     NVMLError = pynvml.NVMLError
     nvmlMemory_v2 = pynvml.nvmlMemory_v2
 
-    def __init__(self, processes: list[tuple[int, int | None]], error: Exception | None = None,
-                 init_error: Exception | None = None) -> None:
+    def __init__(
+        self,
+        processes: list[tuple[int, int | None]],
+        error: Exception | None = None,
+        init_error: Exception | None = None,
+    ) -> None:
         self.processes, self.error, self.init_error = processes, error, init_error
         self.num_inits = self.num_shutdowns = 0
         self.memory_versions: list[int | None] = []
@@ -91,8 +103,14 @@ def test_cpu_probe_on_this_process():
 def test_cpu_probe_reads_proc_files_and_pinned_host_allocator(tmp_path):
     stats = {"active_bytes.current": 3 * MIB, "allocated_bytes.current": 5 * MIB}
     probe = CpuMemoryProbe(write_proc(tmp_path), torch_getter=lambda: fake_torch(host_stats=stats))
-    assert probe() == MemorySample("cpu", used_bytes=2 * MIB, allocated_bytes=3 * MIB, reserved_bytes=5 * MIB,
-                                   rss_bytes=2 * MIB, pss_bytes=1 * MIB)
+    assert probe() == MemorySample(
+        "cpu",
+        used_bytes=2 * MIB,
+        allocated_bytes=3 * MIB,
+        reserved_bytes=5 * MIB,
+        rss_bytes=2 * MIB,
+        pss_bytes=1 * MIB,
+    )
 
 
 def test_cpu_probe_without_torch_cuda_or_smaps(tmp_path):
@@ -103,8 +121,9 @@ def test_cpu_probe_without_torch_cuda_or_smaps(tmp_path):
 def test_cpu_probe_counts_every_descendant_process(tmp_path):
     """An engine process or tensor-parallel ranks are the replica's memory too; a child that exits
     while it is read, or a thread that ends, counts nothing."""
+
     def process(pid: int, rss_kib: int, children: dict[int, str]) -> Path:
-        path = (tmp_path / str(pid))
+        path = tmp_path / str(pid)
         path.mkdir()
         write_proc(path, rss_kib=rss_kib)
         for tid, text in children.items():
@@ -128,12 +147,18 @@ def test_cpu_probe_without_proc_is_a_probe_error(tmp_path):
 
 def test_cuda_probe_uses_own_process_memory_and_pins_v2():
     nvml = FakeNvml(processes=[(1, 999 * MIB), (42, 3_000 * MIB)])
-    probe = CudaMemoryProbe(nvml, 0, pid=42, torch_getter=lambda: fake_torch(allocated=2_000 * MIB,
-                                                                            reserved=2_500 * MIB))
+    probe = CudaMemoryProbe(
+        nvml, 0, pid=42, torch_getter=lambda: fake_torch(allocated=2_000 * MIB, reserved=2_500 * MIB)
+    )
     sample = probe()
-    assert sample == MemorySample("cuda:0", used_bytes=3_000 * MIB, allocated_bytes=2_000 * MIB,
-                                  reserved_bytes=2_500 * MIB, device_used_bytes=10_000 * MIB,
-                                  device_total_bytes=80_000 * MIB)
+    assert sample == MemorySample(
+        "cuda:0",
+        used_bytes=3_000 * MIB,
+        allocated_bytes=2_000 * MIB,
+        reserved_bytes=2_500 * MIB,
+        device_used_bytes=10_000 * MIB,
+        device_total_bytes=80_000 * MIB,
+    )
     assert nvml.memory_versions == [pynvml.nvmlMemory_v2]
 
 
@@ -144,9 +169,14 @@ def test_cuda_probe_falls_back_to_device_memory(processes):
     assert (sample.used_bytes, sample.allocated_bytes) == (10_000 * MIB, None)
 
 
-@pytest.mark.parametrize(("error", "is_fatal"), [(pynvml.NVMLError_GpuIsLost(), True),
-                                                 (pynvml.NVMLError_ResetRequired(), True),
-                                                 (pynvml.NVMLError_Timeout(), False)])
+@pytest.mark.parametrize(
+    ("error", "is_fatal"),
+    [
+        (pynvml.NVMLError_GpuIsLost(), True),
+        (pynvml.NVMLError_ResetRequired(), True),
+        (pynvml.NVMLError_Timeout(), False),
+    ],
+)
 def test_cuda_probe_reports_nvml_errors(error, is_fatal):
     probe = CudaMemoryProbe(FakeNvml([], error=error), 0, torch_getter=lambda: None)
     with pytest.raises(ProbeError, match=r"^NVML on cuda:0: ") as info:
@@ -167,7 +197,8 @@ def test_make_probe_without_nvml_library_falls_back_with_one_log_line(caplog):
         probe = make_probe("cuda:0")
     assert isinstance(probe, CpuMemoryProbe)
     assert [r.getMessage() for r in caplog.records] == [
-        "GPU telemetry disabled (NVML Shared Library Not Found): probing process memory instead"]
+        "GPU telemetry disabled (NVML Shared Library Not Found): probing process memory instead"
+    ]
 
 
 @pytest.mark.gpu

@@ -52,22 +52,30 @@ def test_budget_minimum_serves_low_traffic_and_window_refills(clock):
     assert (budget.num_requests, budget.num_retries, budget.can_retry()) == (0, 0, True)
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"ratio": 1.5}, "ratio must be in [0, 1], got 1.5"),
-    ({"ratio": -0.1}, "ratio must be in [0, 1], got -0.1"),
-    ({"window_s": 0.0}, "window_s must be > 0, got 0.0"),
-    ({"min_retries": -1}, "min_retries must be >= 0, got -1"),
-], ids=kwargs_id)
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"ratio": 1.5}, "ratio must be in [0, 1], got 1.5"),
+        ({"ratio": -0.1}, "ratio must be in [0, 1], got -0.1"),
+        ({"window_s": 0.0}, "window_s must be > 0, got 0.0"),
+        ({"min_retries": -1}, "min_retries must be >= 0, got -1"),
+    ],
+    ids=kwargs_id,
+)
 def test_budget_config_rejects_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         RetryBudgetConfig(**kwargs)
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"max_attempts": 0}, "max_attempts must be >= 1, got 0"),
-    ({"initial_wait_s": 0.0}, "need 0 < initial_wait_s <= max_wait_s, got 0.0, 2.0"),
-    ({"initial_wait_s": 3.0, "max_wait_s": 2.0}, "need 0 < initial_wait_s <= max_wait_s, got 3.0, 2.0"),
-], ids=kwargs_id)
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_attempts": 0}, "max_attempts must be >= 1, got 0"),
+        ({"initial_wait_s": 0.0}, "need 0 < initial_wait_s <= max_wait_s, got 0.0, 2.0"),
+        ({"initial_wait_s": 3.0, "max_wait_s": 2.0}, "need 0 < initial_wait_s <= max_wait_s, got 3.0, 2.0"),
+    ],
+    ids=kwargs_id,
+)
 def test_retry_config_rejects_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         RetryConfig(**kwargs)
@@ -89,8 +97,14 @@ async def test_gives_up_after_max_attempts_with_the_original_error(clock):
     assert op.num_calls == 3
 
 
-@pytest.mark.parametrize("exc", [BreakerOpenError("m", "open", 5.0), AdmissionRejected("m", "full", 1.0),
-                                 pybreaker.CircuitBreakerError("open")])
+@pytest.mark.parametrize(
+    "exc",
+    [
+        BreakerOpenError("m", "open", 5.0),
+        AdmissionRejected("m", "full", 1.0),
+        pybreaker.CircuitBreakerError("open"),
+    ],
+)
 async def test_never_retries_refusals(clock, exc):
     op = Op(clock, [exc])
     with pytest.raises(type(exc)) as info:
@@ -144,8 +158,9 @@ async def test_spent_budget_stops_retries_and_bounds_retry_traffic(clock):
     for _ in range(500):  # a 100% failure injection
         op = Op(clock, [EngineOverloadedError("down")] * 3)
         with pytest.raises(EngineOverloadedError, match="down"):
-            await run(op, config=RetryConfig(max_attempts=3, initial_wait_s=1e-6, max_wait_s=1e-6),
-                      budget=budget)
+            await run(
+                op, config=RetryConfig(max_attempts=3, initial_wait_s=1e-6, max_wait_s=1e-6), budget=budget
+            )
         num_calls += op.num_calls
     assert budget.num_requests == 500
     assert num_calls - 500 == budget.num_retries <= 0.1 * 500

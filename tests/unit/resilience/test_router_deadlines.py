@@ -30,16 +30,25 @@ PARAMS = SamplingParams(max_tokens=3)
 def make_router(engines: dict[str, FakeEngine], **options) -> ModelRouter:
     names = list(engines)
     fallbacks = {name: (names[i + 1] if i + 1 < len(names) else None) for i, name in enumerate(names)}
-    breaker = BreakerConfig(min_calls=4, window_s=60, open_s=30, jitter=0, ignored=RouterConfig().breaker.ignored)
-    config = RouterConfig(**{"first_token_timeout_s": TIMEOUT_S, "stall_timeout_s": 5.0, "breaker": breaker,
-                             **options})
+    breaker = BreakerConfig(
+        min_calls=4, window_s=60, open_s=30, jitter=0, ignored=RouterConfig().breaker.ignored
+    )
+    config = RouterConfig(
+        **{"first_token_timeout_s": TIMEOUT_S, "stall_timeout_s": 5.0, "breaker": breaker, **options}
+    )
     return ModelRouter(engines, fallbacks, config)
 
 
-async def serve(router: ModelRouter, request_id: str = "r", **fields) -> tuple[set[str], set[bool], list[str]]:
+async def serve(
+    router: ModelRouter, request_id: str = "r", **fields
+) -> tuple[set[str], set[bool], list[str]]:
     """(served models, degraded flags, outputs) of one request for "big"."""
     routed = [r async for r in router.generate(GenerateRequest(request_id, "big", "x", PARAMS, **fields))]
-    return {r.served_model for r in routed}, {r.degraded for r in routed}, [r.output.request_id for r in routed]
+    return (
+        {r.served_model for r in routed},
+        {r.degraded for r in routed},
+        [r.output.request_id for r in routed],
+    )
 
 
 async def test_no_first_token_by_the_deadline_moves_to_the_next_model_as_a_slow_call():
@@ -75,7 +84,11 @@ async def test_the_last_model_that_can_serve_has_no_first_token_deadline_but_cou
 
 async def test_each_model_of_the_ladder_gets_its_own_first_token_window():
     # mid answers in 3/4 of a window, after big used a whole one: in time for mid's own window
-    engines = {"big": FakeEngine(ttft_s=60.0), "mid": FakeEngine(ttft_s=0.75 * TIMEOUT_S), "small": FakeEngine()}
+    engines = {
+        "big": FakeEngine(ttft_s=60.0),
+        "mid": FakeEngine(ttft_s=0.75 * TIMEOUT_S),
+        "small": FakeEngine(),
+    }
     router = make_router(engines)
     assert (await serve(router))[:2] == ({"mid"}, {True})
     assert router.num_slow_calls == {"big": 1}
@@ -99,8 +112,9 @@ async def test_the_requests_own_deadline_cuts_a_stream_after_its_first_output():
     router = make_router(engines)
     received = []
     with pytest.raises(DeadlineExceeded, match="deadline exceeded at total"):
-        async for routed in router.generate(GenerateRequest("r", "big", "x", PARAMS,
-                                                            deadline=time.monotonic() + TIMEOUT_S)):
+        async for routed in router.generate(
+            GenerateRequest("r", "big", "x", PARAMS, deadline=time.monotonic() + TIMEOUT_S)
+        ):
             received.append(routed.output.request_id)
     assert received == ["r:0"] and engines["small"].request_ids == []
     assert router.breaker("big").num_failed_calls == 0
@@ -152,7 +166,9 @@ async def test_a_second_transient_error_fails_over_after_the_one_retry():
     router = make_router(engines)
     assert (await serve(router))[:2] == ({"small"}, {True})
     assert engines["big"].request_ids == ["r", "r-retry1"]
-    assert router.num_retries == {"big": 1} and router.retry_budget.num_retries == 2  # the retry, the failover
+    assert (
+        router.num_retries == {"big": 1} and router.retry_budget.num_retries == 2
+    )  # the retry, the failover
 
 
 async def test_a_resubmit_refused_by_a_breaker_opened_during_its_backoff_fails_over(monkeypatch):
@@ -172,7 +188,10 @@ async def test_a_resubmit_refused_by_a_breaker_opened_during_its_backoff_fails_o
 
 
 async def test_a_poison_request_is_neither_retried_nor_failed_over():
-    engines = {"big": FakeEngine(errors=[RequestFailedError("isolated as the step's cause")]), "small": FakeEngine()}
+    engines = {
+        "big": FakeEngine(errors=[RequestFailedError("isolated as the step's cause")]),
+        "small": FakeEngine(),
+    }
     router = make_router(engines)
     with pytest.raises(RequestFailedError, match="isolated as the step's cause"):
         await serve(router)
@@ -193,9 +212,19 @@ async def test_no_retry_and_no_failover_once_the_budget_is_spent():
 async def test_an_error_after_the_first_output_is_never_retried_but_continued(max_continuations):
     """Never resubmitted whole: with continuations on, the rest comes from the next model (the failed
     model's engine lives, so it is not waited for); off, the error goes to the client."""
+
     class FailsMidStream(FakeEngine):
-        async def generate(self, prompt, params, request_id, priority=0, prompt_token_ids=None, group_id=None,
-                           add_special_tokens=True, resume=()):
+        async def generate(
+            self,
+            prompt,
+            params,
+            request_id,
+            priority=0,
+            prompt_token_ids=None,
+            group_id=None,
+            add_special_tokens=True,
+            resume=(),
+        ):
             self.request_ids.append(request_id)
             yield fake_output(f"{request_id}:0")
             raise EngineStepError("mid-stream")
@@ -203,7 +232,11 @@ async def test_an_error_after_the_first_output_is_never_retried_but_continued(ma
     engines = {"big": FailsMidStream(), "small": FakeEngine()}
     router = make_router(engines, max_continuations=max_continuations)
     received = []
-    with pytest.raises(EngineStepError, match="mid-stream") if not max_continuations else contextlib.nullcontext():
+    with (
+        pytest.raises(EngineStepError, match="mid-stream")
+        if not max_continuations
+        else contextlib.nullcontext()
+    ):
         async for routed in router.generate(GenerateRequest("r", "big", "x", PARAMS)):
             received.append(routed.output.request_id)
     assert engines["big"].request_ids == ["r"]
@@ -237,7 +270,10 @@ async def test_when_every_queue_stands_past_the_target_the_request_is_refused_wi
     assert isinstance(cause, QueueDelayExceeded) and (cause.model, cause.retry_after_s) == ("small", 8.0)
     assert engines["big"].request_ids == engines["small"].request_ids == []
     assert await serve(make_router(engines, bulkhead=BulkheadConfig(max_queue_delay_s=None))) == (
-        {"big"}, {False}, ["r:0", "r:1", "r:2"])  # off: admitted whatever the queue
+        {"big"},
+        {False},
+        ["r:0", "r:1", "r:2"],
+    )  # off: admitted whatever the queue
 
 
 async def test_a_request_late_behind_a_full_batch_moves_on_without_blaming_the_model():
@@ -246,20 +282,35 @@ async def test_a_request_late_behind_a_full_batch_moves_on_without_blaming_the_m
     router = make_router(engines)
     assert (await serve(router))[:2] == ({"small"}, {True})  # still moved on at the deadline
     assert router.num_deadline_hits == {("big", "first_token"): 1}
-    assert router.num_slow_calls == {} and router.num_late_in_queue == {"big": 1, "small": 1}  # late on the last too
+    assert router.num_slow_calls == {} and router.num_late_in_queue == {
+        "big": 1,
+        "small": 1,
+    }  # late on the last too
     for name in engines:
         breaker = router.breaker(name)
         assert (breaker.num_slow_calls, breaker.num_failed_calls, breaker.circuit.fail_counter) == (0, 0, 0)
 
 
-@pytest.mark.parametrize(("num_preemptions", "slow", "late_in_queue"), [(1, {"big": 1}, {}), (2, {}, {"big": 1})])
-async def test_a_late_token_is_queueing_when_its_own_sequence_was_preempted_since_the_last(num_preemptions, slow,
-                                                                                          late_in_queue):
+@pytest.mark.parametrize(
+    ("num_preemptions", "slow", "late_in_queue"), [(1, {"big": 1}, {}), (2, {}, {"big": 1})]
+)
+async def test_a_late_token_is_queueing_when_its_own_sequence_was_preempted_since_the_last(
+    num_preemptions, slow, late_in_queue
+):
     """KV pressure: a preempted sequence waits, rescheduled, and its next token comes late while the
     batch has room again (is_full is False by then): its own preemption count says it queued."""
+
     class PreemptedMidStream(FakeEngine):
-        async def generate(self, prompt, params, request_id, priority=0, prompt_token_ids=None, group_id=None,
-                       add_special_tokens=True):
+        async def generate(
+            self,
+            prompt,
+            params,
+            request_id,
+            priority=0,
+            prompt_token_ids=None,
+            group_id=None,
+            add_special_tokens=True,
+        ):
             yield RequestOutput(f"{request_id}:0", None, [], [], metrics={"num_preemptions": 1})
             await asyncio.sleep(2 * TIMEOUT_S)
             yield RequestOutput(f"{request_id}:1", None, [], [], metrics={"num_preemptions": num_preemptions})

@@ -32,7 +32,9 @@ def test_a_bomb_stops_at_the_limit():
         inflate(bomb, "gzip", MAX_BODY)
 
 
-@pytest.mark.parametrize("data", [b'{"prompt": "plain"}', gzip.compress(b"{}")[:-6], gzip.compress(b"{}") + b"x"])
+@pytest.mark.parametrize(
+    "data", [b'{"prompt": "plain"}', gzip.compress(b"{}")[:-6], gzip.compress(b"{}") + b"x"]
+)
 def test_a_body_its_encoding_does_not_describe_is_a_400(data):
     with pytest.raises(InvalidRequestError, match="gzip"):
         inflate(data, "gzip", MAX_BODY)

@@ -32,18 +32,59 @@ def test_defaults_serve_the_shipped_models():
 
 
 def test_flags():
-    config = _config(["--model", "/m/a", "--served-model-name", "alpha", "--model", "/m/b", "--fallback", "/m/c",
-                      "--host", "0.0.0.0", "--port", "9001", "--api-key", "k1", "--api-key", "k2",
-                      "--admin-key", "adm", "--max-body-bytes", "1MiB", "--block-size", "8",
-                      "--kv-cache-memory", "64MiB", "--max-num-seqs", "4", "--scheduler-policy", "priority",
-                      "--dtype", "fp32", "--no-enable-prefix-caching", "--stream-interval", "4"])
+    config = _config(
+        [
+            "--model",
+            "/m/a",
+            "--served-model-name",
+            "alpha",
+            "--model",
+            "/m/b",
+            "--fallback",
+            "/m/c",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "9001",
+            "--api-key",
+            "k1",
+            "--api-key",
+            "k2",
+            "--admin-key",
+            "adm",
+            "--max-body-bytes",
+            "1MiB",
+            "--block-size",
+            "8",
+            "--kv-cache-memory",
+            "64MiB",
+            "--max-num-seqs",
+            "4",
+            "--scheduler-policy",
+            "priority",
+            "--dtype",
+            "fp32",
+            "--no-enable-prefix-caching",
+            "--stream-interval",
+            "4",
+        ]
+    )
     assert config.model_names == ["alpha", "b", "c"]
     assert [m.fallback for m in config.models] == ["c", None, None]
-    assert (config.host, config.port, config.api_keys, config.admin_key) == ("0.0.0.0", 9001, ("k1", "k2"), "adm")
+    assert (config.host, config.port, config.api_keys, config.admin_key) == (
+        "0.0.0.0",
+        9001,
+        ("k1", "k2"),
+        "adm",
+    )
     assert config.max_body_bytes == 2**20
     engine = config.models[1].engine
-    assert (engine.block_size, engine.kv_cache_memory, engine.max_num_seqs, engine.scheduler_policy) == \
-        (8, 64 * 2**20, 4, "priority")
+    assert (engine.block_size, engine.kv_cache_memory, engine.max_num_seqs, engine.scheduler_policy) == (
+        8,
+        64 * 2**20,
+        4,
+        "priority",
+    )
     assert (engine.dtype, engine.enable_prefix_caching, engine.stream_interval) == ("float32", False, 4)
 
 
@@ -53,8 +94,14 @@ def test_fallback_that_is_also_a_model_is_not_loaded_twice():
 
 
 def test_environment_like_vllm_docker():
-    env = {"MODEL": "/m/x", "PORT": "7000", "MAX_GPU_MEMORY_UTILIZATION": "0.5", "API_KEY": "secret",
-           "ADMIN_KEY": "adm", "SHUTDOWN_TIMEOUT": "30"}
+    env = {
+        "MODEL": "/m/x",
+        "PORT": "7000",
+        "MAX_GPU_MEMORY_UTILIZATION": "0.5",
+        "API_KEY": "secret",
+        "ADMIN_KEY": "adm",
+        "SHUTDOWN_TIMEOUT": "30",
+    }
     config = _config([], env)
     assert config.model_names == ["x"] and config.port == 7000 and config.shutdown_timeout == 30.0
     assert config.models[0].engine.gpu_memory_utilization == 0.5
@@ -64,10 +111,16 @@ def test_environment_like_vllm_docker():
     assert flagged.shutdown_timeout == 4.0
 
 
-@pytest.mark.parametrize(("args", "env"), [
-    (["--api-key", "sekrit\n"], {}), (["--api-key", "two words"], {}), ([], {"API_KEY": "sekrit\n"}),
-    ([], {"ADMIN_KEY": "sekrit\r\n"}), (["--admin-key", "sekrit\x00"], {}),
-])
+@pytest.mark.parametrize(
+    ("args", "env"),
+    [
+        (["--api-key", "sekrit\n"], {}),
+        (["--api-key", "two words"], {}),
+        ([], {"API_KEY": "sekrit\n"}),
+        ([], {"ADMIN_KEY": "sekrit\r\n"}),
+        (["--admin-key", "sekrit\x00"], {}),
+    ],
+)
 def test_a_key_no_bearer_token_could_match_is_refused_at_start_up(args, env):
     with pytest.raises(ConfigError, match="trailing newline") as caught:
         _config(["--model", "/m/a", *args], env)
@@ -105,22 +158,36 @@ max_num_seqs = 2
     assert (small.engine.model, small.engine.max_num_seqs, big.engine.max_num_seqs) == ("/abs/small", 3, 3)
 
 
-@pytest.mark.parametrize(("toml", "message"), [
-    ("prot = 1", "unknown keys ['prot']"),
-    ("[[models]]\nname = 'x'", "'path' (the model directory) is required"),
-    ("[[models]]\npath = '/a'\nblock_size = 12", "block_size must be a power of two"),
-    ("[[models]]\npath = '/a'\nwat = 1", "unknown keys ['wat']"),
-    ("[[models]]\npath = '/a'\nfallback = 'nope'", "falls back to 'nope', which is not served"),
-    ("on_demand_fallback = 'b'\n[[models]]\npath = '/a'", "on_demand_fallback 'b' is not served (served: ['a'])"),
-    ("[[models]]\npath = '/a'\nfallback = 'b'\n[[models]]\npath = '/b'\nfallback = 'a'", "cycle: a -> b -> a"),
-    ("[[models]]\npath = '/a'\n[[models]]\npath = '/x/a'", "unique, repeated: ['a']"),
-    ("port = [", "invalid TOML"),
-    ("[[models]]\npath = '/a'\nstream_interval = 0", "stream_interval must be an integer in 1..1024, got 0"),
-])
+@pytest.mark.parametrize(
+    ("toml", "message"),
+    [
+        ("prot = 1", "unknown keys ['prot']"),
+        ("[[models]]\nname = 'x'", "'path' (the model directory) is required"),
+        ("[[models]]\npath = '/a'\nblock_size = 12", "block_size must be a power of two"),
+        ("[[models]]\npath = '/a'\nwat = 1", "unknown keys ['wat']"),
+        ("[[models]]\npath = '/a'\nfallback = 'nope'", "falls back to 'nope', which is not served"),
+        (
+            "on_demand_fallback = 'b'\n[[models]]\npath = '/a'",
+            "on_demand_fallback 'b' is not served (served: ['a'])",
+        ),
+        (
+            "[[models]]\npath = '/a'\nfallback = 'b'\n[[models]]\npath = '/b'\nfallback = 'a'",
+            "cycle: a -> b -> a",
+        ),
+        ("[[models]]\npath = '/a'\n[[models]]\npath = '/x/a'", "unique, repeated: ['a']"),
+        ("port = [", "invalid TOML"),
+        (
+            "[[models]]\npath = '/a'\nstream_interval = 0",
+            "stream_interval must be an integer in 1..1024, got 0",
+        ),
+    ],
+)
 def test_toml_errors_name_the_option(tmp_path, toml, message):
     path = tmp_path / "bad.toml"
     path.write_text(toml)
-    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(
+        ConfigError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")
+    ):
         _config(["--config", str(path)])
 
 
@@ -138,8 +205,15 @@ def test_config_is_frozen_and_validates():
 
 
 def test_parse_size():
-    assert [parse_size(v) for v in (1024, "1024", "1k", "1KiB", "1.5MiB", "2GB", "3gi")] == \
-        [1024, 1024, 1000, 1024, int(1.5 * 2**20), 2 * 10**9, 3 * 2**30]
+    assert [parse_size(v) for v in (1024, "1024", "1k", "1KiB", "1.5MiB", "2GB", "3gi")] == [
+        1024,
+        1024,
+        1000,
+        1024,
+        int(1.5 * 2**20),
+        2 * 10**9,
+        3 * 2**30,
+    ]
     with pytest.raises(ConfigError, match="a size must be bytes or a string like '512MiB', got 'lots'"):
         parse_size("lots")
 

@@ -23,9 +23,13 @@ def test_flags_and_their_defaults():
 
 @pytest.mark.parametrize("value", ["0", "-1", "inf", "nan"])
 def test_flags_refuse_non_positive_or_non_finite_seconds(value):
-    with pytest.raises(ConfigError, match=f"request_timeout_s must be a positive number of seconds, got {value}"):
+    with pytest.raises(
+        ConfigError, match=f"request_timeout_s must be a positive number of seconds, got {value}"
+    ):
         _config(["--request-timeout", value])
-    with pytest.raises(ConfigError, match=f"first_token_timeout_s must be a positive number of seconds, got {value}"):
+    with pytest.raises(
+        ConfigError, match=f"first_token_timeout_s must be a positive number of seconds, got {value}"
+    ):
         _config(["--first-token-timeout", value])
 
 
@@ -39,7 +43,9 @@ def test_stall_timeout_is_its_own_flag():
     from service.cli import build_config, build_parser
     from service.router import make_router
 
-    args = build_parser().parse_args(["serve", "--model", "/m/a", "--first-token-timeout", "4", "--stall-timeout", "30"])
+    args = build_parser().parse_args(
+        ["serve", "--model", "/m/a", "--first-token-timeout", "4", "--stall-timeout", "30"]
+    )
     config = build_config(args, {})
     assert (config.first_token_timeout_s, config.stall_timeout_s) == (4.0, 30.0)
     router = make_router({}, {}, first_token_timeout_s=4.0, stall_timeout_s=30.0)

@@ -29,8 +29,15 @@ def test_credentials_and_configured_keys_never_reach_a_line(caplog):
     try:
         raise ValueError("header line b'Authorization: Bearer sekrit-key-123\\x01' is invalid")
     except ValueError as exc:
-        record = logging.LogRecord("aiohttp.server", logging.ERROR, __file__, 1, "bad %s; key %s", (
-            "Authorization: Basic dXNlcjpwYXNz", "sekrit-key-123"), (type(exc), exc, exc.__traceback__))
+        record = logging.LogRecord(
+            "aiohttp.server",
+            logging.ERROR,
+            __file__,
+            1,
+            "bad %s; key %s",
+            ("Authorization: Basic dXNlcjpwYXNz", "sekrit-key-123"),
+            (type(exc), exc, exc.__traceback__),
+        )
     assert redactor.filter(record)
     for formatter in (logging.Formatter(TEXT_FORMAT), JsonFormatter()):
         line = formatter.format(record)
@@ -44,12 +51,21 @@ def test_malformed_requests_log_one_warning_line_without_traceback_per_interval(
 
     def record() -> logging.LogRecord:
         exc = BadHttpMessage("Invalid header token:\n\n  b'Authorization: Bearer k\\x01'\n   ^")
-        return logging.LogRecord("aiohttp.server", logging.ERROR, __file__, 1, "Error handling request from %s",
-                                 ("127.0.0.1",), (type(exc), exc, None))
+        return logging.LogRecord(
+            "aiohttp.server",
+            logging.ERROR,
+            __file__,
+            1,
+            "Error handling request from %s",
+            ("127.0.0.1",),
+            (type(exc), exc, None),
+        )
 
     first = record()
     assert limiter.filter(first) and first.levelno == logging.WARNING and first.exc_info is None
-    assert first.getMessage() == "malformed request (400 Invalid header token; 0 more since the last such line)"
+    assert (
+        first.getMessage() == "malformed request (400 Invalid header token; 0 more since the last such line)"
+    )
     assert [limiter.filter(record()) for _ in range(3)] == [False] * 3
     now[0] = 10.0
     later = record()
