@@ -181,11 +181,11 @@ class Metrics:
         self.time_to_first_token.labels(model).observe(seconds)
 
     def observe_tokens(self, model: str, seconds: float, num_tokens: int) -> None:
-        """One inter-token interval per token of a delta that carried `num_tokens` after `seconds`."""
-        per_token = seconds / num_tokens
+        """`num_tokens` tokens made `seconds` after the request's previous ones (one per choice that
+        advanced in that step): each waited `seconds`."""
         histogram = self.inter_token_latency.labels(model)
         for _ in range(num_tokens):
-            histogram.observe(per_token)
+            histogram.observe(seconds)
 
     def observe_finished(self, model: str, e2e: float, queue_time: float | None, reasons: list[str]) -> None:
         self.e2e_request_latency.labels(model).observe(e2e)

@@ -108,8 +108,9 @@ class EngineInfo:
 
 class Transport(Protocol):
     """Where an `EngineLoop` runs, seen from its callers. `start` hands every `StepOutput` to `on_step`
-    and a dead loop's error and its words to `on_death` (from the transport's own thread); `send` raises
-    EngineNotRunningError when the loop is gone."""
+    and a dead loop's error and its words to `on_death` (from the transport's own thread). `send` to a
+    gone loop raises EngineNotRunningError where the transport can tell (a closed pipe); a thread's inbox
+    takes it, and `generate` checks the loop is alive after sending."""
 
     info: EngineInfo
     tokenizer: Any

@@ -9,6 +9,7 @@ raises is dead: the transport reports why and every waiter gets `EngineDeadError
 """
 
 import collections
+import contextlib
 import logging
 import threading
 from dataclasses import dataclass
@@ -46,7 +47,7 @@ class AbortRequest:
 
 @dataclass(frozen=True)
 class Call:
-    """Run `name` (one of `EngineLoop.CALLS`) outside the loop's iteration; answered by a `CallReply`."""
+    """Run `name` (one of `EngineLoop.call`'s) outside the loop's iteration; answered by a `CallReply`."""
 
     call_id: int
     name: str
@@ -75,14 +76,12 @@ Command = AddRequest | AbortRequest
 class EngineLoop:
     """Owns the `LLMEngine` and its `FaultInjector`. `put` is safe from any thread; `run` is the loop."""
 
-    CALLS = ("check_request", "inject_fault", "clear_faults", "active_faults")
-
     def __init__(self, config: EngineConfig) -> None:
         self.engine = LLMEngine(config)
         self.faults = FaultInjector()
         self._inbox: collections.deque[Command] = collections.deque()
         self._wake = threading.Event()
-        self._running = False
+        self._stopped = threading.Event()  # set once, by request_stop: before `run` starts too
         self._items: list[tuple[str, RequestOutput | BaseException]] = []
         self.num_adds_taken = 0
 
@@ -91,32 +90,37 @@ class EngineLoop:
         self._wake.set()
 
     def request_stop(self) -> None:
-        """The loop leaves after its iteration (a stall fault, which would hold it, is cleared)."""
-        self._running = False
+        """The loop leaves after its iteration, or at once if it has not started (a stall fault, which would
+        hold it, is cleared)."""
+        self._stopped.set()
         self.faults.clear()
         self._wake.set()
 
     def run(self, emit) -> BaseException | None:
         """Iterate until `request_stop`, handing each iteration's `StepOutput` to `emit`; the exception
-        that killed the loop, or None."""
-        self._running = True
+        that killed the loop, or None. A death still hands on what the iteration had collected (a request
+        refused at add gets its own error, not the loop's death)."""
         try:
-            while self._running:
+            while not self._stopped.is_set():
                 self._take_commands()
                 self.faults.before_step(self.engine, self._fail_request)
                 if self.engine.has_unfinished_requests:
                     self._deliver(self.engine.step())
-                else:
+                elif not self._items:  # nothing to hand on: sleep until a command comes
                     self._wake.wait(IDLE_WAIT_S)
                     self._wake.clear()
-                items, self._items = self._items, []
-                emit(StepOutput(items, self.engine.stats(), self.num_adds_taken))
+                emit(self._step_output())
         except BaseException as exc:  # noqa: BLE001 - any death of the loop must reach every waiter
             logger.exception("engine loop died")
+            if self._items:
+                with contextlib.suppress(Exception):
+                    emit(self._step_output())
             return exc
-        finally:
-            self._running = False
         return None
+
+    def _step_output(self) -> StepOutput:
+        items, self._items = self._items, []
+        return StepOutput(items, self.engine.stats(), self.num_adds_taken)
 
     def call(self, name: str, args: tuple) -> Any:
         if name == "check_request":

@@ -184,6 +184,10 @@ class PipeTransport:
                 message = self._conn.recv()
             except (EOFError, OSError):
                 break
+            except Exception as exc:  # noqa: BLE001 - a message that does not unpickle: the pipe is not to be trusted
+                why = f"an engine process message could not be read: {exc!r}"
+                self._kill()
+                break
             if isinstance(message, StepOutput):
                 on_step(message)
             elif isinstance(message, CallReply):

@@ -119,9 +119,14 @@ class Threads:
     ) -> int:
         """Kernel `kernel` (an index of thread_pool.c's table) with its integer and pointer arguments `ints`
         and float argument `f` over every range; 0, or the first error code a range returned."""
-        return self._pool_run(
+        code = self._pool_run(
             kernel, (_i64 * len(ints))(*ints), len(ints), f, work, num_threads or self.num_threads
         )
+        if code in (-2, -3):  # KERNELS and thread_pool.c's table disagree: a bug, never a result
+            raise RuntimeError(
+                f"thread_pool.c refused kernel {kernel} with {len(ints)} arguments (code {code})"
+            )
+        return code
 
     def run_sized(self, kernel: int, ints: tuple[int, ...], work: int, elements: int, f: float = 0.0) -> int:
         """`run`, on this thread alone when the kernel touches under PARALLEL_ELEMENTS."""

@@ -255,7 +255,7 @@ class Generation:
             # one prompt (the usual case): the router's deltas come straight through, no merge between
             async with contextlib.aclosing(streams[0] if len(streams) == 1 else merge(streams)) as source:
                 async for item in source:
-                    index, routed = (0, item) if isinstance(item, RoutedOutput) else item
+                    index, routed = (0, item) if len(streams) == 1 else item
                     self._observe(index, routed)
                     yield index, routed
             self._finished()

@@ -12,6 +12,7 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stddef.h>
+#include <sched.h>
 #include <time.h>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -22,7 +23,6 @@
 #endif
 
 #define MAX_THREADS 256
-#define MAX_ARGS 16
 #define WORKER_SPIN_NS 10000 /* how long a worker spins for the next job before it sleeps */
 
 /* the kernels (engine/kernels/csrc/*.c), each over its own [begin, end) */
@@ -85,7 +85,8 @@ static void run_part(int part)
     const int64_t lo = pool.work * part / pool.num_parts, hi = pool.work * (part + 1) / pool.num_parts;
     if (hi > lo) {
         const int code = run_kernel(pool.kernel, pool.args, lo, hi);
-        if (code != 0) atomic_store(&pool.error, code);
+        int none = 0;
+        if (code != 0) atomic_compare_exchange_strong(&pool.error, &none, code); /* the first error stands */
     }
 }
 
@@ -149,10 +150,13 @@ static pthread_once_t once = PTHREAD_ONCE_INIT;
 
 static void init(void) { pthread_atfork(NULL, NULL, after_fork_in_child); }
 
-/* kernel: run_kernel's index; ints: its integer and pointer arguments; 0, or the first error a range returned */
+/* kernel: run_kernel's index; ints: its integer and pointer arguments (num_ints of them, as it takes); 0,
+ * the first error a range returned, or -2 / -3 for an unknown kernel / a wrong argument count */
 int pool_run(int kernel, const int64_t *ints, int64_t num_ints, float f, int64_t work, int64_t num_threads)
 {
-    if (num_ints > MAX_ARGS) return -3;
+    static const int64_t arity[] = {12, 12, 8, 6, 6, 6, 6, 6, 3, 3}; /* run_kernel's, case by case */
+    if (kernel < 0 || kernel >= (int)(sizeof arity / sizeof arity[0])) return -2;
+    if (num_ints != arity[kernel]) return -3;
     const args_t args = {ints, f};
     int64_t parts = num_threads < work ? num_threads : work;
     if (parts > MAX_THREADS) parts = MAX_THREADS;
@@ -176,7 +180,12 @@ int pool_run(int kernel, const int64_t *ints, int64_t num_ints, float f, int64_t
     pthread_cond_broadcast(&pool.wake);
     pthread_mutex_unlock(&pool.wake_mu);
     run_part(0);
-    while (atomic_load_explicit(&pool.pending, memory_order_acquire) > 0) RELAX();
+    /* the parts are alike: the workers' are about done; past a while (a busy machine) give the core away */
+    const int64_t yield_at = now_ns() + WORKER_SPIN_NS;
+    for (int spins = 0; atomic_load_explicit(&pool.pending, memory_order_acquire) > 0; ++spins) {
+        if ((spins & 63) == 0 && now_ns() > yield_at) sched_yield();
+        else RELAX();
+    }
     const int code = atomic_load(&pool.error);
     pthread_mutex_unlock(&pool.job_mu);
     return code;

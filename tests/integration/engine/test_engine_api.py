@@ -16,6 +16,7 @@ from engine.errors import (
 )
 from engine.faults import Fault, FaultInjector
 from engine.frontend.async_engine import Mailbox
+from engine.frontend.engine_loop import IDLE_WAIT_S, AddRequest, EngineLoop
 from engine.outputs import CompletionOutput, RequestOutput, merge_into
 
 LONG = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -393,3 +394,40 @@ def test_async_engine_implements_the_engine_client_seam(async_engine):
     assert async_engine.vocab_size >= len(
         async_engine.tokenizer
     )  # the embedding may be padded past the tokenizer
+
+
+async def test_a_request_refused_at_add_hears_so_at_once_from_an_idle_loop(async_engine):
+    """Ids the caller says are checked go straight to add_request, which checks again: an idle loop hands
+    the refusal on in the iteration that took the add, not after its idle wait."""
+    too_long = [5] * (async_engine.max_model_len + 8)
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(RequestRejectedError):
+        async for _ in async_engine.generate("x", LONG, "too-long", prompt_token_ids=too_long):
+            pass
+    assert asyncio.get_running_loop().time() - started < IDLE_WAIT_S / 2
+
+
+def test_a_stop_before_the_loop_runs_ends_it_at_once(random_model):
+    loop = EngineLoop(EngineConfig(model=random_model("tiny-llama"), dtype="float32", block_size=4))
+    loop.request_stop()
+    steps = []
+    assert loop.run(steps.append) is None and steps == []
+    loop.close()
+
+
+def test_a_loop_that_dies_still_hands_on_what_its_iteration_collected(random_model):
+    loop = EngineLoop(EngineConfig(model=random_model("tiny-llama"), dtype="float32", block_size=4))
+    loop.put(AddRequest("ok", "def f(", LONG, 0, 0.0, None, None, ()))
+    loop.put(AddRequest("refused", "x", LONG, 0, 0.0, [5] * (loop.engine.max_model_len + 8), None, ()))
+
+    def boom():
+        raise RuntimeError("the step failed")
+
+    loop.engine.step = boom
+    steps = []
+    error = loop.run(steps.append)
+    assert isinstance(error, RuntimeError)
+    assert [(request_id, type(item)) for step in steps for request_id, item in step.items] == [
+        ("refused", RequestRejectedError)
+    ]
+    loop.close(abort=False)
