@@ -163,22 +163,35 @@ def test_runtime_image_has_no_compiler(dockerfile):
 
 
 def test_cpu_kernel_is_built_in_a_build_stage_with_the_engines_flags():
+    """Every source engine/kernels/cpu.py compiles, in its order and with its flags (but -march), and the
+    checksum prebuilt-kernel-cc compares over the same sources."""
     df = parse_dockerfile(ROOT / "Dockerfile.cpu")
     assert [s.name for s in df.stages] == ["kernel", "runtime"]
     kernel = df.stages[0]
     [build] = [i for i in kernel.ops("RUN") if "paged_attention.c" in i.args]
-    engine_flags = _engine_cflags()
     words = shlex.split(build.args)
     gcc = words.index("gcc")
-    flags = words[gcc + 1 : words.index("/src/paged_attention.c", gcc)]
-    assert flags == [f if f != "-march=native" else "-march=${KERNEL_MARCH}" for f in engine_flags]
-    assert any(
-        i.operands() == ["engine/kernels/csrc/paged_attention.c", "/src/paged_attention.c"]
-        for i in kernel.ops("COPY")
+    first = words.index("/src/paged_attention.c", gcc)
+    assert words[gcc + 1 : first] == [
+        f if f != "-march=native" else "-march=${KERNEL_MARCH}" for f in _engine_cflags()
+    ]
+    sources = [f"/src/{name}" for name in _engine_sources()]
+    assert words[first : first + len(sources)] == sources
+    summed = words.index("cat", first)
+    assert (
+        words[summed + 1 : summed + 1 + len(sources)] == sources
+        and words[summed + 1 + len(sources)] == "/src/*.h"
     )
+    assert any(i.operands() == ["engine/kernels/csrc/", "/src/"] for i in kernel.ops("COPY"))
     runtime = df.runtime
     assert any(i.flags().get("from") == "kernel" for i in runtime.ops("COPY"))
     assert "CC=/opt/pagedserve/prebuilt-kernel-cc" in " ".join(i.args for i in runtime.ops("ENV"))
+
+
+def _engine_sources() -> list[str]:
+    from engine.kernels.cpu import SOURCES
+
+    return [path.name for path in SOURCES]
 
 
 def _engine_cflags() -> list[str]:
@@ -281,29 +294,33 @@ def test_dockerignore_keeps_the_context_small_and_what_is_copied():
 
 
 def test_prebuilt_kernel_cc_hands_over_the_built_library(tmp_path):
-    source = ROOT / "engine/kernels/csrc/paged_attention.c"
-    lib = tmp_path / "paged_attention.so"
+    from engine.kernels.cpu import HEADERS, SOURCES
+
+    lib = tmp_path / "kernels.so"
     lib.write_bytes(b"\x7fELF prebuilt")
-    (tmp_path / "paged_attention.so.source.sha256").write_text(
-        hashlib.sha256(source.read_bytes()).hexdigest() + "\n"
-    )
+    summed = b"".join(p.read_bytes() for p in (*SOURCES, *sorted(HEADERS)))
+    (tmp_path / "kernels.so.source.sha256").write_text(hashlib.sha256(summed).hexdigest() + "\n")
     cc = ROOT / "deploy/image/prebuilt-kernel-cc"
     env = {**os.environ, "PAGEDSERVE_PREBUILT_KERNEL": str(lib)}
     out = tmp_path / "out.so"
     # the command line engine/kernels/cpu.py runs
-    argv = [str(cc), *_engine_cflags(), str(source), "-o", str(out), "-lm"]
+    argv = [str(cc), *_engine_cflags(), *map(str, SOURCES), "-o", str(out), "-lm"]
     assert subprocess.run(argv, env=env, capture_output=True, timeout=10).returncode == 0
     assert out.read_bytes() == lib.read_bytes()
-    other = tmp_path / "edited.c"
-    other.write_text(source.read_text() + "\n// edited\n")
+    edited = tmp_path / "csrc"
+    edited.mkdir()
+    for path in (*SOURCES, *HEADERS):  # one source edited, the rest as they are
+        (edited / path.name).write_bytes(
+            path.read_bytes() + (b"\n// edited\n" if path == SOURCES[-1] else b"")
+        )
     result = subprocess.run(
-        [str(cc), str(other), "-o", str(tmp_path / "x.so")],
+        [str(cc), *(str(edited / p.name) for p in SOURCES), "-o", str(tmp_path / "x.so")],
         env=env,
         capture_output=True,
         text=True,
         timeout=10,
     )
-    assert result.returncode == 1 and "is not the source" in result.stderr
+    assert result.returncode == 1 and "are not the sources" in result.stderr
     assert not (tmp_path / "x.so").exists()
 
 
