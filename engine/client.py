@@ -6,7 +6,7 @@ reaches inside them (`.engine`, `.model_runner`), and needs no torch to import t
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.config import EngineConfig
@@ -73,7 +73,7 @@ class EngineClient(Protocol):
         group_id: str | None = None,
         add_special_tokens: bool = True,
         resume: tuple[ResumedChoice, ...] = (),
-    ) -> AsyncIterator[RequestOutput]: ...
+    ) -> AsyncGenerator[RequestOutput, None]: ...
 
     def abort(self, request_id: str) -> None: ...
 

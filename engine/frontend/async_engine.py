@@ -14,7 +14,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -219,7 +219,7 @@ class EngineFrontend:
         group_id: str | None = None,
         add_special_tokens: bool = True,
         resume: tuple[ResumedChoice, ...] = (),
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Yield output deltas until the request finishes. Leaving early aborts it. `prompt_token_ids`:
         the prompt already encoded and checked by this engine (the service checks in a worker thread;
         the loop's add_request checks once more and a failure comes out of this generator). Without
