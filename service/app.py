@@ -145,10 +145,14 @@ async def _server_header(request: web.Request, response: web.StreamResponse) -> 
     response.headers["Server"] = SERVER_NAME
 
 
+OPEN_GRACE_S = 1.0  # a connection silent this long since it opened counts as idle at the cap
+
+
 class ConnectionLimit:
     """Open client connections against a cap (aiohttp has none). A connection opened beyond the cap
-    closes the longest-open idle one (kept alive between requests, or silent since it opened), so idle
-    connections cannot lock clients out; only when every connection is busy does the new one get one
+    closes the longest-open idle one (kept alive between requests, or silent since it opened at least
+    OPEN_GRACE_S: a request may be on its way on a younger one), so idle connections cannot lock clients
+    out; only when every connection is busy does the new one get one
     503 with Retry-After and `Connection: close` for its request (health probes excepted), and the
     replica turns not-ready (`on_saturation`) until a connection closes. A connection that sends no
     whole request head within `header_timeout_s` is closed (slowloris). With `max_per_client`, one
@@ -177,6 +181,7 @@ class ConnectionLimit:
             RequestHandler, str
         ] = {}  # handlers opened over a cap with no idle one to close -> why
         self._timers: dict[RequestHandler, asyncio.TimerHandle] = {}  # handler -> its request-head deadline
+        self._opened_at: dict[RequestHandler, float] = {}  # handler -> the event loop's time it opened
 
     def opened(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
         peer = transport.get_extra_info("peername")
@@ -184,6 +189,7 @@ class ConnectionLimit:
         self._open[handler] = client
         self._by_client[client] += 1
         self.num_connections += 1
+        self._opened_at[handler] = asyncio.get_running_loop().time()
         if self.num_connections > self.max_connections and not self._close_an_idle_one():
             self._refused[handler] = f"too many open connections (at most {self.max_connections})"
             self.on_saturation(f"listener saturated: {self.max_connections} connections, none idle")
@@ -201,12 +207,16 @@ class ConnectionLimit:
     def _close_an_idle_one(self, client: str | None = None) -> bool:
         """Close the longest-open idle connection (of `client`, if given); False: none is idle."""
         # idle as aiohttp's keep-alive timer judges it (_waiter: there is no public attribute): waiting for
-        # the next request's bytes
+        # the next request's bytes, after a request (_request_count) or long enough since it opened
+        settled = asyncio.get_running_loop().time() - OPEN_GRACE_S
         idle = next(
             (
                 h
                 for h, c in self._open.items()
-                if (client is None or c == client) and h._waiter is not None and not h._waiter.done()
+                if (client is None or c == client)
+                and h._waiter is not None
+                and not h._waiter.done()
+                and (getattr(h, "_request_count", 1) > 0 or self._opened_at.get(h, 0.0) <= settled)
             ),
             None,
         )
@@ -223,6 +233,7 @@ class ConnectionLimit:
             if not self._by_client[client]:
                 del self._by_client[client]
         self._refused.pop(handler, None)
+        self._opened_at.pop(handler, None)
         if self.num_connections < self.max_connections:
             self.on_saturation(None)
         timer = self._timers.pop(handler, None)

@@ -256,6 +256,20 @@ def test_idle_connections_at_the_cap_are_closed_oldest_first_for_new_ones(server
             sock.close()
 
 
+def test_a_connection_that_just_opened_is_not_closed_as_idle_at_the_cap(server):
+    """Connections past the cap close an idle one, but not one that opened a moment ago and has not sent
+    its request yet (it is on its way): 20 concurrent health probes lost one request that way."""
+    fresh = [connect(server) for _ in range(MAX_CONNECTIONS)]
+    try:
+        assert get(server, "/health/live", key=None)[0] == 200  # one more, past the cap: none is idle yet
+        for sock in fresh:
+            sock.sendall(b"GET /health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+    finally:
+        for sock in fresh:
+            sock.close()
+
+
 def test_a_connection_that_never_finishes_its_request_head_is_closed(server):
     with connect(server) as sock:
         start = time.monotonic()
