@@ -180,12 +180,14 @@ class Metrics:
     def observe_first_token(self, model: str, seconds: float) -> None:
         self.time_to_first_token.labels(model).observe(seconds)
 
-    def observe_tokens(self, model: str, seconds: float, num_tokens: int) -> None:
-        """`num_tokens` tokens made `seconds` after the request's previous ones (one per choice that
-        advanced in that step): each waited `seconds`."""
-        histogram = self.inter_token_latency.labels(model)
-        for _ in range(num_tokens):
-            histogram.observe(seconds)
+    def observe_tokens(self, model: str, intervals: list[tuple[float, int]]) -> None:
+        """A delta's `RequestOutput.token_intervals`: each (seconds, n) is n tokens (one per choice that
+        advanced in that step) made `seconds` after the request's previous ones: each waited `seconds`."""
+        if intervals:
+            histogram = self.inter_token_latency.labels(model)  # one label lookup a delta, not a token
+            for seconds, num_tokens in intervals:
+                for _ in range(num_tokens):
+                    histogram.observe(seconds)
 
     def observe_finished(self, model: str, e2e: float, queue_time: float | None, reasons: list[str]) -> None:
         self.e2e_request_latency.labels(model).observe(e2e)

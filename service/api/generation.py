@@ -275,8 +275,8 @@ class Generation:
         if num_tokens and record.first_token is None:
             record.first_token = now
             self.metrics.observe_first_token(routed.served_model, now - record.start)
-        for seconds, num in output.token_intervals:  # measured by the engine: the same however deltas merged
-            self.metrics.observe_tokens(routed.served_model, seconds, num)
+        # measured by the engine: the same however the deltas merged on their way here
+        self.metrics.observe_tokens(routed.served_model, output.token_intervals)
         if num_tokens:
             self.state.last_token_time = now
         record.completion_tokens += num_tokens
