@@ -10,6 +10,7 @@ from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.config import EngineConfig
+from engine.fair_share import FairShare
 from engine.faults import FaultInjector
 from engine.outputs import RequestOutput, ResumedChoice
 from engine.sampling_params import SamplingParams
@@ -73,14 +74,16 @@ class EngineClient(Protocol):
         group_id: str | None = None,
         add_special_tokens: bool = True,
         resume: tuple[ResumedChoice, ...] = (),
+        share: FairShare | None = None,
     ) -> AsyncGenerator[RequestOutput, None]: ...
 
     def abort(self, request_id: str) -> None: ...
 
     def stats(self) -> EngineStats: ...
 
-    def queue_delay_s(self, priority: int = 0) -> float:
-        """Seconds the longest-waiting request a new one of `priority` would queue behind has waited (0: none)."""
+    def queue_delay_s(self, priority: int = 0, tenant: str | None = None) -> float:
+        """Seconds the longest-waiting request a new one of `priority` (and of `tenant`, when given) would
+        queue behind has waited (0: none)."""
         ...
 
     def memory_bytes(self) -> tuple[int, int]:

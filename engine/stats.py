@@ -122,14 +122,17 @@ class EngineStats:
     iteration_tokens: Distribution = Distribution(ITERATION_TOKEN_BUCKETS)  # tokens run per step
     phase_times: PhaseTimes = PhaseTimes()
     cache: CacheInfo | None = None
-    # (priority, time.monotonic() its longest-queued waiting or swapped sequence joined the queue), by priority
-    queue_heads: tuple[tuple[int, float], ...] = ()
+    # (priority, tenant, time.monotonic() its longest-queued waiting or swapped sequence joined the queue), by
+    # priority and tenant (None: requests of no tenant)
+    queue_heads: tuple[tuple[int, str | None, float], ...] = ()
     is_full: bool = False  # the last step left a queued sequence out for lack of seats or KV blocks
 
-    def queue_delay_s(self, now: float, max_priority: int | None = None) -> float:
-        """How long the longest-queued sequence (of priority <= `max_priority`, or any) has waited at
-        `now` (time.monotonic()); 0 when none waits."""
+    def queue_delay_s(self, now: float, max_priority: int | None = None, tenant: str | None = None) -> float:
+        """How long the longest-queued sequence (of priority <= `max_priority`, or any; of `tenant`, or
+        any) has waited at `now` (time.monotonic()); 0 when none waits."""
         queued = [
-            since for priority, since in self.queue_heads if max_priority is None or priority <= max_priority
+            since
+            for priority, owner, since in self.queue_heads
+            if (max_priority is None or priority <= max_priority) and (tenant is None or owner == tenant)
         ]
         return max(0.0, now - min(queued)) if queued else 0.0

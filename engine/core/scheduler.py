@@ -11,15 +11,22 @@ Policies (a sort key, lower first):
   priority  (priority, arrival): the least important is preempted first
   hybrid    priority minus one level per `aging_seconds` since arrival (no starvation), decodes scheduled
             before prefills, and prefill tokens per step capped to protect inter-token latency
+
+Tenants (a sequence with a `FairShare`, engine/core/fairness.py): within a priority band (hybrid: its
+aged priority rounded down), the queue is served least-served tenant first by a virtual token counter,
+and a running sequence's next prefill chunk waits while a less-served tenant's sequence is queued, so
+one tenant's long prompts cannot hold the token budget step after step.
 """
 
 import itertools
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.core.block_manager import BlockCopies, BlockManager
+from engine.core.fairness import VirtualTokenCounter
 from engine.core.sequence import Detokenizer, SampledToken, Sequence, SequenceStatus
 from engine.errors import EngineOverloadedError
 
@@ -66,6 +73,7 @@ class Scheduler:
         self.make_detokenizer: Callable[[Sequence], Detokenizer | None] = lambda seq: None
         self.num_preemptions = 0
         self.is_full = False  # the last step left a queued sequence out for lack of seats or KV blocks
+        self.fair = VirtualTokenCounter()
 
     # --- queues ----------------------------------------------------------------------------------
     def add_seq(self, seq: Sequence) -> None:
@@ -74,14 +82,20 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.queued_time = seq.arrival_time
         self.waiting.append(seq)
+        self.fair.join(seq.share)
 
-    def queue_heads(self) -> tuple[tuple[int, float], ...]:
-        """(priority, when its longest-queued sequence joined the queue) for each priority that has
-        sequences waiting or swapped out, most important first: how long the queue has held its head."""
-        heads: dict[int, float] = {}
+    def queue_heads(self) -> tuple[tuple[int, str | None, float], ...]:
+        """(priority, tenant, when its longest-queued sequence joined the queue) for each priority and
+        tenant (None: no tenant) with sequences waiting or swapped out, most important first: how long
+        the queue has held its head."""
+        heads: dict[tuple[int, str | None], float] = {}
         for seq in itertools.chain(self.waiting, self.swapped):
-            heads[seq.priority] = min(heads.get(seq.priority, seq.queued_time), seq.queued_time)
-        return tuple(sorted(heads.items()))
+            key = (seq.priority, seq.share.tenant if seq.share else None)
+            heads[key] = min(heads.get(key, seq.queued_time), seq.queued_time)
+        return tuple(
+            (priority, tenant, since)
+            for (priority, tenant), since in sorted(heads.items(), key=lambda kv: (kv[0][0], kv[0][1] or ""))
+        )
 
     @property
     def has_unfinished(self) -> bool:
@@ -98,6 +112,13 @@ class Scheduler:
             priority -= (self.clock() - seq.arrival_time) / self.config.aging_seconds
         return (priority, seq.arrival_time, seq.seq_id)
 
+    def _fair_key(self, seq: Sequence) -> tuple[float, float, float, int]:
+        """The queue's order: `_key`, with the tenant's virtual token counter first within a band."""
+        band, arrival, seq_id = self._key(seq)
+        if seq.share is None:
+            return (band, 0.0, arrival, seq_id)
+        return (math.floor(band), self.fair.value(seq.share), arrival, seq_id)
+
     def _has_seats_for(self, seq: Sequence) -> bool:
         """max_num_seqs counts the sequences a request will fan out to: a parent not yet forked
         holds n seats, so its first sampled token never pushes the batch past the cap."""
@@ -113,11 +134,15 @@ class Scheduler:
         preempted: list[Sequence] = []
         if self.config.scheduler_policy != "fcfs":
             self._preempt_for_waiting(preempted)
-        self._schedule_running(budget, scheduled, preempted)
+        deferred = self._schedule_running(budget, scheduled, preempted)
         self.is_full = bool(preempted)  # and below, when a queued sequence does not fit
         if not preempted:
             self._schedule_swapped(budget, scheduled)
             self._schedule_waiting(budget, scheduled)
+        for seq in deferred:  # what the queue left of the budget
+            num_new = self._num_new_tokens(seq, budget)
+            if num_new and self.block_manager.can_allocate(seq, num_new):
+                self._schedule(seq, num_new, budget, scheduled)
         self.num_preemptions += len(preempted)
         return SchedulerOutput(scheduled, self.block_manager.take_copies(), preempted)
 
@@ -140,6 +165,7 @@ class Scheduler:
         budget.tokens -= num_new
         if seq.is_prefill:
             budget.prefill_tokens -= num_new
+        self.fair.charge(seq.share, num_new, seq.is_prefill)
         samples = start + num_new == seq.num_tokens
         num_samples = seq.params.n if samples and not seq.is_forked else int(samples)
         if seq.first_scheduled_time is None:
@@ -148,13 +174,26 @@ class Scheduler:
 
     def _schedule_running(
         self, budget: _Budget, scheduled: list[ScheduledSeq], preempted: list[Sequence]
-    ) -> None:
+    ) -> list[Sequence]:
+        """Schedules the running sequences; returns those of a tenant whose next prefill chunk waits for
+        a less-served tenant's queued sequence (scheduled after the queue, with what it leaves)."""
         order = sorted(self.running, key=self._key)
         if self.config.scheduler_policy == "hybrid":  # decodes first
             order = [s for s in order if not s.is_prefill] + [s for s in order if s.is_prefill]
+        first_queued = min(map(self._fair_key, itertools.chain(self.waiting, self.swapped)), default=None)
+        deferred = []
         i = 0
         while i < len(order):
             seq = order[i]
+            if (
+                seq.share is not None
+                and first_queued is not None
+                and seq.is_prefill
+                and first_queued < self._fair_key(seq)
+            ):
+                deferred.append(seq)
+                i += 1
+                continue
             num_new = self._num_new_tokens(seq, budget)
             while num_new and not self.block_manager.can_allocate(seq, num_new):
                 victim = max(order[i + 1 :], key=self._key, default=seq)
@@ -166,15 +205,16 @@ class Scheduler:
                 if num_new:
                     self._schedule(seq, num_new, budget, scheduled)
                 i += 1
+        return deferred  # never a victim: those are taken from the sequences after the current one
 
     def _schedule_swapped(self, budget: _Budget, scheduled: list[ScheduledSeq]) -> None:
         if not self.swapped:
             return
         # swapped and waiting sequences are served in one policy order: a swapped one behind a
         # waiting one would take back the room just made for it
-        first_waiting = min(map(self._key, self.waiting), default=None)
-        for seq in sorted(self.swapped, key=self._key):
-            if first_waiting is not None and first_waiting < self._key(seq):
+        first_waiting = min(map(self._fair_key, self.waiting), default=None)
+        for seq in sorted(self.swapped, key=self._fair_key):
+            if first_waiting is not None and first_waiting < self._fair_key(seq):
                 return
             if not self._has_seats_for(seq) or not self.block_manager.can_swap_in(seq):
                 self.is_full = True
@@ -194,9 +234,10 @@ class Scheduler:
             # not one seat (the usual state under overload): no need to order the whole queue to find out
             self.is_full = True
             return
-        first_swapped = min(map(self._key, self.swapped), default=None)  # still out: not overtaken
-        for seq in sorted(self.waiting, key=self._key):
-            if first_swapped is not None and first_swapped < self._key(seq):
+        first_swapped = min(map(self._fair_key, self.swapped), default=None)  # still out: not overtaken
+        while self.waiting:  # picked one at a time: each admission raises its tenant's counter
+            seq = min(self.waiting, key=self._fair_key)
+            if first_swapped is not None and first_swapped < self._fair_key(seq):
                 return
             if budget.tokens == 0 or budget.prefill_tokens == 0:  # this step's budget: room next step
                 return
@@ -298,12 +339,14 @@ class Scheduler:
         for child in children:
             self.block_manager.fork(parent, child)
             self.running.append(child)
+            self.fair.join(child.share)
         return children
 
     def _release(self, seq: Sequence) -> None:
         for queue in (self.running, self.waiting, self.swapped):
             if seq in queue:
                 queue.remove(seq)
+                self.fair.leave(seq.share)
         self.block_manager.free(seq)
 
     def abort_seq(self, seq: Sequence) -> None:

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from engine.fair_share import FairShare
 from engine.sampling_params import SamplingParams
 
 
@@ -73,6 +74,7 @@ class Sequence:
     index: int = 0  # choice index within its request (n > 1)
     priority: int = 0  # lower is more important
     arrival_time: float = 0.0
+    share: FairShare | None = None  # the tenant it is served for (None: no tenants)
     eos_token_ids: frozenset[int] = frozenset()
     max_model_len: int | None = None
     detokenizer: Detokenizer | None = None
@@ -200,6 +202,7 @@ class Sequence:
             index=index,
             priority=self.priority,
             arrival_time=self.arrival_time,
+            share=self.share,
             eos_token_ids=self.eos_token_ids,
             max_model_len=self.max_model_len,
             grammar=self.grammar.fork() if self.grammar is not None else None,

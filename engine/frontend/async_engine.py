@@ -27,6 +27,7 @@ from engine.errors import (
     EngineOverloadedError,
     EngineStoppedError,
 )
+from engine.fair_share import FairShare
 from engine.faults import FaultInjector
 from engine.frontend.engine_loop import AbortRequest, AddRequest, Command, EngineLoop, StepOutput
 from engine.frontend.llm_engine import LLMEngine
@@ -219,6 +220,7 @@ class EngineFrontend:
         group_id: str | None = None,
         add_special_tokens: bool = True,
         resume: tuple[ResumedChoice, ...] = (),
+        share: FairShare | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield output deltas until the request finishes. Leaving early aborts it. `prompt_token_ids`:
         the prompt already encoded and checked by this engine (the service checks in a worker thread;
@@ -227,7 +229,7 @@ class EngineFrontend:
         engine never compiled (up to seconds), must not stall the event loop or the engine loop.
         `group_id`: the client request this one is part of (LLMEngine.add_request); `add_special_tokens`:
         how a text prompt is encoded here (False for a rendered chat template); `resume`: choices another
-        engine delivered part of (LLMEngine.add_request)."""
+        engine delivered part of (LLMEngine.add_request); `share`: the tenant it is served for."""
         self._check_alive()
         if prompt_token_ids is None:
             prompt_token_ids = await asyncio.to_thread(
@@ -245,7 +247,15 @@ class EngineFrontend:
         try:
             self.transport.send(
                 AddRequest(
-                    request_id, prompt, params, priority, time.monotonic(), prompt_token_ids, group_id, resume
+                    request_id,
+                    prompt,
+                    params,
+                    priority,
+                    time.monotonic(),
+                    prompt_token_ids,
+                    group_id,
+                    resume,
+                    share,
                 )
             )
             self._check_alive()  # the loop may have died after the first check, before it saw us
@@ -269,13 +279,15 @@ class EngineFrontend:
     def stats(self) -> EngineStats:
         return self._stats
 
-    def queue_delay_s(self, priority: int = 0) -> float:
+    def queue_delay_s(self, priority: int = 0, tenant: str | None = None) -> float:
         """How long the sequences a new request of `priority` would queue behind have waited so far (0:
         none wait): its head's sojourn time, the queue's delay as CoDel measures it. Every waiting
         sequence counts under fcfs; under priority and hybrid, those of this priority or a more
-        important one (hybrid's aging, which can put older, less important ones ahead too, is left out)."""
+        important one (hybrid's aging, which can put older, less important ones ahead too, is left out).
+        With `tenant`, only that tenant's: token-fair scheduling serves a tenant's queue apart from the
+        others'."""
         ordered_by_priority = self.config.scheduler_policy != "fcfs"
-        return self._stats.queue_delay_s(time.monotonic(), priority if ordered_by_priority else None)
+        return self._stats.queue_delay_s(time.monotonic(), priority if ordered_by_priority else None, tenant)
 
     def _check_alive(self) -> None:
         if self.dead_error is not None:

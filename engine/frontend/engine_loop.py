@@ -17,6 +17,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.errors import EngineError
+from engine.fair_share import FairShare
 from engine.faults import FaultInjector
 from engine.frontend.llm_engine import LLMEngine
 from engine.outputs import RequestOutput, ResumedChoice
@@ -38,6 +39,7 @@ class AddRequest:
     prompt_token_ids: list[int] | None
     group_id: str | None
     resume: tuple[ResumedChoice, ...]
+    share: FairShare | None = None
 
 
 @dataclass(frozen=True)
@@ -161,6 +163,7 @@ class EngineLoop:
                     command.prompt_token_ids,
                     command.group_id,
                     command.resume,
+                    command.share,
                 )
             except EngineError as exc:
                 self._items.append((command.request_id, exc))

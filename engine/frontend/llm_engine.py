@@ -26,6 +26,7 @@ from engine.errors import (
 )
 from engine.executor.loader import validate_model_dir
 from engine.executor.model_runner import ModelRunner
+from engine.fair_share import FairShare
 from engine.outputs import CompletionOutput, RequestOutput, ResumedChoice
 from engine.sampling_params import MAX_PRIORITY, SamplingParams
 from engine.stats import ITERATION_TOKEN_BUCKETS, CacheInfo, Distribution, EngineStats, PhaseTimes
@@ -164,6 +165,7 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
         group_id: str | None = None,
         resume: tuple[ResumedChoice, ...] = (),
+        share: FairShare | None = None,
     ) -> None:
         """`prompt_token_ids`: `prompt` already encoded by this engine's tokenizer (it is checked
         like any prompt; the text is kept for the output). `group_id`: the client request this one is
@@ -172,7 +174,8 @@ class LLMEngine:
         choices of a request another engine delivered part of: each continues as a preempted sequence
         does, its delivered tokens recomputed, replayed through its detokenizer (stop strings see them)
         and grammar, and never sent again; a seeded draw depends on the seed, the choice index and the
-        position only, so it goes on as the undisturbed run would have."""
+        position only, so it goes on as the undisturbed run would have. `share`: the tenant it is served
+        for, for token-fair scheduling (engine/core/fairness.py)."""
         if request_id in self.requests:
             raise RequestRejectedError(f"request id {request_id!r} is already in use")
         if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) > MAX_PRIORITY:
@@ -200,6 +203,7 @@ class LLMEngine:
                 index=choice.index,
                 priority=priority,
                 arrival_time=now,
+                share=share,
                 eos_token_ids=self.eos_token_ids,
                 max_model_len=self.max_model_len,
                 sampling_seed=seed,

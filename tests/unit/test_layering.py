@@ -12,7 +12,17 @@ RANK = {"engine": 0, "resilience": 1, "service": 2}
 NEVER_IN_ENGINE = {"aiohttp", "pybreaker", "tenacity", "prometheus_client"}
 # engine/'s wings, each importing only lower ones (and the root seam, rank 0) and itself
 WINGS = {"core": 1, "kernels": 1, "structured": 2, "executor": 3, "frontend": 4}
-ROOT_SEAM = {"__init__", "client", "config", "errors", "faults", "outputs", "sampling_params", "stats"}
+ROOT_SEAM = {
+    "__init__",
+    "client",
+    "config",
+    "errors",
+    "fair_share",
+    "faults",
+    "outputs",
+    "sampling_params",
+    "stats",
+}
 PACKAGES = ("engine", "resilience", "service")
 
 

@@ -18,6 +18,7 @@ from engine.core.block_manager import BlockManager
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import SampledToken, Sequence
 from engine.executor.sampler import Sampler, SampleRow
+from engine.fair_share import FairShare
 from engine.sampling_params import SamplingParams, StructuredOutputs
 
 VOCAB = 64
@@ -118,6 +119,7 @@ request_strategy = st.tuples(
     st.integers(-3, 3),  # priority
     st.integers(0, 4),  # steps before the next arrival
     st.none() | st.integers(0, 6),  # abort after this many steps, or never
+    st.none() | st.sampled_from([FairShare("a"), FairShare("b", weight=3.0), FairShare("c", 0.5, 2.0, 1.0)]),
 )
 
 
@@ -145,7 +147,7 @@ def test_scheduler_finishes_every_request_and_frees_every_block(requests, policy
     families: dict[str, set[Sequence]] = {}
     for num_steps in range(2000):
         while pending and (not added or num_steps - added[-1][2] >= pending[0][4]):
-            length, max_tokens, n, priority, _, abort_after = pending.pop(0)
+            length, max_tokens, n, priority, _, abort_after, share = pending.pop(0)
             max_tokens = min(max_tokens, NUM_BLOCKS * BLOCK_SIZE - length)  # the engine's own bound
             seq = Sequence(
                 f"r{len(added)}",
@@ -153,6 +155,7 @@ def test_scheduler_finishes_every_request_and_frees_every_block(requests, policy
                 SamplingParams(n=n, max_tokens=max_tokens),
                 priority=priority,
                 arrival_time=float(num_steps),
+                share=share,
             )
             sched.add_seq(seq)
             added.append((seq, abort_after, num_steps))
@@ -178,6 +181,7 @@ def test_scheduler_finishes_every_request_and_frees_every_block(requests, policy
     assert all(seq.is_finished for family in families.values() for seq in family)
     assert bm.num_free_blocks == NUM_BLOCKS
     assert len(bm.free_swap_blocks) == 6
+    assert not sched.fair.active  # every tenant's sequences left
 
 
 def assert_held_blocks_are_running_blocks(bm: BlockManager, running: list[Sequence]) -> None:

@@ -11,6 +11,7 @@ from engine.core.block_manager import BlockManager
 from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.core.sequence import SampledToken, Sequence, SequenceStatus
 from engine.errors import EngineOverloadedError
+from engine.fair_share import FairShare
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
 from tests.fakes import FakeClock
@@ -39,6 +40,7 @@ def add(
     arrival: float = 0.0,
     priority: int = 0,
     eos: int | None = None,
+    share: FairShare | None = None,
     **params,
 ) -> Sequence:
     seq = Sequence(
@@ -47,6 +49,7 @@ def add(
         params=SamplingParams(**params),
         priority=priority,
         arrival_time=arrival,
+        share=share,
         eos_token_ids=frozenset() if eos is None else frozenset({eos}),
     )
     sched.add_seq(seq)
@@ -229,7 +232,7 @@ def test_queue_heads_say_since_when_each_priority_has_waited(mode):
     clock.now = 9.0
     step(sched, 102)  # c preempted at 9.0 (by the pool); late and later still wait for room
     assert c.num_preemptions == 1 and {late.status, later.status} == {SequenceStatus.WAITING}
-    assert sched.queue_heads() == ((0, 9.0), (2, 3.0))
+    assert sched.queue_heads() == ((0, None, 9.0), (2, None, 3.0))
     required = {f.name: 0 for f in dataclasses.fields(EngineStats) if f.default is dataclasses.MISSING}
     stats = EngineStats(
         **{**required, "last_step_time": None, "is_busy": True, "queue_heads": sched.queue_heads()}

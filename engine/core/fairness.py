@@ -1,0 +1,46 @@
+"""Token-fair scheduling between tenants: a virtual token counter per tenant (Sheng et al., "Fairness in
+Serving Large Language Models", OSDI 2024). Pure Python, no torch.
+
+Every token the scheduler gives a tenant's sequence adds `cost / weight` to the tenant's counter (a
+prefill token costs `prefill_cost`, a decode token `decode_cost`); within a priority band the next
+prefill goes to the tenant with the smallest counter. A tenant sending more, or longer, requests only
+raises its own counter. A tenant that had nothing queued or running is lifted, when it comes back, to the
+smallest counter among the active ones: idle time is no credit to spend later on a burst."""
+
+from collections import Counter
+
+from engine.fair_share import FairShare
+
+
+class VirtualTokenCounter:
+    def __init__(self) -> None:
+        self.counters: dict[str, float] = {}
+        self.active: Counter[str] = Counter()  # sequences of each tenant queued or running
+
+    def join(self, share: FairShare | None) -> None:
+        """One more sequence of `share`'s tenant is queued or running."""
+        if share is None:
+            return
+        tenant = share.tenant
+        if not self.active[tenant]:
+            floor = min((self.counters[t] for t in self.active if self.active[t]), default=None)
+            own = self.counters.get(tenant, 0.0)
+            self.counters[tenant] = own if floor is None else max(own, floor)
+        self.active[tenant] += 1
+
+    def leave(self, share: FairShare | None) -> None:
+        if share is None:
+            return
+        self.active[share.tenant] -= 1
+        if not self.active[share.tenant]:
+            del self.active[share.tenant]
+
+    def charge(self, share: FairShare | None, num_tokens: int, is_prefill: bool) -> None:
+        if share is None or not num_tokens:
+            return
+        cost = share.prefill_cost if is_prefill else share.decode_cost
+        self.counters[share.tenant] = self.counters.get(share.tenant, 0.0) + num_tokens * cost / share.weight
+
+    def value(self, share: FairShare | None) -> float:
+        """The tenant's counter (0 for a request of no tenant: served as before tenants existed)."""
+        return 0.0 if share is None else self.counters.get(share.tenant, 0.0)

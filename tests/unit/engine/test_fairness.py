@@ -1,0 +1,139 @@
+"""Token-fair scheduling between tenants (engine/core/fairness.py, engine/core/scheduler.py): the
+virtual token counter, and the scheduler's order over a tiny pool driven by hand."""
+
+import pytest
+
+from engine.core.fairness import VirtualTokenCounter
+from engine.core.sequence import Sequence
+from engine.fair_share import FairShare
+from tests.unit.engine.test_scheduler import add, assert_all_free, chunks, drain, make_scheduler, step
+
+A, B = FairShare("a"), FairShare("b")
+
+
+def test_counter_charges_cost_over_weight_and_lifts_a_returning_tenant():
+    vtc = VirtualTokenCounter()
+    heavy = FairShare("heavy", weight=2.0, prefill_cost=1.0, decode_cost=4.0)
+    vtc.join(heavy)
+    vtc.charge(heavy, 10, is_prefill=True)  # 10 x 1 / 2
+    vtc.charge(heavy, 3, is_prefill=False)  # 3 x 4 / 2
+    assert vtc.value(heavy) == 11.0
+    vtc.join(A)  # new while heavy is active: starts at heavy's 11, not at 0 with 11 to spend at once
+    assert vtc.value(A) == 11.0
+    vtc.charge(A, 5, is_prefill=True)
+    vtc.leave(heavy)
+    vtc.charge(A, 100, is_prefill=True)  # a's counter runs on while heavy is idle
+    vtc.join(heavy)
+    assert vtc.value(heavy) == 116.0  # lifted to the least-served active tenant
+    assert vtc.value(None) == 0.0
+    vtc.leave(heavy)
+    vtc.leave(A)
+    assert not vtc.active
+
+
+@pytest.mark.parametrize("field", ["weight", "prefill_cost", "decode_cost"])
+@pytest.mark.parametrize("value", [0, -1.0, float("inf"), float("nan")])
+def test_a_share_needs_positive_finite_weights(field, value):
+    with pytest.raises(ValueError, match=field):
+        FairShare("t", **{field: value})
+
+
+def shared(sched, prompt_len: int, share: FairShare, arrival: float, max_tokens: int = 1) -> Sequence:
+    prompt = [1 + (i + int(arrival * 7)) % 40 for i in range(prompt_len)]
+    return add(sched, prompt, arrival=arrival, share=share, max_tokens=max_tokens)
+
+
+def make_fair_scheduler(**overrides):
+    settings = {"enable_prefix_caching": False, "max_num_seqs": 2, "max_num_batched_tokens": 8} | overrides
+    return make_scheduler(**settings)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "hybrid"])
+def test_a_short_request_of_another_tenant_goes_before_a_flood(policy):
+    sched = make_fair_scheduler(scheduler_policy=policy, max_num_seqs=1)
+    flood = [shared(sched, 6, A, arrival=i / 100) for i in range(4)]  # hybrid's aging: in one band
+    late = shared(sched, 2, B, arrival=0.1)
+    order = []
+    for out in drain(sched):
+        order += [item.seq for item in out.scheduled if item.start == 0]
+    # b arrived last but is admitted as soon as a's first request leaves its seat
+    assert order == [flood[0], late, *flood[1:]]
+    assert_all_free(sched)
+
+
+def test_without_tenants_the_same_queue_is_served_first_come_first_served():
+    sched = make_fair_scheduler(max_num_seqs=1)
+    seqs = [add(sched, [1, 2, 3, 4, 5, 6], arrival=i, max_tokens=1) for i in range(4)]
+    late = add(sched, [9, 9], arrival=10, max_tokens=1)
+    order = []
+    for out in drain(sched):
+        order += [item.seq for item in out.scheduled if item.start == 0]
+    assert order == [*seqs, late]
+
+
+def test_a_running_prefill_waits_its_next_chunk_for_a_less_served_tenant():
+    sched = make_fair_scheduler(max_num_batched_tokens=4)
+    long = shared(sched, 12, A, arrival=0)
+    assert chunks(step(sched)) == [(long, 0, 4, 0)]
+    short = shared(sched, 3, B, arrival=1)
+    assert sched.fair.value(B) == sched.fair.value(A) == 4  # b joins at a's counter: a tie, a's chunk first
+    assert chunks(step(sched)) == [(long, 4, 4, 0)]
+    # now b is the less served: b's prompt first, a's chunk gets what is left of the budget
+    assert chunks(step(sched)) == [(short, 0, 3, 1), (long, 8, 1, 0)]
+    assert chunks(step(sched)) == [(long, 9, 3, 1)]  # b finished (max_tokens 1): a alone again
+    drain(sched)
+    assert_all_free(sched)
+
+
+def test_the_same_prompt_without_tenants_keeps_its_chunks():
+    sched = make_fair_scheduler(max_num_batched_tokens=4)
+    long = add(sched, list(range(1, 13)), arrival=0, max_tokens=1)
+    step(sched)
+    short = add(sched, [7, 8, 9], arrival=1, max_tokens=1)
+    assert chunks(step(sched)) == [(long, 4, 4, 0)]
+    assert chunks(step(sched)) == [(long, 8, 4, 1)]
+    assert chunks(step(sched)) == [(short, 0, 3, 1)]
+
+
+def test_weights_share_admissions_by_tokens_served():
+    """Equal requests from a (weight 1) and b (weight 4), more than either could send alone: b gets
+    four admissions for each of a's while both have requests queued."""
+    sched = make_fair_scheduler(max_num_seqs=1, max_num_batched_tokens=64)
+    heavy = FairShare("b", weight=4.0)
+    for i in range(8):
+        shared(sched, 4, A, arrival=i)
+        shared(sched, 4, heavy, arrival=i + 0.5)
+    order = []
+    for out in drain(sched, max_steps=100):
+        order += [item.seq.share.tenant for item in out.scheduled if item.start == 0]
+    assert order[:10] == ["a", "b", "b", "b", "b"] * 2  # while both have requests queued
+    assert_all_free(sched)
+
+
+def test_decode_tokens_count_too():
+    """A tenant whose requests generate long outputs is charged for them: the other's next request
+    goes first although it was served as many prompt tokens."""
+    sched = make_fair_scheduler(max_num_seqs=2, max_num_batched_tokens=64)
+    talker = shared(sched, 4, A, arrival=0, max_tokens=6)
+    quiet = shared(sched, 4, B, arrival=0.5, max_tokens=1)
+    step(sched)
+    step(sched)
+    step(sched)  # a: 4 prompt tokens + 2 decodes (x 2) = 8; b: 4 prompt tokens, finished
+    assert (sched.fair.value(A), sched.fair.value(B)) == (8.0, 4.0) and quiet.is_finished
+    again_a = shared(sched, 4, A, arrival=5)
+    again_b = shared(sched, 4, B, arrival=6)
+    out = step(sched)
+    assert [item.seq for item in out.scheduled if item.start == 0] == [again_b]  # one seat free: b's
+    assert not again_a.first_scheduled_time
+    drain(sched)
+    assert talker.is_finished
+    assert_all_free(sched)
+
+
+def test_queue_heads_say_each_tenant_apart():
+    sched = make_fair_scheduler(max_num_seqs=1)
+    shared(sched, 4, A, arrival=1.0)
+    shared(sched, 4, A, arrival=2.0)
+    shared(sched, 4, B, arrival=3.0)
+    step(sched)  # a's first runs
+    assert sched.queue_heads() == ((0, "a", 2.0), (0, "b", 3.0))
