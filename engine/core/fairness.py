@@ -5,7 +5,8 @@ Every token the scheduler gives a tenant's sequence adds `cost / weight` to the 
 prefill token costs `prefill_cost`, a decode token `decode_cost`); within a priority band the next
 prefill goes to the tenant with the smallest counter. A tenant sending more, or longer, requests only
 raises its own counter. A tenant that had nothing queued or running is lifted, when it comes back, to the
-smallest counter among the active ones: idle time is no credit to spend later on a burst."""
+smallest counter among the active ones: idle time is no credit to spend later on a burst. (The scheduler
+breaks a tie for the tenant with fewer sequences in flight: the one back from idle.)"""
 
 from collections import Counter
 

@@ -14,8 +14,10 @@ Policies (a sort key, lower first):
 
 Tenants (a sequence with a `FairShare`, engine/core/fairness.py): within a priority band (hybrid: its
 aged priority rounded down), the queue is served least-served tenant first by a virtual token counter,
-and a running sequence's next prefill chunk waits while a less-served tenant's sequence is queued, so
-one tenant's long prompts cannot hold the token budget step after step.
+and a running sequence's next prefill chunk waits while a less-served tenant's sequence is queued: it
+runs in a step that admits none of them (a step of the less-served tenant's prompt alone is as short as
+that prompt), so one tenant's long prompts cannot hold the token budget, nor lengthen another's first
+step, step after step.
 """
 
 import itertools
@@ -112,12 +114,14 @@ class Scheduler:
             priority -= (self.clock() - seq.arrival_time) / self.config.aging_seconds
         return (priority, seq.arrival_time, seq.seq_id)
 
-    def _fair_key(self, seq: Sequence) -> tuple[float, float, float, int]:
-        """The queue's order: `_key`, with the tenant's virtual token counter first within a band."""
+    def _fair_key(self, seq: Sequence) -> tuple[float, float, int, float, int]:
+        """`_key`, with the tenant's virtual token counter first within a band and, on a tie (a tenant back
+        from idle starts level with the least served), the tenant with fewer sequences in flight first."""
         band, arrival, seq_id = self._key(seq)
         if seq.share is None:
-            return (band, 0.0, arrival, seq_id)
-        return (math.floor(band), self.fair.value(seq.share), arrival, seq_id)
+            return (band, 0.0, 0, arrival, seq_id)
+        tenant = seq.share.tenant
+        return (math.floor(band), self.fair.value(seq.share), self.fair.active[tenant], arrival, seq_id)
 
     def _has_seats_for(self, seq: Sequence) -> bool:
         """max_num_seqs counts the sequences a request will fan out to: a parent not yet forked
@@ -136,13 +140,15 @@ class Scheduler:
             self._preempt_for_waiting(preempted)
         deferred = self._schedule_running(budget, scheduled, preempted)
         self.is_full = bool(preempted)  # and below, when a queued sequence does not fit
+        num_running = len(scheduled)
         if not preempted:
             self._schedule_swapped(budget, scheduled)
             self._schedule_waiting(budget, scheduled)
-        for seq in deferred:  # what the queue left of the budget
-            num_new = self._num_new_tokens(seq, budget)
-            if num_new and self.block_manager.can_allocate(seq, num_new):
-                self._schedule(seq, num_new, budget, scheduled)
+        if len(scheduled) == num_running:  # the queue took nothing: the deferred chunks take the budget
+            for seq in deferred:
+                num_new = self._num_new_tokens(seq, budget)
+                if num_new and self.block_manager.can_allocate(seq, num_new):
+                    self._schedule(seq, num_new, budget, scheduled)
         self.num_preemptions += len(preempted)
         return SchedulerOutput(scheduled, self.block_manager.take_copies(), preempted)
 
@@ -176,8 +182,8 @@ class Scheduler:
         self, budget: _Budget, scheduled: list[ScheduledSeq], preempted: list[Sequence]
     ) -> list[Sequence]:
         """Schedules the running sequences; returns those of a tenant whose next prefill chunk waits for
-        a less-served tenant's queued sequence (scheduled after the queue, with what it leaves)."""
-        order = sorted(self.running, key=self._key)
+        a less-served tenant's queued sequence (scheduled after the queue if it admitted none)."""
+        order = sorted(self.running, key=self._fair_key)
         if self.config.scheduler_policy == "hybrid":  # decodes first
             order = [s for s in order if not s.is_prefill] + [s for s in order if s.is_prefill]
         first_queued = min(map(self._fair_key, itertools.chain(self.waiting, self.swapped)), default=None)
@@ -196,7 +202,7 @@ class Scheduler:
                 continue
             num_new = self._num_new_tokens(seq, budget)
             while num_new and not self.block_manager.can_allocate(seq, num_new):
-                victim = max(order[i + 1 :], key=self._key, default=seq)
+                victim = max(order[i + 1 :], key=self._fair_key, default=seq)
                 order.remove(victim)
                 self._preempt(victim, preempted)
                 if victim is seq:
