@@ -62,6 +62,7 @@ from engine.errors import (
     RequestFailedError,
     RequestRejectedError,
 )
+from engine.fair_share import FairShare
 from engine.outputs import RequestOutput, ResumedChoice
 from engine.sampling_params import SamplingParams
 from resilience.admission import Bulkhead, BulkheadConfig
@@ -96,6 +97,7 @@ class GenerateRequest:
     group_id: str | None = None  # the client request it is part of (its prompts share it; default: itself)
     owner: str | None = None  # who sent it (an API key's fingerprint): the bulkhead's owner share
     add_special_tokens: bool = True  # how another model of the ladder encodes a text `prompt` (False: chat)
+    share: FairShare | None = None  # its tenant, for the engine's token-fair scheduling (None: no tenants)
 
 
 class Tokenizer(Protocol):
@@ -443,7 +445,10 @@ class _Call:
             stack.callback(self.deadlines.close)
             stack.enter_context(
                 router.bulkhead(name).try_acquire(
-                    num_tokens, req.params.n, self.engine.queue_delay_s(req.priority), req.owner
+                    num_tokens,
+                    req.params.n,
+                    self.engine.queue_delay_s(req.priority, req.share.tenant if req.share else None),
+                    req.owner,
                 )
             )
             self.breaker_call = await stack.enter_async_context(router.breaker(name).calling_async())
@@ -459,6 +464,7 @@ class _Call:
                 token_ids,
                 group_id=req.group_id or req.request_id,
                 add_special_tokens=req.add_special_tokens,
+                share=req.share,
                 **({"resume": self.resume} if self.resume else {}),
             )
             stack.push_async_callback(_aclose, self.stream)

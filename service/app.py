@@ -31,6 +31,7 @@ from aiohttp.web_protocol import RequestHandler
 from engine.client import EngineClient
 from engine.config import EngineConfig
 from resilience.admission import BulkheadConfig
+from resilience.tenants import TenantLimiter
 from service.access import access_middleware
 from service.auth import KeyRing, auth_middleware
 from service.body import HANDLER_ARGS
@@ -68,6 +69,8 @@ def create_app(
     """`engine_factory` builds an engine from its config (blocking; run in a thread); tests pass
     fakes. `router_factory(engines, fallbacks)` builds the resilience router."""
     state = ServerState(config.hang_timeout_s, config.model_names, config.quarantine_s)
+    if config.tenants is not None:
+        state.tenants = TenantLimiter(config.tenants.tenants)
     limit = ConnectionLimit(
         config.max_connections,
         config.header_timeout_s,
@@ -79,7 +82,7 @@ def create_app(
         limit.middleware,
         error_middleware,
         auth_middleware(
-            KeyRing(config.api_keys),
+            KeyRing(config.api_keys, tuple(config.tenants.key_digests) if config.tenants else ()),
             KeyRing([config.admin_key] if config.admin_key else []),
             config.auth_metrics,
         ),

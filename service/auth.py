@@ -5,20 +5,21 @@ digest (no early exit), so neither the time taken nor a log line says anything a
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
 from service.errors import AuthenticationError, PermissionDeniedError
+from service.tenants import key_digest
 
 
 class KeyRing:
     """A set of accepted keys; `matches` takes the same time whichever key (if any) matches."""
 
-    def __init__(self, keys: tuple[str, ...] | list[str]) -> None:
-        self._digests = tuple(_digest(k) for k in keys)
+    def __init__(self, keys: tuple[str, ...] | list[str], digests: tuple[bytes, ...] = ()) -> None:
+        """`digests`: keys known only by their sha256 (a tenants file's `sha256:` entries)."""
+        self._digests = tuple(key_digest(k) for k in keys) + tuple(digests)
 
     def __bool__(self) -> bool:
         return bool(self._digests)
@@ -27,7 +28,7 @@ class KeyRing:
         return f"KeyRing({len(self._digests)} keys)"
 
     def matches(self, key: str) -> bool:
-        presented = _digest(key)
+        presented = key_digest(key)
         found = False
         for digest in self._digests:
             found |= hmac.compare_digest(presented, digest)
@@ -59,11 +60,11 @@ def holds_any_key(request: web.Request, api_keys: tuple[str, ...], admin_key: st
     return token is not None and bool(keys) and keys.matches(token)
 
 
-def key_owner(request: web.Request, api_keys: tuple[str, ...]) -> str | None:
+def key_owner(request: web.Request, keyed: bool) -> str | None:
     """Who sent an authenticated /v1 request, as a fingerprint of its key (never the key): for per-key
-    bounds. None without API keys (every client is the same anonymous one)."""
+    bounds. None when /v1 takes no keys (`keyed` false: every client is the same anonymous one)."""
     token = bearer_token(request)
-    return _digest(token).hex()[:16] if api_keys and token is not None else None
+    return key_digest(token).hex()[:16] if keyed and token is not None else None
 
 
 def bearer_token(request: web.Request) -> str | None:
@@ -82,7 +83,3 @@ def _require(request: web.Request, keys: KeyRing, what: str) -> None:
         )
     if not keys.matches(token):
         raise AuthenticationError(f"invalid {what}", code="invalid_api_key")
-
-
-def _digest(key: str) -> bytes:
-    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()

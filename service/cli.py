@@ -32,6 +32,7 @@ from service.config import (
     engine_config,
     load_toml,
     parse_size,
+    tenants_from,
 )
 from service.logs import LOG_FORMATS, configure_logging
 from service.state import ServerState
@@ -258,6 +259,13 @@ def _add_server_options(p: argparse.ArgumentParser) -> None:
         type=float,
         help="share (0-1] of a model's --max-num-seqs seats one API key may hold, queued requests "
         "included; beyond it 429, a request larger than it 400 (default: no bound)",
+    )
+    p.add_argument(
+        "--tenants",
+        metavar="FILE",
+        help="TOML file mapping API keys to tenants: weight and priority band for token-fair "
+        "scheduling, tokens per minute, burst and concurrency cap (429 + Retry-After past them); "
+        "docs/tenants.md (default: none, one anonymous tenant)",
     )
     p.add_argument(
         "--max-queue-delay",
@@ -502,6 +510,7 @@ def build_config(args: argparse.Namespace, env: Mapping[str, str]) -> ServerConf
         "keepalive_timeout_s": args.keepalive_timeout_s,
         "allowed_origins": tuple(args.allowed_origins) if args.allowed_origins else None,
         "otel_endpoint": endpoint_from(args.otel_endpoint, env),
+        "tenants": tenants_from(args.tenants) if args.tenants else None,
     }
     merged = {**base, **{k: v for k, v in overrides.items() if v is not None}, "models": models}
     try:

@@ -13,6 +13,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.sampling_params import MAX_N
+from service.tenants import Tenants, TenantsError, load_tenants
 
 # the shipped defaults live beside the packages: <repo>/models/
 MODELS_ROOT = Path(__file__).resolve().parents[1] / "models"
@@ -67,6 +68,7 @@ SERVER_OPTIONS = (
     "keepalive_timeout_s",
     "allowed_origins",
     "otel_endpoint",
+    "tenants",
 )
 LEAK_ACTIONS = ("recycle", "exit")
 MODEL_OPTIONS = ("path", "name", "fallback", *ENGINE_OPTIONS)
@@ -177,6 +179,8 @@ class ServerConfig:
     keepalive_timeout_s: float = 75.0  # an idle keep-alive connection is closed after this long
     otel_endpoint: str | None = None  # OTLP/HTTP collector for traces (None: tracing off)
     allowed_origins: tuple[str, ...] = ()  # browser origins CORS lets in ("*": any); empty: no CORS headers
+    # --tenants FILE: API keys -> tenants, their weights, bands and quotas (None: one anonymous tenant, as before)
+    tenants: Tenants | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         names = [m.name for m in self.models]
@@ -353,6 +357,14 @@ def engine_config(path: str | Path, options: dict[str, Any]) -> EngineConfig:
         raise ConfigError(f"model {str(path)!r}: {exc}") from exc
 
 
+def tenants_from(path: str | Path) -> Tenants:
+    """The tenants file at `path` (service/tenants.py), its errors as `ConfigError`s."""
+    try:
+        return load_tenants(path)
+    except TenantsError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def default_name(path: str | Path) -> str:
     return Path(path).resolve().name or str(path)
 
@@ -375,6 +387,9 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         out["api_keys"] = tuple(out["api_keys"])
     if "allowed_origins" in out:
         out["allowed_origins"] = tuple(out["allowed_origins"])
+    if "tenants" in out:
+        _check(isinstance(out["tenants"], str), f"{path}: tenants must be the path of a tenants file")
+        out["tenants"] = tenants_from(path.parent / Path(out["tenants"]).expanduser())
     for key in ("max_body_bytes", "memory_budget_bytes"):
         if key in out:
             out[key] = parse_size(out[key])

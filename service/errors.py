@@ -24,6 +24,7 @@ from engine.errors import (
     RequestRejectedError,
 )
 from resilience.errors import AdmissionRejected, DeadlineExceeded, NoModelAvailable, RetryLater
+from resilience.tenants import TenantLimitExceeded
 from service.keys import CONFIG_KEY, REQUEST_ID_KEY
 
 logger = logging.getLogger(__name__)
@@ -201,6 +202,8 @@ def classify(
         return 500, str(exc) or "the engine died", None, "engine_dead", None
     if isinstance(exc, EngineStepError):
         return 500, str(exc) or "the model failed this request", None, "engine_error", None
+    if isinstance(exc, TenantLimitExceeded):  # its tenant's quota: only waiting helps (never another replica)
+        return 429, str(exc), None, "rate_limit_exceeded", int(exc.retry_after_header)
     if isinstance(exc, RetryLater):  # a full bulkhead is the client's to slow down; an open breaker is ours
         status, code = (429, "overloaded") if isinstance(exc, AdmissionRejected) else (503, "unavailable")
         return status, str(exc), None, code, int(exc.retry_after_header)

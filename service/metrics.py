@@ -18,6 +18,8 @@ from prometheus_client.utils import floatToGoString
 from engine.client import EngineClient
 from engine.stats import SECONDS_BUCKETS, CacheInfo, Distribution, EngineStats
 from resilience.admission import REJECTION_REASONS
+from resilience.tenants import REJECTION_REASONS as TENANT_REJECTION_REASONS
+from resilience.tenants import TOKEN_KINDS
 from service.state import ServerState
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -83,6 +85,7 @@ class Metrics:
         if state is not None:
             self.registry.register(ResilienceCollector(state))
             self.registry.register(ModelRegistryCollector(state))
+            self.registry.register(TenantCollector(state))
         model = ["model_name"]
         self.http_requests = Counter(
             f"{PREFIX}http_requests",
@@ -121,6 +124,13 @@ class Metrics:
             f"{PREFIX}request_queue_time_seconds",
             "Time a request waited in the engine before its first step",
             model,
+            buckets=REQUEST_BUCKETS,
+            registry=self.registry,
+        )
+        self.tenant_queue_time = Histogram(
+            f"{PREFIX}tenant_queue_time_seconds",
+            "Time a tenant's request waited in the engine before its first step (--tenants)",
+            ["tenant"],
             buckets=REQUEST_BUCKETS,
             registry=self.registry,
         )
@@ -188,6 +198,9 @@ class Metrics:
             for seconds, num_tokens in intervals:
                 for _ in range(num_tokens):
                     histogram.observe(seconds)
+
+    def observe_tenant_queue_time(self, tenant: str, seconds: float) -> None:
+        self.tenant_queue_time.labels(tenant).observe(seconds)
 
     def observe_finished(self, model: str, e2e: float, queue_time: float | None, reasons: list[str]) -> None:
         self.e2e_request_latency.labels(model).observe(e2e)
@@ -498,6 +511,46 @@ class ResilienceCollector(Collector):
                 "Memory the heartbeat last measured (device memory on CUDA, process RSS on CPU)",
                 value=sample.used_bytes,
             )
+
+
+class TenantCollector(Collector):
+    """--tenants: what each tenant was served and refused, its requests in flight and its bucket, read
+    from the tenant limiter at scrape time."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    def collect(self) -> Iterator[Metric]:
+        limiter = self.state.tenants
+        if limiter is None:
+            return
+        tokens = CounterMetricFamily(
+            f"{PREFIX}tenant_tokens",
+            "Tokens served per tenant: prompt (once per prompt, as usage counts them) and generation",
+            labels=["tenant", "kind"],
+        )
+        rejected = CounterMetricFamily(
+            f"{PREFIX}tenant_rejections",
+            "Requests refused by their tenant's quota: token_rate or concurrency (429), too_large (400)",
+            labels=["tenant", "reason"],
+        )
+        in_flight = GaugeMetricFamily(
+            f"{PREFIX}tenant_requests_in_flight", "Requests of each tenant in flight", labels=["tenant"]
+        )
+        available = GaugeMetricFamily(
+            f"{PREFIX}tenant_tokens_available",
+            "Tokens left in a tenant's bucket (negative: generated past it, owed)",
+            labels=["tenant"],
+        )
+        for name in limiter.tenants:
+            for kind in TOKEN_KINDS:
+                tokens.add_metric([name, kind], limiter.num_served[name, kind])
+            for reason in TENANT_REJECTION_REASONS:
+                rejected.add_metric([name, reason], limiter.num_rejected[name, reason])
+            in_flight.add_metric([name], limiter.num_in_flight[name])
+            if name in limiter.buckets:
+                available.add_metric([name], limiter.buckets[name].level)
+        yield from (tokens, rejected, in_flight, available)
 
 
 class ModelRegistryCollector(Collector):

@@ -13,6 +13,7 @@ from resilience.health import HealthState
 from resilience.heartbeat import Heartbeat
 from resilience.quarantine import Quarantine
 from resilience.router import ModelRouter
+from resilience.tenants import TenantLimiter
 
 
 class ServerState:
@@ -49,6 +50,7 @@ class ServerState:
         self.memory_baseline_bytes: int | None = None  # the heartbeat's first sample, models loaded
         self.exit_code = 0  # what the process exits with once it stops
         self.last_token_time = 0.0  # time.monotonic() of the last token any request produced
+        self.tenants: TenantLimiter | None = None  # --tenants: every tenant's quota state
 
     @property
     def is_ready(self) -> bool:

@@ -66,7 +66,7 @@ class FakeEngine:
     def last_progress_time(self) -> float:
         return self._stalled_since if self.is_stalled else time.monotonic()  # busy: always stepping
 
-    def queue_delay_s(self, priority: int = 0) -> float:
+    def queue_delay_s(self, priority: int = 0, tenant: str | None = None) -> float:
         self.delay_asked_for.append(priority)
         return self.queue_delay
 
@@ -84,6 +84,7 @@ class FakeEngine:
         group_id=None,
         add_special_tokens=True,
         resume=(),
+        share=None,
     ):
         self.request_ids.append(request_id)
         if self.errors:
@@ -122,7 +123,7 @@ class FakeLoop:
     def is_dead(self) -> bool:
         return self.dead_error is not None
 
-    def queue_delay_s(self, priority: int = 0) -> float:
+    def queue_delay_s(self, priority: int = 0, tenant: str | None = None) -> float:
         return 0.0
 
 

@@ -18,10 +18,12 @@ from aiohttp import web
 
 from engine.client import EngineClient
 from engine.errors import RequestFailedError
+from engine.fair_share import FairShare
 from engine.sampling_params import SamplingParams
+from resilience.tenants import Tenant, TenantPermit
 from service.api.protocol import TokenText, new_id
 from service.api.schemas import ChatRequest, CompletionRequest
-from service.auth import key_owner
+from service.auth import bearer_token, key_owner
 from service.config import ServerConfig
 from service.errors import InvalidRequestError, ModelNotFoundError, UnavailableError, UnprocessableError
 from service.keys import CONFIG_KEY, METRICS_KEY, RECORD_KEY, REQUEST_ID_KEY, STATE_KEY
@@ -49,6 +51,8 @@ class PreparedRequest:
     priority: int = 0
     owner: str | None = None  # who sent it (an API key's fingerprint): the bulkhead's owner share
     echo: list[str] | None = None  # per prompt, the text `echo` prepends (None: not asked)
+    tenant: Tenant | None = None  # whose quota it spends (--tenants; None: no tenants)
+    share: FairShare | None = None  # how the engine's scheduler weighs it against other tenants
 
     @property
     def num_prompt_tokens(self) -> list[int]:
@@ -71,7 +75,9 @@ async def prepare(request: web.Request, asked: CompletionRequest | ChatRequest) 
     model = _resolve(config, state, asked.model)
     encoded_by, engine = _encoder(state, model)
     record.model = model
-    owner = key_owner(request, config.api_keys)
+    tenants = config.tenants
+    owner = key_owner(request, bool(config.api_keys or (tenants and tenants.key_digests)))
+    tenant = tenants.for_key(bearer_token(request)) if tenants else None
     prepared = await asyncio.to_thread(
         _prepare_in_thread,
         asked,
@@ -82,6 +88,13 @@ async def prepare(request: web.Request, asked: CompletionRequest | ChatRequest) 
         deadline=deadline,
         owner=owner,
     )
+    if tenant is not None and tenants is not None:  # its band, unless it asked for a lower one
+        prepared = dataclasses.replace(
+            prepared,
+            priority=max(tenant.priority, prepared.priority),
+            tenant=tenant,
+            share=tenants.share(tenant),
+        )
     if len(state.quarantine):  # nothing to hash while nothing is quarantined (the usual case)
         await _check_quarantine(state, prepared)
     # its prompts are admitted side by side: a request bigger than the whole bulkhead never fits
@@ -212,6 +225,7 @@ class Generation:
         self.num_generated = [0] * len(prepared.prompts)  # per prompt, all its choices
         self._queue_time: float | None = None
         self._seen: set[int] = set()  # prompt indices with an output already
+        self._permit: TenantPermit | None = None  # the tenant's hold while the generation runs
 
     @staticmethod
     def token_text(routed: RoutedOutput) -> TokenText:
@@ -229,9 +243,11 @@ class Generation:
 
     async def outputs(self) -> AsyncGenerator[tuple[int, RoutedOutput], None]:
         """(prompt index, output delta) until every engine request finished."""
+        p = self.prepared
+        if p.tenant is not None and self.state.tenants is not None:
+            self._permit = self.state.tenants.admit(p.tenant, sum(p.num_prompt_tokens))
         task = asyncio.current_task()
         self.state.generations.add(task)
-        p = self.prepared
         requests = [
             GenerateRequest(
                 f"{self.id}-{i}",
@@ -247,6 +263,7 @@ class Generation:
                 group_id=self.id,
                 owner=p.owner,
                 add_special_tokens=p.add_special_tokens,
+                share=p.share,
             )
             for i, (prompt, token_ids) in enumerate(zip(p.prompts, p.prompt_token_ids, strict=True))
         ]
@@ -265,6 +282,8 @@ class Generation:
             raise
         finally:
             self.state.generations.discard(task)
+            if self._permit is not None:
+                self._permit.release()
 
     def _observe(self, index: int, routed: RoutedOutput) -> None:
         output, record = routed.output, self.record
@@ -282,9 +301,14 @@ class Generation:
         record.completion_tokens += num_tokens
         self.num_generated[index] += num_tokens
         record.finish_reasons.extend(o.finish_reason for o in output.outputs if o.finish_reason)
+        num_prompt = 0
         if index not in self._seen:
             self._seen.add(index)
-            record.prompt_tokens += len(output.prompt_token_ids)
+            num_prompt = len(output.prompt_token_ids)
+            record.prompt_tokens += num_prompt
+        if self._permit is not None:  # what the client is billed (usage) is what its tenant is counted
+            self._permit.serve_prompt(num_prompt)
+            self._permit.serve_generated(num_tokens)
         if record.first_scheduled is None:
             record.first_scheduled = output.metrics.get("first_scheduled_time")
         if output.finished:
@@ -304,6 +328,8 @@ class Generation:
         self.metrics.observe_request(
             model, p.num_prompt_tokens, self.num_generated, p.params.n, p.params.max_tokens
         )
+        if p.tenant is not None and self._queue_time is not None:
+            self.metrics.observe_tenant_queue_time(p.tenant.name, self._queue_time)
 
 
 async def merge(iterators: list[AsyncGenerator[T, None]]) -> AsyncGenerator[tuple[int, T], None]:

@@ -1,7 +1,8 @@
 """deploy/grafana: every PromQL query of the dashboard names only metrics (and labels) that a real server
 exports, checked against the /metrics of a `python -m service` process serving the shipped tiny model after
-one request; the queries parse (`promtool check rules`, where installed); the panels cover what the dashboard
-promises; the compose file provisions it. The PNG's renderer is checked for what it does without a server."""
+one request (with --tenants, so the per-tenant series are there too); the queries parse (`promtool check
+rules`, where installed); the panels cover what the dashboard promises; the compose file provisions it.
+The PNG's renderer is checked for what it does without a server."""
 
 from __future__ import annotations
 
@@ -39,8 +40,13 @@ def _queries() -> list[str]:
 def exported(tmp_path_factory) -> dict[str, set[str]]:
     """{sample name: its label names} scraped from a real server after one completion."""
     require_models(TINY)
+    tmp = tmp_path_factory.mktemp("grafana")
+    # the tenant series exist only with --tenants; a rate on the default tenant (which --api-key keys
+    # serve) adds its bucket's gauge
+    tenants = tmp / "tenants.toml"
+    tenants.write_text("[tenants.default]\ntokens_per_minute = 60000\n")
     server = launch(
-        ["--model", str(TINY), "--api-key", API_KEY], tmp_path_factory.mktemp("grafana") / "server.log"
+        ["--model", str(TINY), "--api-key", API_KEY, "--tenants", str(tenants)], tmp / "server.log"
     )
     try:
         status, _, _ = server.post(
@@ -82,6 +88,11 @@ def test_every_query_names_metrics_the_server_exports(exported):
         "pagedserve:inter_token_latency_seconds_bucket",
         "pagedserve:e2e_request_latency_seconds_bucket",
         "pagedserve:generation_tokens_total",
+        "pagedserve:tenant_tokens_total",
+        "pagedserve:tenant_queue_time_seconds_bucket",
+        "pagedserve:tenant_rejections_total",
+        "pagedserve:tenant_requests_in_flight",
+        "pagedserve:tenant_tokens_available",
     } <= named
 
 

@@ -224,6 +224,7 @@ async def test_an_error_after_the_first_output_is_never_retried_but_continued(ma
             group_id=None,
             add_special_tokens=True,
             resume=(),
+            share=None,
         ):
             self.request_ids.append(request_id)
             yield fake_output(f"{request_id}:0")
@@ -310,6 +311,7 @@ async def test_a_late_token_is_queueing_when_its_own_sequence_was_preempted_sinc
             prompt_token_ids=None,
             group_id=None,
             add_special_tokens=True,
+            share=None,
         ):
             yield RequestOutput(f"{request_id}:0", None, [], [], metrics={"num_preemptions": 1})
             await asyncio.sleep(2 * TIMEOUT_S)
