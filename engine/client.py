@@ -75,7 +75,18 @@ class EngineClient(Protocol):
         add_special_tokens: bool = True,
         resume: tuple[ResumedChoice, ...] = (),
         share: FairShare | None = None,
+        lora: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]: ...
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Make LoRA adapter `name` resident from the PEFT directory `path` (blocking; idempotent)."""
+        ...
+
+    def remove_lora(self, name: str) -> None: ...
+
+    def loras(self) -> list[str]:
+        """The adapters resident now."""
+        ...
 
     def abort(self, request_id: str) -> None: ...
 

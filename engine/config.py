@@ -61,6 +61,10 @@ class EngineConfig:
     model_impl: str = "auto"
     # ranks the model is split over (engine/executor/parallel.py): heads and MLP columns, one process each
     tensor_parallel_size: int = 1
+    # LoRA adapters resident at once (engine/executor/lora.py): loading one more evicts the least recently used
+    # idle one; and the largest rank an adapter may have
+    max_loras: int = 4
+    max_lora_rank: int = 64
     # run the engine loop in a process of its own (engine/frontend/process_engine.py): no GIL shared with the server
     engine_process: bool = False
     chat_template: str | None = field(default=None, repr=False)  # jinja text replacing the model's own
@@ -115,6 +119,8 @@ class EngineConfig:
         )
         _check(self.swap_space >= 0, f"swap_space must be non-negative GiB, got {self.swap_space}")
         _check(self.aging_seconds > 0, f"aging_seconds must be positive, got {self.aging_seconds}")
+        _check(1 <= self.max_loras <= 1024, f"max_loras must be in 1..1024, got {self.max_loras}")
+        _check(1 <= self.max_lora_rank <= 64, f"max_lora_rank must be in 1..64, got {self.max_lora_rank}")
         _check(
             self.chat_template is None
             or (isinstance(self.chat_template, str) and bool(self.chat_template.strip())),

@@ -98,6 +98,7 @@ class GenerateRequest:
     owner: str | None = None  # who sent it (an API key's fingerprint): the bulkhead's owner share
     add_special_tokens: bool = True  # how another model of the ladder encodes a text `prompt` (False: chat)
     share: FairShare | None = None  # its tenant, for the engine's token-fair scheduling (None: no tenants)
+    lora: str | None = None  # a LoRA adapter of `model` it runs with: served by that model alone, no fallback
 
 
 class Tokenizer(Protocol):
@@ -210,7 +211,7 @@ class ModelRouter:
         wrapping generator per layer: the breaker, bulkhead and deadlines are held by `_Call`)."""
         self.retry_budget.record_request()
         window_from = req.arrival if req.arrival is not None else self.clock()  # of the first-token deadline
-        ladder = self.ladder(req.model)
+        ladder = self.ladder(req.model) if req.lora is None else [req.model]  # no other model has the adapter
         last_error: BaseException | None = None
         for index, name in enumerate(ladder):
             if not self._is_available(name):
@@ -240,7 +241,9 @@ class ModelRouter:
                         delivered.tokenizer = tokenizer
                         while output is not None:
                             delivered.add(output)
-                            yield RoutedOutput(output, name, name != req.model, tokenizer, continued)
+                            yield RoutedOutput(
+                                output, req.lora or name, name != req.model, tokenizer, continued
+                            )
                             continued = None
                             try:
                                 output = await call.next()
@@ -465,6 +468,7 @@ class _Call:
                 group_id=req.group_id or req.request_id,
                 add_special_tokens=req.add_special_tokens,
                 share=req.share,
+                lora=req.lora,
                 **({"resume": self.resume} if self.resume else {}),
             )
             stack.push_async_callback(_aclose, self.stream)

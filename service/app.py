@@ -48,6 +48,7 @@ from service.keys import (
     RouterFactory,
 )
 from service.metrics import Metrics
+from service.models.adapters import load_start_adapters
 from service.models.admin import add_admin_routes
 from service.models.on_demand import on_demand_middleware
 from service.models.registry import ModelRegistry
@@ -356,6 +357,13 @@ async def load_models(app: web.Application) -> None:
             logger.error("model %s failed to load: %s", spec.name, state.health.load_error)
             state.fatal.set()
             return
+    try:
+        await load_start_adapters(config, state)
+    except Exception as exc:  # noqa: BLE001 - an adapter asked for at start that cannot load: not servable
+        state.health.load_error = f"LoRA adapters: {exc}"
+        logger.error("%s", state.health.load_error)
+        state.fatal.set()
+        return
     state.router = state.health.router = app[ROUTER_FACTORY_KEY](state.engines, registry.fallbacks)
     state.health.set_loading(False)
     state.loaded.set()

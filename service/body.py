@@ -49,6 +49,17 @@ async def read_json(request: web.Request) -> JSON:
     return parse_json(await read_body(request))
 
 
+async def read_object(request: web.Request, fields: set[str]) -> dict[str, JSON]:
+    """A JSON object body of at most `fields` (an admin call's): anything else is a 400 that names it."""
+    body = await read_json(request)
+    if not isinstance(body, dict):
+        raise InvalidRequestError("the body must be a JSON object")
+    unknown = sorted(set(body) - fields)
+    if unknown:
+        raise InvalidRequestError(f"unknown fields: {unknown}; known: {sorted(fields)}", param=unknown[0])
+    return body
+
+
 def check_json_content_type(request: web.Request) -> None:
     mime = request.content_type  # lower case, parameters stripped; application/octet-stream when absent
     charset = (request.charset or "utf-8").lower()

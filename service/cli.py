@@ -31,6 +31,7 @@ from service.config import (
     default_name,
     engine_config,
     load_toml,
+    parse_lora_module,
     parse_size,
     tenants_from,
 )
@@ -261,6 +262,14 @@ def _add_server_options(p: argparse.ArgumentParser) -> None:
         "included; beyond it 429, a request larger than it 400 (default: no bound)",
     )
     p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        action="extend",
+        metavar="NAME=DIR",
+        help="LoRA adapters (PEFT directories) served on the primary model under their own names; "
+        'vLLM\'s JSON form {"name", "path", "base_model_name"} names another base (docs/models.md)',
+    )
+    p.add_argument(
         "--tenants",
         metavar="FILE",
         help="TOML file mapping API keys to tenants: weight and priority band for token-fair "
@@ -365,6 +374,10 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--scheduler-policy", help="fcfs | priority | hybrid")
     g.add_argument("--preemption-mode", help="recompute | swap")
     g.add_argument("--swap-space", type=float, help="GiB of host memory for swapped-out blocks")
+    g.add_argument(
+        "--max-loras", type=int, help="LoRA adapters resident at once (default 4); LRU idle evicted"
+    )
+    g.add_argument("--max-lora-rank", type=int, help="the largest LoRA rank accepted (default and most: 64)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--engine-seed", dest="seed_engine", type=int, help="seed for requests without one")
     g.add_argument("--chat-template", help="jinja file that replaces every model's chat template")
@@ -441,6 +454,8 @@ def engine_options(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str
         "tensor_parallel_size",
         "engine_process",
         "stream_interval",
+        "max_loras",
+        "max_lora_rank",
     )
     options = {n: getattr(args, n, None) for n in names}
     options["seed"] = getattr(args, "seed_engine", None)
@@ -511,6 +526,7 @@ def build_config(args: argparse.Namespace, env: Mapping[str, str]) -> ServerConf
         "allowed_origins": tuple(args.allowed_origins) if args.allowed_origins else None,
         "otel_endpoint": endpoint_from(args.otel_endpoint, env),
         "tenants": tenants_from(args.tenants) if args.tenants else None,
+        "lora_modules": tuple(parse_lora_module(m) for m in args.lora_modules) if args.lora_modules else None,
     }
     merged = {**base, **{k: v for k, v in overrides.items() if v is not None}, "models": models}
     try:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 import tomllib
@@ -69,6 +70,7 @@ SERVER_OPTIONS = (
     "allowed_origins",
     "otel_endpoint",
     "tenants",
+    "lora_modules",
 )
 LEAK_ACTIONS = ("recycle", "exit")
 MODEL_OPTIONS = ("path", "name", "fallback", *ENGINE_OPTIONS)
@@ -112,6 +114,35 @@ class ModelSpec:
             f"served model name must be non-empty without surrounding spaces, got {self.name!r}",
         )
         _check(self.fallback != self.name, f"model {self.name!r} cannot be its own fallback")
+
+
+@dataclass(frozen=True)
+class LoraModule:
+    """A LoRA adapter served under its own name (`model` in a request) on its base model."""
+
+    name: str
+    path: str  # a PEFT adapter directory
+    base: str | None = None  # the served model it adapts; None: the primary
+
+    def __post_init__(self) -> None:
+        _check(
+            bool(self.name) and self.name.strip() == self.name and "=" not in self.name,
+            f"a LoRA module's name must be non-empty, without surrounding spaces or '=', got {self.name!r}",
+        )
+        _check(bool(self.path), f"LoRA module {self.name!r} needs a path")
+
+
+def parse_lora_module(text: str) -> LoraModule:
+    """`NAME=DIR`, or vLLM's JSON form `{"name": ..., "path": ..., "base_model_name": ...}`."""
+    if text.lstrip().startswith("{"):
+        try:
+            data = json.loads(text)
+            return LoraModule(data["name"], data["path"], data.get("base_model_name"))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"--lora-modules {text!r}: {exc!r}") from None
+    name, sep, path = text.partition("=")
+    _check(bool(sep), f"--lora-modules takes NAME=DIR, got {text!r}")
+    return LoraModule(name.strip(), path.strip())
 
 
 @dataclass(frozen=True)
@@ -181,6 +212,7 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()  # browser origins CORS lets in ("*": any); empty: no CORS headers
     # --tenants FILE: API keys -> tenants, their weights, bands and quotas (None: one anonymous tenant, as before)
     tenants: Tenants | None = field(default=None, repr=False)
+    lora_modules: tuple[LoraModule, ...] = ()  # adapters loaded at start (more through /admin/lora/load)
 
     def __post_init__(self) -> None:
         names = [m.name for m in self.models]
@@ -193,6 +225,14 @@ class ServerConfig:
                 f"model {spec.name!r} falls back to {spec.fallback!r}, which is not served (served: {names})",
             )
         _check_no_fallback_cycle(self.models)
+        for module in self.lora_modules:
+            _check(
+                module.base is None or module.base in names,
+                f"LoRA module {module.name!r} adapts {module.base!r}, which is not served (served: {names})",
+            )
+        adapters = [m.name for m in self.lora_modules]
+        clash = sorted({n for n in adapters if adapters.count(n) > 1 or n in names})
+        _check(not clash, f"LoRA module names must be unique and differ from the models', repeated: {clash}")
         _check(
             self.on_demand_fallback is None or self.on_demand_fallback in names,
             f"on_demand_fallback {self.on_demand_fallback!r} is not served (served: {names})",
@@ -357,6 +397,11 @@ def engine_config(path: str | Path, options: dict[str, Any]) -> EngineConfig:
         raise ConfigError(f"model {str(path)!r}: {exc}") from exc
 
 
+def _relative_lora(module: LoraModule, base: Path) -> LoraModule:
+    path = Path(module.path).expanduser()
+    return dataclasses.replace(module, path=str(path if path.is_absolute() else base / path))
+
+
 def tenants_from(path: str | Path) -> Tenants:
     """The tenants file at `path` (service/tenants.py), its errors as `ConfigError`s."""
     try:
@@ -387,6 +432,14 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         out["api_keys"] = tuple(out["api_keys"])
     if "allowed_origins" in out:
         out["allowed_origins"] = tuple(out["allowed_origins"])
+    if "lora_modules" in out:
+        _check(
+            isinstance(out["lora_modules"], list) and all(isinstance(m, str) for m in out["lora_modules"]),
+            f"{path}: lora_modules must be a list of 'NAME=DIR' strings",
+        )
+        out["lora_modules"] = tuple(
+            _relative_lora(parse_lora_module(m), path.parent) for m in out["lora_modules"]
+        )
     if "tenants" in out:
         _check(isinstance(out["tenants"], str), f"{path}: tenants must be the path of a tenants file")
         out["tenants"] = tenants_from(path.parent / Path(out["tenants"]).expanduser())

@@ -52,11 +52,13 @@ def add_routes(app: web.Application) -> None:
 
 async def list_models(request: web.Request) -> web.Response:
     """The ready models: the start-up ones in configuration order (the primary first), then those
-    loaded at run time in load order."""
+    loaded at run time in load order; then the LoRA adapters of ready models (their base as `parent`)."""
     state = request.app[STATE_KEY]
     entries = state.registry.entries
     names = sorted(state.engines, key=list(entries).index)
-    return web.json_response({"object": "list", "data": [_model_object(request, name) for name in names]})
+    adapters = [name for name, module in state.adapters.items() if module.base in state.engines]
+    data = [_model_object(request, name) for name in names] + [_model_object(request, a) for a in adapters]
+    return web.json_response({"object": "list", "data": data})
 
 
 async def retrieve_model(request: web.Request) -> web.Response:
@@ -68,6 +70,18 @@ async def retrieve_model(request: web.Request) -> web.Response:
 
 def _model_object(request: web.Request, name: str) -> dict[str, JSON]:
     config, state = request.app[CONFIG_KEY], request.app[STATE_KEY]
+    adapter = state.adapters.get(name)
+    if adapter is not None and adapter.base in state.engines:  # vLLM's shape: root its path, parent its base
+        return {
+            "id": name,
+            "object": "model",
+            "created": int(state.started),
+            "owned_by": "pagedserve",
+            "root": _shown_path(adapter.path, config.models_root_path),
+            "parent": adapter.base,
+            "max_model_len": state.engines[adapter.base].max_model_len,
+            "fallback": None,
+        }
     engine, entry = state.engines[name], state.registry.entries[name]
     return {
         "id": name,
@@ -207,6 +221,8 @@ def _engine(request: web.Request, body: JSON) -> EngineClient:
             f"model must be a string of at most {MAX_MODEL_CHARS} characters", param="model"
         )
     name = name or config.models[0].name
+    if name in state.adapters:  # an adapter shares its base's tokenizer
+        name = state.adapters[name].base or name
     engine = state.engines.get(name)
     if engine is None:
         if not state.knows_model(name, config.model(name) is not None):

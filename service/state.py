@@ -14,6 +14,7 @@ from resilience.heartbeat import Heartbeat
 from resilience.quarantine import Quarantine
 from resilience.router import ModelRouter
 from resilience.tenants import TenantLimiter
+from service.config import LoraModule
 
 
 class ServerState:
@@ -51,6 +52,9 @@ class ServerState:
         self.exit_code = 0  # what the process exits with once it stops
         self.last_token_time = 0.0  # time.monotonic() of the last token any request produced
         self.tenants: TenantLimiter | None = None  # --tenants: every tenant's quota state
+        self.adapters: dict[
+            str, LoraModule
+        ] = {}  # LoRA adapters served, by name (service/models/adapters.py)
 
     @property
     def is_ready(self) -> bool:

@@ -85,6 +85,7 @@ class FakeEngine:
         add_special_tokens=True,
         resume=(),
         share=None,
+        lora=None,
     ):
         self.request_ids.append(request_id)
         if self.errors:

@@ -12,6 +12,7 @@ The shipped models are the default; PAGEDSERVE_TEST_SMALL / PAGEDSERVE_TEST_TINY
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import socket
@@ -150,6 +151,33 @@ def real_config(
         ModelSpec("fallback", EngineConfig(model=str(fallback_dir or models.fallback), **options)),
     )
     return ServerConfig(**{"models": specs, "shutdown_timeout": 1.0, **overrides})
+
+
+def write_adapter(
+    base, directory: Path, rank: int, alpha: float, targets, rslora: bool = False, seed: int = 0
+):
+    """A PEFT LoRA directory for the HF model `base`: random A and B on each decoder layer's `targets`;
+    returns {HF module name: (A, B)} (merged: W + alpha / r (or / sqrt(r) with rslora) * B @ A)."""
+    import torch
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(seed)
+    directory.mkdir(parents=True)
+    tensors, pairs = {}, {}
+    for name, module in base.named_modules():
+        if name.rsplit(".", 1)[-1] not in targets or ".layers." not in f".{name}":
+            continue
+        a = torch.randn(rank, module.in_features, generator=generator) * 0.3
+        b = torch.randn(module.out_features, rank, generator=generator) * 0.3
+        tensors[f"base_model.model.{name}.lora_A.weight"] = a
+        tensors[f"base_model.model.{name}.lora_B.weight"] = b
+        pairs[name] = (a, b)
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(targets)}
+    (directory / "adapter_config.json").write_text(
+        json.dumps({**config, "use_rslora": rslora, "bias": "none"})
+    )
+    return pairs
 
 
 # --- greedy parity with HF transformers: the scenarios every family runs under -------------------------------

@@ -119,7 +119,7 @@ class BlockManager:
         hashes, bs = seq.block_hashes, self.block_size
         while len(hashes) < num_full_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else (seq.lora_id or None)  # never a block across adapters
             hashes.append(hash((parent, seq.token_slice(i * bs, (i + 1) * bs))))
         return hashes[:num_full_blocks]
 

@@ -75,6 +75,7 @@ class Sequence:
     priority: int = 0  # lower is more important
     arrival_time: float = 0.0
     share: FairShare | None = None  # the tenant it is served for (None: no tenants)
+    lora_id: int = 0  # the LoRA adapter it runs with (its load's uid; 0: the base model)
     eos_token_ids: frozenset[int] = frozenset()
     max_model_len: int | None = None
     detokenizer: Detokenizer | None = None
@@ -203,6 +204,7 @@ class Sequence:
             priority=self.priority,
             arrival_time=self.arrival_time,
             share=self.share,
+            lora_id=self.lora_id,
             eos_token_ids=self.eos_token_ids,
             max_model_len=self.max_model_len,
             grammar=self.grammar.fork() if self.grammar is not None else None,

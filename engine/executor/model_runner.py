@@ -18,6 +18,7 @@ from engine.executor.attention import select_backend
 from engine.executor.attention.base import StepAttention, StepBatch
 from engine.executor.layers import onednn_linear, quantization
 from engine.executor.loader import ModelFiles, check_backend_options, supported_max_len, validate_model_dir
+from engine.executor.lora import LoraBank
 from engine.executor.models import load_model
 from engine.executor.models.generic import GenericForCausalLM
 from engine.executor.parallel import Ranks, TPGroup, make_store, worker_threads
@@ -93,6 +94,7 @@ class ModelRunner:
         )
         self.model.bind_kv_caches(self.worker.kv_caches)
         self.sampler = Sampler()
+        self.lora, self.lora_refusal = self._lora_bank(config)
         # keys a windowed layer sees (itself included); every windowed layer of a model shares it
         sliding_window = next((w for w in self.model.args.sliding_windows if w is not None), None)
         self.attention = select_backend(
@@ -118,6 +120,22 @@ class ModelRunner:
         if self.ranks is not None:
             self.ranks.wait_ready()
             logger.info("tensor parallel over %d ranks (worker pids %s)", self.tp.size, self.ranks.pids)
+
+    def _lora_bank(self, config: EngineConfig) -> tuple[LoraBank | None, str | None]:
+        """The model's adapter bank, or why this model takes no adapters."""
+        if self.generic:
+            return None, "LoRA adapters need one of the own forwards (this model runs on the generic backend)"
+        if self.tp is not None:
+            return None, "LoRA adapters are not served with tensor parallelism yet"
+        if config.compile:
+            return None, "LoRA adapters are not served with --compile yet"
+        if self.quant is not None:
+            return None, "LoRA adapters are not served on quantized weights yet"
+        bank = LoraBank(
+            self.model.lora_shapes(), self.dtype, self.device, config.max_loras, config.max_lora_rank
+        )
+        self.model.attach_lora(bank)
+        return bank, None
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks, if any (idempotent)."""
@@ -202,7 +220,11 @@ class ModelRunner:
         ]  # the same rows on every rank
         batch = self._prepare(scheduled)
         if self.ranks is None:
-            hidden = self.model(batch.input_ids, batch.positions, batch.metadata)
+            try:
+                hidden = self.model(batch.input_ids, batch.positions, batch.metadata)
+            finally:
+                if self.lora is not None:
+                    self.lora.batch = []
         else:
             hidden = self.ranks.run(
                 scheduled, lambda: self.model(batch.input_ids, batch.positions, batch.metadata)
@@ -241,9 +263,12 @@ class ModelRunner:
             [],
         )
         bs = self.layout.block_size
+        lora_rows: dict[int, list[int]] = {}
         for i, item in enumerate(decodes + prefills):
             seq, start, end = item.seq, item.start, item.start + item.num_new_tokens
             row = len(ids)
+            if self.lora is not None and seq.lora_id:  # (a tensor-parallel rank's _RowSeq has none)
+                lora_rows.setdefault(seq.lora_id, []).extend(range(row, row + end - start))
             ids.extend(seq.token_id_at(p) for p in range(start, end))
             positions.extend(range(start, end))
             slots.extend(seq.block_table[p // bs] * bs + p % bs for p in range(start, end))
@@ -257,6 +282,8 @@ class ModelRunner:
                 sample_at.append(len(ids) - 1)
                 rows.append(SampleRow(seq, item.num_samples))
         dev = self.device
+        if self.lora is not None:
+            self.lora.set_batch(lora_rows)
         slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
         meta = self.attention.build(StepBatch(bs, self.layout.num_blocks, slot_mapping, decodes, segments))
         return _Batch(

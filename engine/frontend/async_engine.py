@@ -203,6 +203,16 @@ class EngineFrontend:
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.transport.call("check_request", prompt_token_ids, params)
 
+    def add_lora(self, name: str, path: str) -> None:
+        """Blocking (reads the adapter): call it off the event loop."""
+        self.transport.call("add_lora", name, path)
+
+    def remove_lora(self, name: str) -> None:
+        self.transport.call("remove_lora", name)
+
+    def loras(self) -> list[str]:
+        return self.transport.call("loras")
+
     def _encode_checked(
         self, prompt: str | list[int], params: SamplingParams, add_special_tokens: bool
     ) -> list[int]:
@@ -221,6 +231,7 @@ class EngineFrontend:
         add_special_tokens: bool = True,
         resume: tuple[ResumedChoice, ...] = (),
         share: FairShare | None = None,
+        lora: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield output deltas until the request finishes. Leaving early aborts it. `prompt_token_ids`:
         the prompt already encoded and checked by this engine (the service checks in a worker thread;
@@ -229,7 +240,8 @@ class EngineFrontend:
         engine never compiled (up to seconds), must not stall the event loop or the engine loop.
         `group_id`: the client request this one is part of (LLMEngine.add_request); `add_special_tokens`:
         how a text prompt is encoded here (False for a rendered chat template); `resume`: choices another
-        engine delivered part of (LLMEngine.add_request); `share`: the tenant it is served for."""
+        engine delivered part of (LLMEngine.add_request); `share`: the tenant it is served for; `lora`: a
+        resident adapter (add_lora)."""
         self._check_alive()
         if prompt_token_ids is None:
             prompt_token_ids = await asyncio.to_thread(
@@ -256,6 +268,7 @@ class EngineFrontend:
                     group_id,
                     resume,
                     share,
+                    lora,
                 )
             )
             self._check_alive()  # the loop may have died after the first check, before it saw us

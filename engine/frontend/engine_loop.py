@@ -40,6 +40,7 @@ class AddRequest:
     group_id: str | None
     resume: tuple[ResumedChoice, ...]
     share: FairShare | None = None
+    lora: str | None = None
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,8 @@ class EngineLoop:
             return self.faults.clear()
         if name == "active_faults":
             return self.faults.active()
+        if name in ("add_lora", "remove_lora", "loras"):
+            return getattr(self.engine, name)(*args)
         raise EngineError(f"no such engine call: {name}")
 
     def close(self, abort: bool = True) -> None:
@@ -164,6 +167,7 @@ class EngineLoop:
                     command.group_id,
                     command.resume,
                     command.share,
+                    command.lora,
                 )
             except EngineError as exc:
                 self._items.append((command.request_id, exc))

@@ -29,12 +29,15 @@ class LLM:
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
         add_special_tokens: bool = True,
+        lora: str | None | Sequence[str | None] = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in the order of the prompts.
 
         sampling_params: one for all prompts, or one per prompt (as vLLM takes them); None: the model's
         generation_config defaults. A text prompt is encoded as HF encodes it (its BOS included) unless
-        `add_special_tokens` is False. A prompt the engine refuses raises, and none of the batch is left queued.
+        `add_special_tokens` is False. `lora`: a LoRA adapter's name (`add_lora`) for every prompt, or one
+        per prompt (None: the base model). A prompt the engine refuses raises, and none of the batch is left
+        queued.
         """
         prompts = [prompts] if isinstance(prompts, str | dict) else list(prompts)
         params = sampling_params or SamplingParams(**self.engine.sampling_defaults)
@@ -43,6 +46,7 @@ class LLM:
             raise ValueError(
                 f"{len(per_prompt)} sampling_params for {len(prompts)} prompts: give one, or one each"
             )
+        adapters = list(lora) if isinstance(lora, list | tuple) else [lora] * len(prompts)
         order = []
         try:
             for i, (prompt, prompt_params) in enumerate(zip(prompts, per_prompt, strict=True)):
@@ -54,11 +58,16 @@ class LLM:
                     prompt_params,
                     priority=priority[i] if priority else 0,
                     prompt_token_ids=self.engine.encode(tokens, add_special_tokens),
+                    lora=adapters[i],
                 )
         except BaseException:
             self._abort(order)
             raise
         return self._run(order, use_tqdm and len(prompts) >= PROGRESS_BAR_MIN_PROMPTS)
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Load the PEFT adapter directory `path` as `name` (generate(..., lora=name) runs with it)."""
+        self.engine.add_lora(name, path)
 
     def chat(
         self,

@@ -25,6 +25,7 @@ from engine.errors import (
     RequestRejectedError,
 )
 from engine.executor.loader import validate_model_dir
+from engine.executor.lora import LoraBank, LoraError
 from engine.executor.model_runner import ModelRunner
 from engine.fair_share import FairShare
 from engine.outputs import CompletionOutput, RequestOutput, ResumedChoice
@@ -51,6 +52,7 @@ class _Request:
     num_choices: int = 1  # params.n, or the choices a resumed request continues
     sent_prompt_logprobs: bool = False
     last_token_time: float | None = None  # when the request last made tokens
+    lora_id: int = 0  # the adapter it holds (engine/executor/lora.py), 0: none
     token_intervals: list[tuple[float, int]] = field(default_factory=list)  # not in an output yet
 
     def note_tokens(self, now: float, num_tokens: int) -> None:
@@ -166,6 +168,7 @@ class LLMEngine:
         group_id: str | None = None,
         resume: tuple[ResumedChoice, ...] = (),
         share: FairShare | None = None,
+        lora: str | None = None,
     ) -> None:
         """`prompt_token_ids`: `prompt` already encoded by this engine's tokenizer (it is checked
         like any prompt; the text is kept for the output). `group_id`: the client request this one is
@@ -175,7 +178,8 @@ class LLMEngine:
         does, its delivered tokens recomputed, replayed through its detokenizer (stop strings see them)
         and grammar, and never sent again; a seeded draw depends on the seed, the choice index and the
         position only, so it goes on as the undisturbed run would have. `share`: the tenant it is served
-        for, for token-fair scheduling (engine/core/fairness.py)."""
+        for, for token-fair scheduling (engine/core/fairness.py). `lora`: the resident adapter it runs with
+        (add_lora; None: the base model)."""
         if request_id in self.requests:
             raise RequestRejectedError(f"request id {request_id!r} is already in use")
         if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) > MAX_PRIORITY:
@@ -218,10 +222,40 @@ class LLMEngine:
                 request.sent_tokens[seq.index] = seq.num_output_tokens
                 request.sent_chars[seq.index] = seq.detokenizer.readable_length(False)
             request.seqs.append(seq)
-        for seq in request.seqs:
-            self.scheduler.add_seq(seq)
+        if lora is not None:  # held until the request leaves: an adapter in use is never evicted
+            request.lora_id = self._lora_bank().acquire(lora).uid
+            for seq in request.seqs:
+                seq.lora_id = request.lora_id
+        try:
+            for seq in request.seqs:
+                self.scheduler.add_seq(seq)
+        except BaseException:
+            self._release_lora(request)
+            raise
         self.num_prompt_tokens += len(prompt_token_ids)
         self.requests[request_id] = request
+
+    # --- LoRA adapters (engine/executor/lora.py) ------------------------------------------------------
+    def add_lora(self, name: str, path: str) -> None:
+        """Make adapter `name` resident, read from the PEFT directory `path` (a no-op if it is, from there)."""
+        self._lora_bank().load(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        self._lora_bank().unload(name)
+
+    def loras(self) -> list[str]:
+        bank = self.model_runner.lora
+        return [] if bank is None else sorted(bank.adapters)
+
+    def _lora_bank(self) -> LoraBank:
+        if self.model_runner.lora is None:
+            raise LoraError(f"this model takes no LoRA adapters: {self.model_runner.lora_refusal}")
+        return self.model_runner.lora
+
+    def _release_lora(self, request: _Request) -> None:
+        if request.lora_id and self.model_runner.lora is not None:
+            self.model_runner.lora.release(request.lora_id)
+            request.lora_id = 0
 
     @staticmethod
     def _replay(seq: Sequence, token_ids: tuple[int, ...]) -> None:
@@ -434,6 +468,7 @@ class LLMEngine:
             prompt_logprobs, request.sent_prompt_logprobs = first.prompt_logprobs, True
         if finished:
             del self.requests[request.request_id]
+            self._release_lora(request)
             if not request.is_aborted:
                 self._observe_phases(first)
         output = RequestOutput(

@@ -24,7 +24,7 @@ from resilience.tenants import Tenant, TenantPermit
 from service.api.protocol import TokenText, new_id
 from service.api.schemas import ChatRequest, CompletionRequest
 from service.auth import bearer_token, key_owner
-from service.config import ServerConfig
+from service.config import LoraModule, ServerConfig
 from service.errors import InvalidRequestError, ModelNotFoundError, UnavailableError, UnprocessableError
 from service.keys import CONFIG_KEY, METRICS_KEY, RECORD_KEY, REQUEST_ID_KEY, STATE_KEY
 from service.router import GenerateRequest, RoutedOutput
@@ -51,6 +51,7 @@ class PreparedRequest:
     priority: int = 0
     owner: str | None = None  # who sent it (an API key's fingerprint): the bulkhead's owner share
     echo: list[str] | None = None  # per prompt, the text `echo` prepends (None: not asked)
+    lora: str | None = None  # a LoRA adapter of `model` it runs with (service/models/adapters.py)
     tenant: Tenant | None = None  # whose quota it spends (--tenants; None: no tenants)
     share: FairShare | None = None  # how the engine's scheduler weighs it against other tenants
 
@@ -61,7 +62,8 @@ class PreparedRequest:
     def fingerprint(self) -> str:
         """The poison quarantine's key: the model, the prompts' ids, every sampling and grammar parameter
         (a prompt of a million ids is megabytes of repr: hash it in a worker thread)."""
-        return hashlib.sha256(repr((self.model, self.prompt_token_ids, self.params)).encode()).hexdigest()
+        key = (self.model, self.lora, self.prompt_token_ids, self.params)
+        return hashlib.sha256(repr(key).encode()).hexdigest()
 
 
 async def prepare(request: web.Request, asked: CompletionRequest | ChatRequest) -> PreparedRequest:
@@ -72,9 +74,14 @@ async def prepare(request: web.Request, asked: CompletionRequest | ChatRequest) 
     if n > config.max_n:
         raise InvalidRequestError(f"n must be at most {config.max_n} on this server, got {n}", param="n")
     deadline = record.start + _timeout_s(request, config.request_timeout_s)  # on the router's clock
-    model = _resolve(config, state, asked.model)
+    adapter = state.adapters.get(asked.model) if asked.model else None
+    model = _resolve(config, state, adapter.base if adapter else asked.model)
     encoded_by, engine = _encoder(state, model)
-    record.model = model
+    if adapter is not None and encoded_by != model:  # only its base has the adapter
+        raise UnavailableError(
+            f"{adapter.name}'s base model {model!r} is being rebuilt", code="model_loading"
+        )
+    record.model = adapter.name if adapter else model
     tenants = config.tenants
     owner = key_owner(request, bool(config.api_keys or (tenants and tenants.key_digests)))
     tenant = tenants.for_key(bearer_token(request)) if tenants else None
@@ -87,6 +94,7 @@ async def prepare(request: web.Request, asked: CompletionRequest | ChatRequest) 
         encoded_by=encoded_by,
         deadline=deadline,
         owner=owner,
+        adapter=adapter,
     )
     if tenant is not None and tenants is not None:  # its band, unless it asked for a lower one
         prepared = dataclasses.replace(
@@ -114,11 +122,14 @@ def _prepare_in_thread(
     encoded_by: str,
     deadline: float,
     owner: str | None,
+    adapter: LoraModule | None,
 ) -> PreparedRequest:
     """Off the event loop (a 4 MiB prompt must not stall it): the model's generation_config for the
     sampling fields the request left out (as vLLM's --generation-config auto), a chat's template
     rendered, every prompt encoded and checked (a prompt too long for the context is a 400 that says
     the numbers), max_tokens filled when not asked for, the echoed prompts decoded."""
+    if adapter is not None:  # resident (read again if the engine evicted it)
+        engine.add_lora(adapter.name, adapter.path)
     defaults = {k: v for k, v in engine.sampling_defaults.items() if k in asked.unset_sampling}
     params = dataclasses.replace(asked.params, **defaults) if defaults else asked.params
     prompts: list[str | list[int]]
@@ -153,6 +164,7 @@ def _prepare_in_thread(
         asked.priority,
         owner,
         echo,
+        lora=adapter.name if adapter else None,
     )
 
 
@@ -264,6 +276,7 @@ class Generation:
                 owner=p.owner,
                 add_special_tokens=p.add_special_tokens,
                 share=p.share,
+                lora=p.lora,
             )
             for i, (prompt, token_ids) in enumerate(zip(p.prompts, p.prompt_token_ids, strict=True))
         ]

@@ -13,10 +13,11 @@ from aiohttp import web
 
 from engine.client import EngineClient
 from engine.faults import Fault
-from service.body import JSON, read_json
+from service.body import JSON, read_object
 from service.config import ENGINE_OPTIONS, ConfigError, engine_config, parse_size
 from service.errors import InvalidRequestError, ModelNotFoundError
 from service.keys import CONFIG_KEY, STATE_KEY
+from service.models.adapters import add_adapter_routes
 from service.models.model_files import resolve_model_path
 
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:+@-]{0,127}")  # a name a log line or a path cannot misread
@@ -26,6 +27,7 @@ LOAD_FIELDS = {"name", "path", "fallback", "quota_bytes", *ENGINE_OPTIONS}
 
 
 def add_admin_routes(app: web.Application) -> None:
+    add_adapter_routes(app)
     app.router.add_post("/admin/models/load", load_model)
     app.router.add_post("/admin/models/unload", unload_model)
     app.router.add_get("/admin/models", list_models)
@@ -39,7 +41,7 @@ async def load_model(request: web.Request) -> web.Response:
     """`{"name", "path", "fallback"?, "quota_bytes"?, engine options?}` -> the model's entry once
     ready. The path is confined to the models root; a quota without kv_cache_memory sizes the KV
     pool as quota - weights."""
-    body = await _object(request, LOAD_FIELDS)
+    body = await read_object(request, LOAD_FIELDS)
     name = body.get("name")
     if not isinstance(name, str) or not MODEL_NAME.fullmatch(name):
         raise InvalidRequestError(
@@ -72,7 +74,7 @@ async def load_model(request: web.Request) -> web.Response:
 
 async def unload_model(request: web.Request) -> web.Response:
     """`{"name"}`: drain (new requests 503, in-flight ones finish), stop, free."""
-    body = await _object(request, {"name"})
+    body = await read_object(request, {"name"})
     name = body.get("name")
     if not isinstance(name, str):
         raise InvalidRequestError("'name' must name a loaded model", param="name")
@@ -81,16 +83,6 @@ async def unload_model(request: web.Request) -> web.Response:
 
 async def list_models(request: web.Request) -> web.Response:
     return web.json_response(request.app[STATE_KEY].registry.describe())
-
-
-async def _object(request: web.Request, fields: set[str]) -> dict[str, JSON]:
-    body = await read_json(request)
-    if not isinstance(body, dict):
-        raise InvalidRequestError("the body must be a JSON object")
-    unknown = sorted(set(body) - fields)
-    if unknown:
-        raise InvalidRequestError(f"unknown fields: {unknown}; known: {sorted(fields)}", param=unknown[0])
-    return body
 
 
 def _size(body: dict[str, JSON], key: str) -> int | None:
@@ -106,7 +98,7 @@ def _size(body: dict[str, JSON], key: str) -> int | None:
 
 
 async def inject_fault(request: web.Request) -> web.Response:
-    body = await _object(request, FAULT_FIELDS)
+    body = await read_object(request, FAULT_FIELDS)
     engine = _engine(request, body.get("model"))
     try:
         fault = Fault(

@@ -44,6 +44,7 @@ from engine.executor.layers.quantization import (
     quantize_int8,
     unpack_layer,
 )
+from engine.executor.lora import LoraBank, LoraShapes
 from engine.executor.parallel import TPGroup
 from engine.kernels import cpu as cpu_kernel
 
@@ -301,12 +302,17 @@ class Attention(nn.Module):
         self.softcap = args.attn_softcap
         self.rotary_dim = args.rotary_dim
         self.sliding_window = args.sliding_windows[layer_idx]
+        self.layer_idx = layer_idx
+        self.lora: LoraBank | None = None  # the model's adapters (attach_lora): their deltas on qkv and o
         self.k_cache: torch.Tensor | None = None  # [num_kv_heads, num_slots, head_dim], set by bind_kv_caches
         self.v_cache: torch.Tensor | None = None
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [T, hidden] -> q [T, H, D], k and v [T, KVH, D], RoPE applied."""
-        heads = self.qkv_proj(x).view(x.shape[0], -1, self.head_dim)  # [T, H + 2 KVH, D]
+        qkv = self.qkv_proj(x)
+        if self.lora is not None and self.lora.batch:
+            self.lora.apply(qkv, x, self.layer_idx, "qkv_proj")
+        heads = qkv.view(x.shape[0], -1, self.head_dim)  # [T, H + 2 KVH, D]
         q, k, v = heads.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.q_norm is not None:
             return apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin), v
@@ -353,13 +359,25 @@ class MLP(nn.Module):
         self.gate_up_proj = linear(hidden_size, 2 * intermediate_size, bias, dtype, quant)
         self.down_proj = linear(intermediate_size, hidden_size, bias, dtype, quant)
         self.gelu = gelu  # Gemma's GELU (tanh approximation) on the gate, else SiLU
+        self.layer_idx = 0
+        self.lora: LoraBank | None = (
+            None  # the model's adapters (attach_lora): their deltas on gate_up and down
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lora = self.lora if self.lora is not None and self.lora.batch else None
         gate_up = self.gate_up_proj(x)
+        if lora is not None:
+            lora.apply(gate_up, x, self.layer_idx, "gate_up_proj")
         if self.gelu:
             gate, up = gate_up.chunk(2, dim=-1)
-            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
-        return self.down_proj(silu_mul(gate_up))
+            h = F.gelu(gate, approximate="tanh") * up
+        else:
+            h = silu_mul(gate_up)
+        out = self.down_proj(h)
+        if lora is not None:
+            lora.apply(out, h, self.layer_idx, "down_proj")
+        return out
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -549,7 +567,12 @@ class DecoderLayer(nn.Module):
         return self.self_attn.project(self.input_layernorm(x), cos, sin)
 
     def after_attention(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        attn = self.reduce(self.self_attn.o_proj(attn.flatten(1)))
+        flat = attn.flatten(1)
+        attn = self.self_attn.o_proj(flat)
+        lora = self.self_attn.lora
+        if lora is not None and lora.batch:
+            lora.apply(attn, flat, self.self_attn.layer_idx, "o_proj")
+        attn = self.reduce(attn)
         if self.sandwich:  # Gemma: each half normed before its residual add, the MLP's input normed apart
             x, h = self.pre_feedforward_layernorm(self.post_attention_layernorm(attn), x)
             return x + self.post_feedforward_layernorm(self.reduce(self.mlp(h)))
@@ -616,6 +639,24 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             if isinstance(layer.mlp, SparseMoE):
                 layer.mlp.row_bucket = bucket
+
+    def lora_shapes(self) -> LoraShapes:
+        a = self.args
+        return LoraShapes(
+            a.num_layers,
+            a.hidden_size,
+            a.num_heads * a.head_dim,
+            a.num_kv_heads * a.head_dim,
+            a.intermediate_size,
+            tuple(isinstance(layer.mlp, SparseMoE) for layer in self.layers),
+        )
+
+    def attach_lora(self, bank: LoraBank) -> None:
+        """Every projection adds the deltas of the adapters `bank` batches in a step."""
+        for i, layer in enumerate(self.layers):
+            layer.self_attn.lora = bank
+            if isinstance(layer.mlp, MLP):
+                layer.mlp.lora, layer.mlp.layer_idx = bank, i
 
     def bind_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Hand each attention layer its (K, V) pool views; copies between pools happen in place."""

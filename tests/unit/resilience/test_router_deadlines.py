@@ -225,6 +225,7 @@ async def test_an_error_after_the_first_output_is_never_retried_but_continued(ma
             add_special_tokens=True,
             resume=(),
             share=None,
+            lora=None,
         ):
             self.request_ids.append(request_id)
             yield fake_output(f"{request_id}:0")
@@ -312,6 +313,7 @@ async def test_a_late_token_is_queueing_when_its_own_sequence_was_preempted_sinc
             group_id=None,
             add_special_tokens=True,
             share=None,
+            lora=None,
         ):
             yield RequestOutput(f"{request_id}:0", None, [], [], metrics={"num_preemptions": 1})
             await asyncio.sleep(2 * TIMEOUT_S)

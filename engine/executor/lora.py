@@ -1,0 +1,304 @@
+"""LoRA adapters in PEFT's format on the own forward (engine/executor/models/llama.py).
+
+An adapter directory holds `adapter_config.json` and `adapter_model.safetensors` with, per adapted module,
+`...layers.<i>.<self_attn|mlp>.<proj>.lora_A.weight` [r, in] and `lora_B.weight` [out, r]. Its delta on a
+row x is `scale * B (A x)`, scale = lora_alpha / r (lora_alpha / sqrt(r) with use_rslora). The own
+forward runs q/k/v as one product and gate/up as one: an adapter's parts of a fused projection are stacked
+here into one A [sum of ranks, in] and one B [out, sum of ranks] (each part's B in its own rows and rank
+columns, zeros elsewhere, the scale folded in), so each adapter costs two small products per projection.
+
+In a step, rows of different adapters (and of the base) share the batch: `LoraBank.apply` gathers each
+adapter's rows, runs its two products over all of them at once, and adds the result back in place: one
+pair of matmuls per adapter and projection present in the step, no loop over tokens.
+
+`LoraBank` holds the resident adapters (at most `max_loras`; loading one more evicts the least recently
+used one that no request uses, else refuses). Each load gets a new `uid`: the prefix cache keys a
+sequence's blocks by it, so an adapter never shares KV blocks with the base or with another adapter
+(nor with an earlier adapter of the same name)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.errors import EngineOverloadedError, RequestRejectedError
+
+MAX_RANK = 64
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+ATTENTION_TARGETS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
+MLP_TARGETS = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+WHOLE = {"o_proj", "down_proj", "qkv_proj", "gate_up_proj"}  # adapted as they are (Phi-3 has them fused)
+_KEY = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+_uids = itertools.count(1)
+
+
+class LoraError(RequestRejectedError):
+    """An adapter that cannot be served with this model, or is not loaded; the message says why."""
+
+
+class LoraBankFull(EngineOverloadedError):
+    """Every resident adapter has requests in flight: one more cannot be loaded now (retry later)."""
+
+
+@dataclass(frozen=True)
+class LoraShapes:
+    """What an adapter must fit: the model's projection sizes, and where adapters cannot go."""
+
+    num_layers: int
+    hidden_size: int
+    q_size: int  # num_heads * head_dim
+    kv_size: int  # num_kv_heads * head_dim
+    intermediate_size: int
+    moe_layers: tuple[bool, ...]  # a layer whose MLP is a mixture of experts: no MLP adapters there
+
+    def fused(self, module: str) -> tuple[int, list[int]]:
+        """(in features, the out sizes of its parts) of one of our projections."""
+        q, kv, inter, hidden = self.q_size, self.kv_size, self.intermediate_size, self.hidden_size
+        return {
+            "qkv_proj": (hidden, [q, kv, kv]),
+            "o_proj": (q, [hidden]),
+            "gate_up_proj": (hidden, [inter, inter]),
+            "down_proj": (inter, [hidden]),
+        }[module]
+
+
+@dataclass(eq=False)
+class Adapter:
+    name: str
+    path: str
+    uid: int
+    rank: int  # the largest of its modules'
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]  # (layer, our module) -> (A, B)
+    last_used: float = field(default_factory=time.monotonic)
+    num_requests: int = 0  # requests of it the engine holds: never evicted while any
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for pair in self.weights.values() for t in pair)
+
+
+def load_adapter(
+    path: str | Path, name: str, shapes: LoraShapes, dtype: torch.dtype, device: torch.device, max_rank: int
+) -> Adapter:
+    """Read and check a PEFT adapter directory; its deltas fused for our projections, in `dtype`."""
+    path = Path(path)
+    try:
+        config = json.loads((path / CONFIG_FILE).read_text())
+    except (OSError, ValueError) as exc:
+        raise LoraError(f"adapter {name!r}: cannot read {path / CONFIG_FILE}: {exc}") from None
+    _check_config(name, config)
+    alpha, rslora = float(config.get("lora_alpha", config["r"])), bool(config.get("use_rslora"))
+    parts: dict[tuple[int, str], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+    try:
+        with safe_open(str(path / WEIGHTS_FILE), framework="pt") as tensors:
+            pairs = _pairs(name, list(tensors.keys()))
+            for (layer, target), (key_a, key_b) in pairs.items():
+                module, part = _our_module(name, target, layer, shapes)
+                a, b = tensors.get_tensor(key_a), tensors.get_tensor(key_b)
+                rank = a.shape[0]
+                if not 1 <= rank <= max_rank or b.shape[1] != rank:
+                    raise LoraError(
+                        f"adapter {name!r}: {target} of layer {layer} has rank {rank} "
+                        f"(B {tuple(b.shape)}); this engine takes ranks 1..{max_rank}"
+                    )
+                in_features, outs = shapes.fused(module)
+                whole = target in WHOLE  # o_proj, down_proj, or a checkpoint's fused qkv_proj / gate_up_proj
+                out = sum(outs) if whole else outs[part]
+                if tuple(a.shape) != (rank, in_features) or tuple(b.shape) != (out, rank):
+                    raise LoraError(
+                        f"adapter {name!r}: {target} of layer {layer} is A {tuple(a.shape)}, B {tuple(b.shape)}; "
+                        f"this model needs A ({rank}, {in_features}), B ({out}, {rank}): another base model's?"
+                    )
+                scale = alpha / math.sqrt(rank) if rslora else alpha / rank
+                parts.setdefault((layer, module), {})[-1 if whole else part] = (
+                    a.float(),
+                    b.float() * scale,
+                )
+    except OSError as exc:
+        raise LoraError(f"adapter {name!r}: cannot read {path / WEIGHTS_FILE}: {exc}") from None
+    if not parts:
+        raise LoraError(
+            f"adapter {name!r}: {WEIGHTS_FILE} holds no lora_A / lora_B weights of decoder layers"
+        )
+    weights = {key: _fuse(shapes, key[1], pieces, dtype, device) for key, pieces in parts.items()}
+    rank = max(a.shape[0] for pieces in parts.values() for a, _ in pieces.values())
+    return Adapter(name, str(path), next(_uids), rank, weights)
+
+
+def _check_config(name: str, config: dict) -> None:
+    def refuse(why: str) -> None:
+        raise LoraError(f"adapter {name!r}: {why}")
+
+    if str(config.get("peft_type", "LORA")).upper() != "LORA":
+        refuse(f"peft_type {config.get('peft_type')!r}: only LORA adapters are served")
+    if not isinstance(config.get("r"), int) or config["r"] < 1:
+        refuse(f"adapter_config.json needs an integer r >= 1, got {config.get('r')!r}")
+    if config.get("use_dora"):
+        refuse("DoRA (use_dora) is not served")
+    if config.get("bias", "none") != "none":
+        refuse(f"bias {config.get('bias')!r}: adapters with bias terms are not served")
+    if config.get("modules_to_save"):
+        refuse(
+            f"modules_to_save {config['modules_to_save']}: adapters that replace whole modules are not served"
+        )
+    if config.get("fan_in_fan_out"):
+        refuse("fan_in_fan_out (Conv1D-style weights) is not served")
+    if config.get("alpha_pattern"):
+        refuse("alpha_pattern (per-module alphas) is not served")
+
+
+def _pairs(name: str, keys: list[str]) -> dict[tuple[int, str], tuple[str, str]]:
+    found: dict[tuple[int, str], dict[str, str]] = {}
+    for key in keys:
+        match = _KEY.search(key)
+        if match is None:
+            if "lora_" in key or "embed" in key or "lm_head" in key:
+                raise LoraError(
+                    f"adapter {name!r}: {key} adapts a module this engine does not (decoder layers only)"
+                )
+            continue
+        layer, _, target, which = match.groups()
+        found.setdefault((int(layer), target), {})[which] = key
+    incomplete = [f"{t} of layer {i}" for (i, t), ab in found.items() if len(ab) != 2]
+    if incomplete:
+        raise LoraError(f"adapter {name!r}: lora_A without lora_B (or the reverse) for {incomplete[:3]}")
+    return {key: (ab["A"], ab["B"]) for key, ab in found.items()}
+
+
+def _our_module(name: str, target: str, layer: int, shapes: LoraShapes) -> tuple[str, int]:
+    if not 0 <= layer < shapes.num_layers:
+        raise LoraError(f"adapter {name!r}: layer {layer}, this model has {shapes.num_layers}")
+    if target in ATTENTION_TARGETS:
+        return ATTENTION_TARGETS[target]
+    if target in MLP_TARGETS or target in ("down_proj", "gate_up_proj"):
+        if shapes.moe_layers[layer]:
+            raise LoraError(
+                f"adapter {name!r}: {target} of layer {layer}: adapters on experts are not served"
+            )
+        return MLP_TARGETS.get(target, (target, 0))
+    if target in ("o_proj", "qkv_proj"):
+        return target, 0
+    raise LoraError(
+        f"adapter {name!r}: target {target!r} is not served (q/k/v/o/gate/up/down projections are)"
+    )
+
+
+def _fuse(
+    shapes: LoraShapes,
+    module: str,
+    pieces: dict[int, tuple[torch.Tensor, torch.Tensor]],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One (A [R, in], B [out, R]) for our module from its parts (-1: the whole module adapted as one)."""
+    _, outs = shapes.fused(module)
+    starts = [sum(outs[:i]) for i in range(len(outs))]
+    total_rank = sum(a.shape[0] for a, _ in pieces.values())
+    a_all = torch.cat([a for _, (a, _) in sorted(pieces.items())])
+    b_all = torch.zeros(sum(outs), total_rank)
+    col = 0
+    for part, (_, b) in sorted(pieces.items()):
+        row = 0 if part == -1 else starts[part]
+        b_all[row : row + b.shape[0], col : col + b.shape[1]] = b
+        col += b.shape[1]
+    return a_all.to(dtype=dtype, device=device).contiguous(), b_all.to(
+        dtype=dtype, device=device
+    ).contiguous()
+
+
+class LoraBank:
+    """The adapters resident for one model, and which rows of the current step each one serves."""
+
+    def __init__(
+        self, shapes: LoraShapes, dtype: torch.dtype, device: torch.device, max_loras: int, max_rank: int
+    ):
+        self.shapes, self.dtype, self.device = shapes, dtype, device
+        self.max_loras, self.max_rank = max_loras, max_rank
+        self.adapters: dict[str, Adapter] = {}
+        self.by_uid: dict[int, Adapter] = {}
+        self.batch: list[tuple[Adapter, torch.Tensor]] = []  # this step's (adapter, its row indices)
+        self.num_evicted = 0
+        self._lock = threading.Lock()  # loads and unloads come from other threads than the step's
+
+    def load(self, name: str, path: str) -> Adapter:
+        """Make `name` resident (read from `path`), or touch it if it already is from that path. Past
+        max_loras, the least recently used idle adapter goes; if none is idle, LoraError."""
+        with self._lock:
+            resident = self.adapters.get(name)
+            if resident is not None and resident.path == str(Path(path)):
+                resident.last_used = time.monotonic()
+                return resident
+        adapter = load_adapter(
+            path, name, self.shapes, self.dtype, self.device, self.max_rank
+        )  # unlocked: I/O
+        with self._lock:
+            old = self.adapters.get(name)
+            if old is not None:  # reloaded from another directory: the old one goes once idle
+                self._drop(old, "replaced")
+            while len(self.adapters) >= self.max_loras:
+                idle = [a for a in self.adapters.values() if not a.num_requests]
+                if not idle:
+                    raise LoraBankFull(
+                        f"cannot load adapter {name!r}: {self.max_loras} adapters are resident (--max-loras) and "
+                        "every one has requests in flight"
+                    )
+                self._drop(min(idle, key=lambda a: a.last_used), "evicted")
+                self.num_evicted += 1
+            self.adapters[name] = adapter
+            self.by_uid[adapter.uid] = adapter
+        return adapter
+
+    def unload(self, name: str) -> None:
+        with self._lock:
+            adapter = self.adapters.get(name)
+            if adapter is None:
+                raise LoraError(f"adapter {name!r} is not loaded")
+            self._drop(adapter, "unloaded")
+
+    def _drop(self, adapter: Adapter, why: str) -> None:
+        if adapter.num_requests:
+            raise LoraError(
+                f"adapter {adapter.name!r} cannot be {why}: {adapter.num_requests} requests use it"
+            )
+        del self.adapters[adapter.name]
+        del self.by_uid[adapter.uid]
+
+    def acquire(self, name: str) -> Adapter:
+        """A new request of `name` (LoraError if it is not resident); `release` when it leaves."""
+        with self._lock:
+            adapter = self.adapters.get(name)
+            if adapter is None:
+                raise LoraError(f"adapter {name!r} is not loaded on this engine")
+            adapter.num_requests += 1
+            adapter.last_used = time.monotonic()
+            return adapter
+
+    def release(self, uid: int) -> None:
+        with self._lock:
+            adapter = self.by_uid.get(uid)
+            if adapter is not None:
+                adapter.num_requests -= 1
+                adapter.last_used = time.monotonic()
+
+    def set_batch(self, rows_by_uid: dict[int, list[int]]) -> None:
+        self.batch = [
+            (self.by_uid[uid], torch.tensor(rows, dtype=torch.long, device=self.device))
+            for uid, rows in rows_by_uid.items()
+        ]
+
+    def apply(self, out: torch.Tensor, x: torch.Tensor, layer: int, module: str) -> None:
+        """out [rows, out] += each adapter's delta over its rows of x [rows, in], in place."""
+        for adapter, rows in self.batch:
+            weights = adapter.weights.get((layer, module))
+            if weights is not None:
+                a, b = weights
+                out.index_add_(0, rows, (x.index_select(0, rows) @ a.t()) @ b.t())

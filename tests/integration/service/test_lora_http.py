@@ -1,0 +1,74 @@
+"""LoRA adapters over HTTP (service/models/adapters.py) on the shipped tiny model: --lora-modules at start,
+/v1/models lists them with their base as parent, a request names one and gets its tokens (the engine's
+own with that adapter, not the base's), and the admin key loads and unloads them at run time, the
+directory confined to the models root."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine.sampling_params import SamplingParams
+from service.config import LoraModule
+from tests.harness import TINY, write_adapter
+
+ADMIN = {"Authorization": "Bearer admin-key"}
+BODY = {"prompt": "def add(a, b):", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    base = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32)
+    write_adapter(base, root / "sql", 8, 16, ("q_proj", "v_proj", "down_proj"), seed=1)
+    write_adapter(base, root / "docs", 4, 8, ("o_proj", "gate_proj"), seed=2)
+    return root
+
+
+async def engine_text(h, prompt, lora):
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    text = ""
+    async for output in h.primary.generate(prompt, params, f"ref-{lora}", lora=lora):
+        text += output.outputs[0].text
+    return text
+
+
+async def test_an_adapter_at_start_is_listed_and_served_by_its_name(start, adapters):
+    h = await start(lora_modules=(LoraModule("sql", str(adapters / "sql")),))
+    models = (await (await h.client.get("/v1/models")).json())["data"]
+    sql = next(m for m in models if m["id"] == "sql")
+    assert sql["parent"] == "primary" and sql["root"] == "sql"  # outside the models root: its name alone
+    response = await h.client.post("/v1/completions", json={**BODY, "model": "sql"})
+    body = await response.json()
+    assert response.status == 200, body
+    assert body["model"] == "sql" and response.headers["x-pagedserve-served-model"] == "sql"
+    base = await (await h.client.post("/v1/completions", json={**BODY, "model": "primary"})).json()
+    assert body["choices"][0]["text"] == await engine_text(h, BODY["prompt"], "sql")
+    assert body["choices"][0]["text"] != base["choices"][0]["text"]  # the adapter changes the tokens
+    retrieved = await h.client.get("/v1/models/sql")
+    assert retrieved.status == 200 and (await retrieved.json())["parent"] == "primary"
+    tokens = await h.client.post("/tokenize", json={"model": "sql", "prompt": "x"})
+    assert tokens.status == 200  # its base's tokenizer
+
+
+async def test_the_admin_key_loads_and_unloads_adapters_inside_the_models_root(start, adapters):
+    h = await start(admin_key="admin-key", models_root=str(adapters))
+    load = {"lora_name": "docs", "lora_path": "docs"}
+    assert (await h.client.post("/admin/lora/load", json=load)).status == 401  # the admin key
+    response = await h.client.post("/admin/lora/load", json=load, headers=ADMIN)
+    assert response.status == 200, await response.text()
+    served = await h.client.post("/v1/completions", json={**BODY, "model": "docs"})
+    assert served.status == 200 and (await served.json())["model"] == "docs"
+    outside = await h.client.post(
+        "/admin/lora/load", json={"lora_name": "x", "lora_path": "/etc"}, headers=ADMIN
+    )
+    assert outside.status == 400 and (await outside.json())["error"]["code"] == "path_outside_models_root"
+    clash = await h.client.post(
+        "/admin/lora/load", json={"lora_name": "fallback", "lora_path": "docs"}, headers=ADMIN
+    )
+    assert clash.status == 400  # a model's name
+    response = await h.client.post("/admin/lora/unload", json={"lora_name": "docs"}, headers=ADMIN)
+    assert response.status == 200
+    assert "docs" not in [m["id"] for m in (await (await h.client.get("/v1/models")).json())["data"]]
+    gone = await h.client.post("/v1/completions", json={**BODY, "model": "docs"})
+    assert gone.status == 404
+    assert h.primary.loras() == []
