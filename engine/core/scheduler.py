@@ -142,8 +142,11 @@ class Scheduler:
         self.is_full = bool(preempted)  # and below, when a queued sequence does not fit
         num_running = len(scheduled)
         if not preempted:
-            self._schedule_swapped(budget, scheduled)
-            self._schedule_waiting(budget, scheduled)
+            # nothing queued goes ahead of a deferred chunk that it does not outrank (the flood's own new
+            # prompts would otherwise take the budget its running ones were deferred from, seat by seat)
+            first_deferred = min(map(self._fair_key, deferred), default=None)
+            self._schedule_swapped(budget, scheduled, first_deferred)
+            self._schedule_waiting(budget, scheduled, first_deferred)
         if len(scheduled) == num_running:  # the queue took nothing: the deferred chunks take the budget
             for seq in deferred:
                 num_new = self._num_new_tokens(seq, budget)
@@ -213,7 +216,9 @@ class Scheduler:
                 i += 1
         return deferred  # never a victim: those are taken from the sequences after the current one
 
-    def _schedule_swapped(self, budget: _Budget, scheduled: list[ScheduledSeq]) -> None:
+    def _schedule_swapped(
+        self, budget: _Budget, scheduled: list[ScheduledSeq], first_deferred: tuple | None = None
+    ) -> None:
         if not self.swapped:
             return
         # swapped and waiting sequences are served in one policy order: a swapped one behind a
@@ -221,6 +226,8 @@ class Scheduler:
         first_waiting = min(map(self._fair_key, self.waiting), default=None)
         for seq in sorted(self.swapped, key=self._fair_key):
             if first_waiting is not None and first_waiting < self._fair_key(seq):
+                return
+            if first_deferred is not None and first_deferred < self._fair_key(seq):
                 return
             if not self._has_seats_for(seq) or not self.block_manager.can_swap_in(seq):
                 self.is_full = True
@@ -233,7 +240,9 @@ class Scheduler:
             if num_new and self.block_manager.can_allocate(seq, num_new):
                 self._schedule(seq, num_new, budget, scheduled)
 
-    def _schedule_waiting(self, budget: _Budget, scheduled: list[ScheduledSeq]) -> None:
+    def _schedule_waiting(
+        self, budget: _Budget, scheduled: list[ScheduledSeq], first_deferred: tuple | None = None
+    ) -> None:
         if not self.waiting or budget.tokens == 0 or budget.prefill_tokens == 0:
             return
         if self._num_seats_taken() >= self.config.max_num_seqs:
@@ -244,6 +253,8 @@ class Scheduler:
         while self.waiting:  # picked one at a time: each admission raises its tenant's counter
             seq = min(self.waiting, key=self._fair_key)
             if first_swapped is not None and first_swapped < self._fair_key(seq):
+                return
+            if first_deferred is not None and first_deferred < self._fair_key(seq):
                 return
             if budget.tokens == 0 or budget.prefill_tokens == 0:  # this step's budget: room next step
                 return

@@ -153,3 +153,21 @@ def test_a_deferred_chunk_runs_when_the_queue_cannot_take_its_seat():
     assert chunks(out) == [(long, 8, 4, 1)] and sched.is_full and long.is_finished
     assert chunks(step(sched)) == [(short, 0, 3, 1)]
     assert_all_free(sched)
+
+
+def test_the_floods_new_prompts_do_not_take_what_its_running_ones_were_deferred_from():
+    """A step that admits b's prompt ahead of a's running chunk admits none of a's queued prompts either:
+    else each of b's arrivals would start one more of a's prompts, until a's half-done prompts hold
+    every seat (measured: 128 of 128 after 25 s of benchmarks/fairness.py)."""
+    sched = make_fair_scheduler(max_num_batched_tokens=8, max_num_seqs=8)
+    running = shared(sched, 20, A, arrival=0)
+    step(sched)
+    queued = [shared(sched, 20, A, arrival=1 + i) for i in range(3)]
+    step(sched)  # a's running chunk (its queued ones wait behind it: the budget is spent)
+    short = shared(sched, 3, B, arrival=9)
+    out = step(sched)
+    assert chunks(out) == [(short, 0, 3, 1)]  # b alone: a's chunk waits, a's queued prompts wait too
+    assert sched.running == [running]  # b finished (max_tokens 1)
+    assert all(seq in sched.waiting for seq in queued)
+    drain(sched, max_steps=100)
+    assert_all_free(sched)
