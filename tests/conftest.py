@@ -5,6 +5,7 @@ Importable helpers are in tests/harness.py, fakes in tests/fakes.py; nothing imp
 
 Fixtures here import what they need when they run, so collecting the unit tier loads no torch."""
 
+import gc
 import json
 import os
 import shutil
@@ -16,6 +17,16 @@ import pytest
 from tests.harness import BOS_ID, TINY, Harness, TinyModels, real_config, until
 
 RESULTS_DIR_ENV = "PAGEDSERVE_RESULTS_DIR"
+
+
+@pytest.fixture(autouse=True)
+def _unfrozen_heap():
+    """A server freezes the heap once its models load (service/models/supervision.py's freeze_heap); an
+    in-process app of a test must not leave this process's heap frozen for the tests after it (what a
+    test's app leaves in reference cycles would never be collected)."""
+    yield
+    if gc.get_freeze_count():
+        gc.unfreeze()
 
 
 @pytest.fixture(scope="session")

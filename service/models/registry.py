@@ -29,7 +29,7 @@ from engine.config import EngineConfig
 from service.body import JSON
 from service.errors import InvalidRequestError, ServiceError
 from service.metrics import Metrics
-from service.models.supervision import release_memory, warm_up
+from service.models.supervision import freeze_heap, release_memory, warm_up
 from service.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -193,6 +193,7 @@ class ModelRegistry:
             engine = await self._build(entry, config)
             await self._settle(entry, engine)
             self._publish(entry, engine)
+            await asyncio.to_thread(freeze_heap)
         self._after_change()
         return entry
 

@@ -45,3 +45,11 @@ async def test_the_tokenizer_and_model_routes_agree_an_unloaded_model_is_gone(st
     assert (await h.client.get("/v1/models/fallback")).status == 404
     response = await h.client.post("/tokenize", json={"model": "fallback", "prompt": "hi"})
     assert response.status == 404 and (await response.json())["error"]["code"] == "model_not_found"
+
+
+async def test_a_loaded_model_leaves_the_collectors_generations(start):
+    """service/models/supervision.py's freeze_heap: a full collection no longer walks the model."""
+    import gc
+
+    await start()
+    assert gc.get_freeze_count() > 10_000
