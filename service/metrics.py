@@ -579,9 +579,17 @@ class ModelRegistryCollector(Collector):
             in_flight.add_metric([name], entry.num_in_flight)
         for model_state in ("loading", "ready", "draining", "unloading", "failed"):
             loaded.add_metric([model_state], counts.get(model_state, 0))
+        adapters = GaugeMetricFamily(
+            f"{PREFIX}lora_adapter_info",
+            "LoRA adapters served (1 each), by base model and adapter name",
+            labels=["model_name", "lora_name"],
+        )
+        for name, module in list(self.state.adapters.items()):
+            adapters.add_metric([module.base or "", name], 1)
         yield loaded
         yield memory
         yield in_flight
+        yield adapters
         yield GaugeMetricFamily(
             f"{PREFIX}model_memory_used_bytes", "Bytes held by all models", value=registry.used_bytes
         )

@@ -217,7 +217,7 @@ class Scheduler:
         return deferred  # never a victim: those are taken from the sequences after the current one
 
     def _schedule_swapped(
-        self, budget: _Budget, scheduled: list[ScheduledSeq], first_deferred: tuple | None = None
+        self, budget: _Budget, scheduled: list[ScheduledSeq], first_deferred: tuple | None
     ) -> None:
         if not self.swapped:
             return
@@ -241,7 +241,7 @@ class Scheduler:
                 self._schedule(seq, num_new, budget, scheduled)
 
     def _schedule_waiting(
-        self, budget: _Budget, scheduled: list[ScheduledSeq], first_deferred: tuple | None = None
+        self, budget: _Budget, scheduled: list[ScheduledSeq], first_deferred: tuple | None
     ) -> None:
         if not self.waiting or budget.tokens == 0 or budget.prefill_tokens == 0:
             return

@@ -7,9 +7,14 @@ forward runs q/k/v as one product and gate/up as one: an adapter's parts of a fu
 here into one A [sum of ranks, in] and one B [out, sum of ranks] (each part's B in its own rows and rank
 columns, zeros elsewhere, the scale folded in), so each adapter costs two small products per projection.
 
-In a step, rows of different adapters (and of the base) share the batch: `LoraBank.apply` gathers each
-adapter's rows, runs its two products over all of them at once, and adds the result back in place: one
-pair of matmuls per adapter and projection present in the step, no loop over tokens.
+In a step, rows of different adapters (and of the base) share the batch. Every resident adapter's A and B
+are stacked per projection (zero-padded to the largest rank). `LoraBank.apply` gathers the adapters' rows
+slot by slot, padded to the widest slot's count, runs two batched products (`torch.bmm`) over all slots at
+once and adds the result back in place: four ops per projection whatever the number of adapters, no loop
+over tokens. Where padding would more than quadruple the rows (a long prompt chunk of one adapter), it
+runs two products per adapter present instead. Measured on 2 cores, 8 rank-16 adapters x 32 decode rows,
+one projection: a loop per adapter 4.8 ms, F.grouped_mm 1.3 ms (its second product copies the stacks),
+the padded bmm 0.1 ms.
 
 `LoraBank` holds the resident adapters (at most `max_loras`; loading one more evicts the least recently
 used one that no request uses, else refuses). Each load gets a new `uid`: the prefix cache keys a
@@ -33,6 +38,7 @@ from safetensors import safe_open
 from engine.errors import EngineOverloadedError, RequestRejectedError
 
 MAX_RANK = 64
+PAD_WASTE = 4  # padding each slot to the widest one's rows is fine while it makes at most this many rows
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 ATTENTION_TARGETS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
 MLP_TARGETS = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -80,6 +86,7 @@ class Adapter:
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]  # (layer, our module) -> (A, B)
     last_used: float = field(default_factory=time.monotonic)
     num_requests: int = 0  # requests of it the engine holds: never evicted while any
+    slot: int = -1  # its place in the bank's stacks, once resident
 
     @property
     def nbytes(self) -> int:
@@ -225,7 +232,11 @@ class LoraBank:
         self.max_loras, self.max_rank = max_loras, max_rank
         self.adapters: dict[str, Adapter] = {}
         self.by_uid: dict[int, Adapter] = {}
-        self.batch: list[tuple[Adapter, torch.Tensor]] = []  # this step's (adapter, its row indices)
+        self.slots: list[Adapter | None] = [None] * max_loras  # each resident adapter's place in the stacks
+        # (layer, module) -> every slot's A^T [slots, in, R] and B^T [slots, R, out], zero-padded to the largest
+        # rank R of that module among the residents (zeros where a slot has none): rebuilt at each change
+        self.stacks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.step: _Step | None = None  # this step's adapter rows (set_batch), None: no adapter row
         self.num_evicted = 0
         self._lock = threading.Lock()  # loads and unloads come from other threads than the step's
 
@@ -255,6 +266,9 @@ class LoraBank:
                 self.num_evicted += 1
             self.adapters[name] = adapter
             self.by_uid[adapter.uid] = adapter
+            adapter.slot = self.slots.index(None)
+            self.slots[adapter.slot] = adapter
+            self._restack()
         return adapter
 
     def unload(self, name: str) -> None:
@@ -263,6 +277,7 @@ class LoraBank:
             if adapter is None:
                 raise LoraError(f"adapter {name!r} is not loaded")
             self._drop(adapter, "unloaded")
+            self._restack()
 
     def _drop(self, adapter: Adapter, why: str) -> None:
         if adapter.num_requests:
@@ -271,6 +286,22 @@ class LoraBank:
             )
         del self.adapters[adapter.name]
         del self.by_uid[adapter.uid]
+        self.slots[adapter.slot] = None
+
+    def _restack(self) -> None:
+        """New stacks for the residents, swapped in whole (a step in flight keeps the ones it took)."""
+        stacks = {}
+        for key in {key for adapter in self.adapters.values() for key in adapter.weights}:
+            present = [(slot, a.weights[key]) for slot, a in enumerate(self.slots) if a and key in a.weights]
+            rank = max(a.shape[0] for _, (a, _) in present)
+            _, (a0, b0) = present[0]
+            a_all = a0.new_zeros(len(self.slots), a0.shape[1], rank)
+            b_all = b0.new_zeros(len(self.slots), rank, b0.shape[0])
+            for slot, (a, b) in present:
+                a_all[slot, :, : a.shape[0]] = a.t()
+                b_all[slot, : b.shape[1]] = b.t()
+            stacks[key] = (a_all, b_all)
+        self.stacks = stacks
 
     def acquire(self, name: str) -> Adapter:
         """A new request of `name` (LoraError if it is not resident); `release` when it leaves."""
@@ -290,15 +321,64 @@ class LoraBank:
                 adapter.last_used = time.monotonic()
 
     def set_batch(self, rows_by_uid: dict[int, list[int]]) -> None:
-        self.batch = [
-            (self.by_uid[uid], torch.tensor(rows, dtype=torch.long, device=self.device))
-            for uid, rows in rows_by_uid.items()
-        ]
+        """This step's rows of each adapter (by uid); {}: none (the projections add nothing)."""
+        if not rows_by_uid:
+            self.step = None
+            return
+        by_slot: list[list[int]] = [[] for _ in self.slots]
+        for uid, rows in rows_by_uid.items():
+            by_slot[self.by_uid[uid].slot] = rows
+        rows = [row for slot_rows in by_slot for row in slot_rows]
+        width = max(len(slot_rows) for slot_rows in by_slot)
+        padded = None
+        if len(self.slots) * width <= PAD_WASTE * len(rows):  # decode-like: every slot padded to `width` rows
+            padded = [
+                slot_rows[i] if i < len(slot_rows) else 0 for slot_rows in by_slot for i in range(width)
+            ]
+            kept = [s * width + i for s, slot_rows in enumerate(by_slot) for i in range(len(slot_rows))]
+        device = self.device
+        self.step = _Step(
+            torch.tensor(rows, dtype=torch.long, device=device),
+            [(slot, len(r)) for slot, r in enumerate(by_slot) if r],
+            width,
+            None if padded is None else torch.tensor(padded, dtype=torch.long, device=device),
+            None if padded is None else torch.tensor(kept, dtype=torch.long, device=device),
+            self.stacks,
+        )
 
     def apply(self, out: torch.Tensor, x: torch.Tensor, layer: int, module: str) -> None:
-        """out [rows, out] += each adapter's delta over its rows of x [rows, in], in place."""
-        for adapter, rows in self.batch:
-            weights = adapter.weights.get((layer, module))
-            if weights is not None:
-                a, b = weights
-                out.index_add_(0, rows, (x.index_select(0, rows) @ a.t()) @ b.t())
+        """out [rows, out] += each adapter's delta over its rows of x [rows, in], in place. Decode-like
+        steps (a few rows an adapter): two batched products over every slot, its rows padded to the widest
+        slot's; else (a long prompt chunk of one adapter beside a few rows of others) two products per
+        adapter present."""
+        step = self.step
+        weights = step.stacks.get((layer, module)) if step is not None else None
+        if weights is None:
+            return
+        a_all, b_all = weights
+        if step.padded is not None:
+            xs = x.index_select(0, step.padded).view(a_all.shape[0], step.width, -1)
+            delta = torch.bmm(torch.bmm(xs, a_all), b_all).view(-1, b_all.shape[2])
+            _add_rows(out, step.rows, delta.index_select(0, step.kept))
+            return
+        start = 0
+        for slot, count in step.groups:
+            rows = step.rows[start : start + count]
+            _add_rows(out, rows, (x.index_select(0, rows) @ a_all[slot]) @ b_all[slot])
+            start += count
+
+
+def _add_rows(out: torch.Tensor, rows: torch.Tensor, delta: torch.Tensor) -> None:
+    """out[rows] += delta for distinct rows: gather, add, copy back. (index_add_ is a serial scatter-add
+    on CPU: 0.5 ms a call for 32 rows x 1,152, three quarters of what the adapters cost a step.)"""
+    out.index_copy_(0, rows, out.index_select(0, rows).add_(delta))
+
+
+@dataclass(frozen=True)
+class _Step:
+    rows: torch.Tensor  # [n] the adapters' rows of the step, slot by slot
+    groups: list[tuple[int, int]]  # (slot, its row count) of each slot with rows, in `rows`' order
+    width: int  # the most rows of one slot
+    padded: torch.Tensor | None  # [slots * width] each slot's rows then row 0 as padding (None: per adapter)
+    kept: torch.Tensor | None  # [n] where `rows` sit among the padded ones
+    stacks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]

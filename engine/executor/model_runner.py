@@ -224,7 +224,7 @@ class ModelRunner:
                 hidden = self.model(batch.input_ids, batch.positions, batch.metadata)
             finally:
                 if self.lora is not None:
-                    self.lora.batch = []
+                    self.lora.step = None
         else:
             hidden = self.ranks.run(
                 scheduled, lambda: self.model(batch.input_ids, batch.positions, batch.metadata)

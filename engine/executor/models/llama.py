@@ -310,7 +310,7 @@ class Attention(nn.Module):
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [T, hidden] -> q [T, H, D], k and v [T, KVH, D], RoPE applied."""
         qkv = self.qkv_proj(x)
-        if self.lora is not None and self.lora.batch:
+        if self.lora is not None and self.lora.step is not None:
             self.lora.apply(qkv, x, self.layer_idx, "qkv_proj")
         heads = qkv.view(x.shape[0], -1, self.head_dim)  # [T, H + 2 KVH, D]
         q, k, v = heads.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
@@ -365,7 +365,7 @@ class MLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lora = self.lora if self.lora is not None and self.lora.batch else None
+        lora = self.lora if self.lora is not None and self.lora.step is not None else None
         gate_up = self.gate_up_proj(x)
         if lora is not None:
             lora.apply(gate_up, x, self.layer_idx, "gate_up_proj")
@@ -570,7 +570,7 @@ class DecoderLayer(nn.Module):
         flat = attn.flatten(1)
         attn = self.self_attn.o_proj(flat)
         lora = self.self_attn.lora
-        if lora is not None and lora.batch:
+        if lora is not None and lora.step is not None:
             lora.apply(attn, flat, self.self_attn.layer_idx, "o_proj")
         attn = self.reduce(attn)
         if self.sandwich:  # Gemma: each half normed before its residual add, the MLP's input normed apart

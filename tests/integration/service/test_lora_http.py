@@ -48,6 +48,9 @@ async def test_an_adapter_at_start_is_listed_and_served_by_its_name(start, adapt
     assert retrieved.status == 200 and (await retrieved.json())["parent"] == "primary"
     tokens = await h.client.post("/tokenize", json={"model": "sql", "prompt": "x"})
     assert tokens.status == 200  # its base's tokenizer
+    metrics = await (await h.client.get("/metrics")).text()
+    assert 'pagedserve:lora_adapter_info{lora_name="sql",model_name="primary"} 1.0' in metrics
+    assert 'pagedserve:time_to_first_token_seconds_count{model_name="sql"} 1.0' in metrics  # by its name
 
 
 async def test_the_admin_key_loads_and_unloads_adapters_inside_the_models_root(start, adapters):
