@@ -111,6 +111,12 @@ TAIL_MAX_MINUTES ?= 120
 bench-tail: $(STAMP)
 	$(PY) benchmarks/tail_latency.py --max-minutes $(TAIL_MAX_MINUTES)
 
+# Token-fair scheduling between tenants, open loop: a flood of ~2,000-token prompts at 2x capacity beside
+# short chats at 10% of it; B's p99 TTFT flooded / alone, with --tenants and without (about 9 minutes)
+.PHONY: bench-fairness
+bench-fairness: $(STAMP)
+	$(PY) benchmarks/fairness.py --pagedserve-args "--max-num-batched-tokens 256"
+
 baseline: $(STAMP)
 	$(PY) benchmarks/baseline_server.py --model models/pagedserve-coder-small --port 8100 --max-batch 32
 

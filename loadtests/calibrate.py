@@ -108,10 +108,13 @@ def run_load(host: str, load: Load, out: Path, extra: list[str] = ()) -> tuple[i
     return rc, json.loads((out / "summary.json").read_text()), json.loads((out / "requests.json").read_text())
 
 
-def capacity(host: str, out: Path, concurrency: int, seconds: float, **load_options) -> dict:
-    """The saturated throughput (requests/s) and the run behind it."""
+def capacity(
+    host: str, out: Path, concurrency: int, seconds: float, extra: list[str] = (), **load_options
+) -> dict:
+    """The saturated throughput (requests/s) and the run behind it; `extra`: more open_loop.py options
+    (a --kind, an --api-key)."""
     load = Load(seconds, drain_s=seconds, closed_loop=concurrency, **load_options)
-    rc, summary, records = run_load(host, load, out)
+    rc, summary, records = run_load(host, load, out, list(extra))
     if any(r["status"] not in (200, None) for r in records):
         raise RuntimeError(f"calibration at {concurrency} in flight had errors: {summary['errors']}")
     rps = little_rate(records, summary["in_flight_series"], seconds * RAMP_SHARE, seconds)

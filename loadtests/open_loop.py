@@ -32,6 +32,7 @@ PATHS = {
     "chat-short": "/v1/chat/completions",
     "shared-system": "/v1/chat/completions",
     "long-completion": "/v1/completions",
+    "long-prompt": "/v1/completions",  # only with --kind: a prompt of --long-prompt-words, a short answer
 }
 
 
@@ -51,13 +52,20 @@ def _add_arguments(parser) -> None:
     )
     parser.add_argument("--long-output-tokens", type=int, default=256, help="max_tokens of a long completion")
     parser.add_argument("--records-json", default="", help="write every request's record (JSON) here")
+    parser.add_argument(
+        "--kind", choices=sorted(PATHS), default="", help="send only this kind of request (default: the mix)"
+    )
+    parser.add_argument("--api-key", default="", help="sent as 'Authorization: Bearer KEY' (a tenant's key)")
 
 
-def mix_bodies(seed: int, min_out: int, max_out: int, long_out: int) -> Iterator[dict]:
-    """Request bodies in arrival order (model left out, endless), their kinds drawn from MIX."""
+def mix_bodies(
+    seed: int, min_out: int, max_out: int, long_out: int, only: str = "", long_prompt_words: int = 600
+) -> Iterator[dict]:
+    """Request bodies in arrival order (model left out, endless), their kinds drawn from MIX (or all
+    `only`)."""
     rng = random.Random(seed)
     system = _code(rng, 300)  # every shared-system request starts with this prompt
-    for kind in draw_kinds(seed):
+    for kind in itertools.repeat(only) if only else draw_kinds(seed):
         # min_tokens 1: an answer that is <|im_end|> at once has no first token to time (a chat-trained model
         # gives some greedily); counted as an error, it failed make test-slow's gates
         body = {
@@ -72,6 +80,8 @@ def mix_bodies(seed: int, min_out: int, max_out: int, long_out: int) -> Iterator
                 "prompt": _code(rng, _short_words(rng)),
                 "max_tokens": rng.randint(long_out // 2, long_out),
             }
+        elif kind == "long-prompt":
+            body |= {"prompt": _code(rng, long_prompt_words), "max_tokens": rng.randint(min_out, max_out)}
         else:
             turn = {
                 "role": "user",
@@ -103,7 +113,7 @@ class OpenLoopUser(_OpenAIUser):
         group, start = Group(), time.perf_counter()
         sampler = gevent.spawn(self._sample, group, start)
         if o.closed_loop:
-            bodies = mix_bodies(o.seed, o.min_output_tokens, o.max_output_tokens, o.long_output_tokens)
+            bodies = _bodies(o)
             for _ in range(o.closed_loop):
                 group.spawn(self._back_to_back, bodies, start, start + o.arrival_seconds)
         else:
@@ -123,7 +133,7 @@ class OpenLoopUser(_OpenAIUser):
 
     def _arrive(self, group: Group, start: float, o) -> None:
         offsets = poisson_offsets(o.arrival_rate, o.arrival_seconds, o.seed)
-        bodies = mix_bodies(o.seed, o.min_output_tokens, o.max_output_tokens, o.long_output_tokens)
+        bodies = _bodies(o)
         for offset, body in zip(offsets, bodies):  # noqa: B905 (bodies is endless)
             gevent.sleep(max(0.0, start + offset - time.perf_counter()))  # absolute times: no drift
             if len(group) >= o.max_in_flight:
@@ -148,6 +158,8 @@ class OpenLoopUser(_OpenAIUser):
         OPEN.records.append(record)
         payload = {"model": RUN.model, **{k: v for k, v in body.items() if k != "kind"}}
         headers = {"Accept": "text/event-stream", "Accept-Encoding": "identity"}
+        if self.environment.parsed_options.api_key:
+            headers["Authorization"] = f"Bearer {self.environment.parsed_options.api_key}"
         with self.client.request(
             "POST", PATHS[kind], name=kind, json=payload, headers=headers, stream=True, catch_response=True
         ) as response:
@@ -178,6 +190,12 @@ class OpenLoopUser(_OpenAIUser):
         )
         self._fire("TTFT", kind, record["ttft_ms"])
         self._fire("E2E", kind, record["e2e_ms"], num_tokens)
+
+
+def _bodies(o) -> Iterator[dict]:
+    return mix_bodies(
+        o.seed, o.min_output_tokens, o.max_output_tokens, o.long_output_tokens, o.kind, o.long_prompt_words
+    )
 
 
 def _finish(record: dict, **fields) -> None:
@@ -213,7 +231,7 @@ def summarize(environment) -> dict:
         **summarize_records(OPEN.records, OPEN.series, OPEN.window_s or o.arrival_seconds),
         "in_flight_series": OPEN.series,
         "workload": {
-            "mix": MIX,
+            "mix": {o.kind: 1} if o.kind else MIX,
             "seed": o.seed,
             "min_output_tokens": o.min_output_tokens,
             "max_output_tokens": o.max_output_tokens,
