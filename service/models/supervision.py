@@ -221,7 +221,8 @@ def release_memory() -> None:
     """Give freed memory back: gc (the frozen heap too: an unloaded model's objects are in it), the heap
     (malloc_trim), the CUDA caching allocator; what is left is frozen again (`freeze_heap`)."""
     gc.unfreeze()
-    freeze_heap()
+    gc.collect()
+    gc.freeze()
     _trim_heap()
     with contextlib.suppress(Exception):
         import torch
@@ -234,9 +235,9 @@ def freeze_heap() -> None:
     """After a model loads: what exists now (weights, modules, tokenizers: ~370k objects with the shipped
     pair) leaves the collector's generations. A full collection over them took 145 ms on a 2-core box,
     a pause of the event loop and of every engine loop alike (it holds the GIL), every few seconds under
-    load: the p99 time to first token of a light tenant beside a flood went from ~40 ms to ~340 ms over a
-    45 s run (benchmarks/fairness.py). Frozen, a full collection takes ~0 ms (vLLM freezes too)."""
-    gc.collect()
+    load. Frozen, a full collection takes ~0 ms (vLLM freezes too). No collection first: in a big heap
+    (a test process's) it costs seconds a load, and the little garbage frozen with the model is freed
+    when the model unloads (`release_memory` unfreezes and collects)."""
     gc.freeze()
 
 
