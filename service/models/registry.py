@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from engine.client import EngineClient
 from engine.config import EngineConfig
+from engine.errors import EngineError
 from service.body import JSON
 from service.errors import InvalidRequestError, ServiceError
 from service.metrics import Metrics
@@ -315,7 +316,20 @@ class ModelRegistry:
                 await asyncio.to_thread(old.stop)
             del old
             await asyncio.to_thread(release_memory)
-            self._publish(entry, await self._build(entry, entry.engine_config))
+            engine = await self._build(entry, entry.engine_config)
+            await self._reload_adapters(name, engine)
+            self._publish(entry, engine)
+
+    async def _reload_adapters(self, name: str, engine: EngineClient) -> None:
+        """The LoRA adapters of `name` into its new engine before it serves: a stream of an adapter that
+        continues on the rebuilt engine finds its adapter there (one that does not load is read again by
+        its next request, as an evicted one is)."""
+        for module in list(self.state.adapters.values()):
+            if module.base == name:
+                try:
+                    await asyncio.to_thread(engine.add_lora, module.name, module.path)
+                except EngineError as exc:
+                    logger.warning("LoRA adapter %s not reloaded on %s: %s", module.name, name, exc)
 
     # --- unloading ---------------------------------------------------------------------------------
     async def unload(self, name: str) -> dict[str, JSON]:

@@ -3,13 +3,16 @@
 own with that adapter, not the base's), and the admin key loads and unloads them at run time, the
 directory confined to the models root."""
 
+import json
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from engine.faults import Fault
 from engine.sampling_params import SamplingParams
 from service.config import LoraModule
-from tests.harness import TINY, write_adapter
+from tests.harness import TINY, until, write_adapter
 
 ADMIN = {"Authorization": "Bearer admin-key"}
 BODY = {"prompt": "def add(a, b):", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
@@ -75,3 +78,21 @@ async def test_the_admin_key_loads_and_unloads_adapters_inside_the_models_root(s
     gone = await h.client.post("/v1/completions", json={**BODY, "model": "docs"})
     assert gone.status == 404
     assert h.primary.loras() == []
+
+
+async def test_an_adapter_stream_continues_on_the_rebuilt_engine(start, adapters):
+    """The engine dies mid-stream: the rebuilt one has the adapter again before it serves, and the rest of
+    the stream is the adapter's, the text the undisturbed run gives."""
+    h = await start(lora_modules=(LoraModule("sql", str(adapters / "sql")),))
+    body = {**BODY, "model": "sql", "max_tokens": 40}
+    expected = (await (await h.client.post("/v1/completions", json=body)).json())["choices"][0]["text"]
+    dying = h.primary
+    dying.faults.inject(Fault("slow", delay_ms=30))
+    response = await h.client.post("/v1/completions", json={**body, "stream": True})
+    await until(lambda: dying.engine.num_generation_tokens >= 5 + 40)
+    dying.faults.inject(Fault("crash"))
+    raw = (await response.read()).decode()
+    assert ": continued on sql (engine_dead)\n\n" in raw
+    events = [json.loads(e[6:]) for e in raw.strip().split("\n\n") if e.startswith("data: {")]
+    assert "".join(e["choices"][0]["text"] for e in events) == expected
+    assert h.primary is not dying and h.primary.loras() == ["sql"]
