@@ -37,7 +37,6 @@ from safetensors import safe_open
 
 from engine.errors import EngineOverloadedError, RequestRejectedError
 
-MAX_RANK = 64
 PAD_WASTE = 4  # padding each slot to the widest one's rows is fine while it makes at most this many rows
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 ATTENTION_TARGETS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
@@ -82,15 +81,10 @@ class Adapter:
     name: str
     path: str
     uid: int
-    rank: int  # the largest of its modules'
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]  # (layer, our module) -> (A, B)
     last_used: float = field(default_factory=time.monotonic)
     num_requests: int = 0  # requests of it the engine holds: never evicted while any
     slot: int = -1  # its place in the bank's stacks, once resident
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for pair in self.weights.values() for t in pair)
 
 
 def load_adapter(
@@ -137,8 +131,7 @@ def load_adapter(
             f"adapter {name!r}: {WEIGHTS_FILE} holds no lora_A / lora_B weights of decoder layers"
         )
     weights = {key: _fuse(shapes, key[1], pieces, dtype, device) for key, pieces in parts.items()}
-    rank = max(a.shape[0] for pieces in parts.values() for a, _ in pieces.values())
-    return Adapter(name, str(path), next(_uids), rank, weights)
+    return Adapter(name, str(path), next(_uids), weights)
 
 
 def _check_config(name: str, config: dict) -> None:
@@ -237,7 +230,6 @@ class LoraBank:
         # rank R of that module among the residents (zeros where a slot has none): rebuilt at each change
         self.stacks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         self.step: _Step | None = None  # this step's adapter rows (set_batch), None: no adapter row
-        self.num_evicted = 0
         self._lock = threading.Lock()  # loads and unloads come from other threads than the step's
 
     def load(self, name: str, path: str) -> Adapter:
@@ -263,7 +255,6 @@ class LoraBank:
                         "every one has requests in flight"
                     )
                 self._drop(min(idle, key=lambda a: a.last_used), "evicted")
-                self.num_evicted += 1
             self.adapters[name] = adapter
             self.by_uid[adapter.uid] = adapter
             adapter.slot = self.slots.index(None)
