@@ -65,9 +65,10 @@ async def unload_adapter(request: web.Request) -> web.Response:
     """`{"lora_name"}`: refused (400) while requests of it are in flight."""
     state = request.app[STATE_KEY]
     body = await read_object(request, {"lora_name"})
-    module = state.adapters.get(body.get("lora_name"))  # type: ignore[arg-type]
+    name = body.get("lora_name")
+    module = state.adapters.get(name) if isinstance(name, str) else None  # a list would not even hash
     if module is None:
-        raise InvalidRequestError(f"no adapter {body.get('lora_name')!r} is loaded", param="lora_name")
+        raise InvalidRequestError(f"no adapter {str(name)[:200]!r} is loaded", param="lora_name")
     engine = state.engines.get(module.base or "")
     if engine is not None:
         await asyncio.to_thread(_remove, engine, module.name)

@@ -72,6 +72,9 @@ async def test_the_admin_key_loads_and_unloads_adapters_inside_the_models_root(s
         "/admin/lora/load", json={"lora_name": "fallback", "lora_path": "docs"}, headers=ADMIN
     )
     assert clash.status == 400  # a model's name
+    for hostile in (["docs"], {"a": 1}, None, "nope"):
+        refused = await h.client.post("/admin/lora/unload", json={"lora_name": hostile}, headers=ADMIN)
+        assert refused.status == 400, hostile
     response = await h.client.post("/admin/lora/unload", json={"lora_name": "docs"}, headers=ADMIN)
     assert response.status == 200
     assert "docs" not in [m["id"] for m in (await (await h.client.get("/v1/models")).json())["data"]]
