@@ -14,7 +14,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.sampling_params import MAX_N
-from service.tenants import Tenants, TenantsError, load_tenants
+from service.tenants import Tenants, TenantsError, load_tenants, usable_key
 
 # the shipped defaults live beside the packages: <repo>/models/
 MODELS_ROOT = Path(__file__).resolve().parents[1] / "models"
@@ -245,10 +245,7 @@ class ServerConfig:
         for what, keys in (("an API key", self.api_keys), ("the admin key", admin_keys)):
             for key in keys:
                 _check(
-                    isinstance(key, str)
-                    and key.isprintable()
-                    and key != ""
-                    and not any(c.isspace() for c in key),
+                    usable_key(key),
                     f"{what} is empty or holds whitespace or a control character (a trailing newline from a "
                     "file or an environment variable?): no Bearer token could match it",
                 )

@@ -60,6 +60,11 @@ class Tenants:
         return FairShare(tenant.name, tenant.weight, self.prefill_cost, self.decode_cost)
 
 
+def usable_key(key: object) -> bool:
+    """A key a Bearer token can match: a non-empty printable string without whitespace."""
+    return isinstance(key, str) and key != "" and key.isprintable() and not any(c.isspace() for c in key)
+
+
 def key_digest(key: str) -> bytes:
     """How a key is kept and compared (service/auth.py): its sha256."""
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
@@ -118,7 +123,7 @@ def _digest_of(key: str, entry: str) -> bytes:
     if match:
         return bytes.fromhex(match.group(1))
     _check(
-        key != "" and key.isprintable() and not any(c.isspace() for c in key),
+        usable_key(key),
         f"{entry}: a key is empty or holds whitespace or a control character: no Bearer token could match it",
     )
     return key_digest(key)

@@ -189,7 +189,13 @@ class Scheduler:
         order = sorted(self.running, key=self._fair_key)
         if self.config.scheduler_policy == "hybrid":  # decodes first
             order = [s for s in order if not s.is_prefill] + [s for s in order if s.is_prefill]
-        first_queued = min(map(self._fair_key, itertools.chain(self.waiting, self.swapped)), default=None)
+        # (the whole queue's order is read only where a running prefill has a tenant: without tenants the
+        # step does not walk the queue for nothing)
+        first_queued = (
+            min(map(self._fair_key, itertools.chain(self.waiting, self.swapped)), default=None)
+            if any(seq.share is not None and seq.is_prefill for seq in order)
+            else None
+        )
         deferred = []
         i = 0
         while i < len(order):
