@@ -214,19 +214,7 @@ async def test_an_error_after_the_first_output_is_never_retried_but_continued(ma
     model's engine lives, so it is not waited for); off, the error goes to the client."""
 
     class FailsMidStream(FakeEngine):
-        async def generate(
-            self,
-            prompt,
-            params,
-            request_id,
-            priority=0,
-            prompt_token_ids=None,
-            group_id=None,
-            add_special_tokens=True,
-            resume=(),
-            share=None,
-            lora=None,
-        ):
+        async def generate(self, prompt, params, request_id, *args, **kwargs):  # FakeEngine.generate's
             self.request_ids.append(request_id)
             yield fake_output(f"{request_id}:0")
             raise EngineStepError("mid-stream")
@@ -303,18 +291,7 @@ async def test_a_late_token_is_queueing_when_its_own_sequence_was_preempted_sinc
     batch has room again (is_full is False by then): its own preemption count says it queued."""
 
     class PreemptedMidStream(FakeEngine):
-        async def generate(
-            self,
-            prompt,
-            params,
-            request_id,
-            priority=0,
-            prompt_token_ids=None,
-            group_id=None,
-            add_special_tokens=True,
-            share=None,
-            lora=None,
-        ):
+        async def generate(self, prompt, params, request_id, *args, **kwargs):  # FakeEngine.generate's
             yield RequestOutput(f"{request_id}:0", None, [], [], metrics={"num_preemptions": 1})
             await asyncio.sleep(2 * TIMEOUT_S)
             yield RequestOutput(f"{request_id}:1", None, [], [], metrics={"num_preemptions": num_preemptions})
