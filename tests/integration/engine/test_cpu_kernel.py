@@ -222,6 +222,19 @@ def test_rms_norm_keeps_nan_and_inf():
     )
 
 
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_kernels_flush_denormals_and_leave_the_callers_float_mode_alone(num_threads):
+    """Denormal operands cost ~100 cycles each: the kernels read and write them as zero (a bad adapter's
+    activations made paged_decode 7x slower), and the calling thread's own arithmetic keeps them."""
+    kernel = cpu_kernel.rms_norm(num_threads)
+    rows = 4096 if num_threads > 1 else 1  # past PARALLEL_ELEMENTS: the pool's worker runs a part too
+    x = torch.full((rows, 512), 1e-40)
+    assert torch.equal(kernel(x, torch.ones(512), 1e-5), torch.zeros(rows, 512))
+    want = torch.nn.functional.rms_norm(x[:1], (512,), torch.ones(512), 1e-5)
+    assert want[0, 0].item() > 0  # torch on this thread, after the kernel: 1e-40 / sqrt(eps), not flushed
+    assert (torch.tensor([1e-38]) / 1000).item() > 0
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("tokens", "heads", "rotated", "head_dim"), [(1, 3, 2, 8), (37, 15, 12, 64), (2048, 15, 12, 64)]
