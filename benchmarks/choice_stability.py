@@ -4,8 +4,8 @@
     python benchmarks/choice_stability.py                          # SmolLM-135M shape, fp32, 10 starts
     python benchmarks/choice_stability.py --model benchmarks/models/qwen2-1.5b --dtype bfloat16 --starts 5
 
-Each start is a fresh process that loads the model as the engine does (OMP_WAIT_POLICY=PASSIVE, the
-server's) and reports what `choose` timed and chose. Then benchmarks/offline.py runs the same model with
+Each start is a fresh process that loads the model as the engine does (OpenMP set as the
+server sets it) and reports what `choose` timed and chose. Then benchmarks/offline.py runs the same model with
 each kernel forced, one after the other, in one run of this script: the kernel with the higher tok/s is
 the right choice. Writes benchmarks/results/choice_stability{-TAG}.json and .png, with the load average
 before and after (above 1.5 on 2 cores the figures are not clean).
@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[0] = str(ROOT)  # run as a script: the repository root, where `benchmarks` is, leads sys.path
 
 from benchmarks import plots  # noqa: E402
+from engine.config import set_openmp_defaults  # noqa: E402
 
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 LOAD = """
@@ -36,7 +37,8 @@ print(json.dumps({"chosen": runner.linear_kernel, "choice": runner.linear_choice
 
 
 def start_once(model: str, dtype: str, threads: int) -> dict:
-    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    env = dict(os.environ)
+    set_openmp_defaults(env)
     done = subprocess.run(
         [sys.executable, "-c", LOAD, model, dtype, str(threads)],
         cwd=ROOT,

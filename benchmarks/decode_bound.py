@@ -30,9 +30,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as benchmarks/offline.py
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path[0] = str(REPO_ROOT)
+from engine.config import set_openmp_defaults  # noqa: E402
+
+set_openmp_defaults()  # as the server (before torch loads libgomp)
 
 import torch  # noqa: E402
 

@@ -26,7 +26,9 @@ from pathlib import Path
 if not __package__:
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the server sets it
+from engine.config import set_openmp_defaults  # noqa: E402
+
+set_openmp_defaults()  # as the server sets it
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -37,13 +37,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-# libgomp's default spin-waiting makes every parallel op on 2 threads 10-30x slower when other processes
-# share the 2 cores (measured: a 32x576x1536 linear 1.5 ms passive vs 44 ms spinning under load 7).
-# Set before torch loads libgomp; export OMP_WAIT_POLICY yourself to override.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 if not __package__:  # python benchmarks/offline.py: the repository root, not benchmarks/, leads sys.path
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+from engine.config import set_openmp_defaults  # noqa: E402
+
+# libgomp's default spin-waiting makes every parallel op on 2 threads 10-30x slower when other processes
+# share the 2 cores (measured: a 32x576x1536 linear 1.5 ms passive vs 44 ms spinning under load 7): the
+# server's setting (engine/config.py), before torch loads libgomp; export OMP_WAIT_POLICY yourself to override.
+set_openmp_defaults()
 
 import torch  # noqa: E402
 
@@ -420,6 +422,7 @@ def machine_info() -> dict:
         transformers=transformers.__version__,
         torch_threads=torch.get_num_threads(),
         omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
+        gomp_spincount=os.environ.get("GOMP_SPINCOUNT"),
     )
 
 

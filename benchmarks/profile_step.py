@@ -11,16 +11,15 @@ run's; `unprofiled_step_mean_seconds` says how much the profiler itself slowed t
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-# as in benchmarks/offline.py: libgomp's spinning workers are 10-30x slower on shared busy cores
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path[0] = str(REPO_ROOT)  # run as a script: the repository root, where `engine` is, leads sys.path
+from engine.config import set_openmp_defaults  # noqa: E402
+
+set_openmp_defaults()  # as the server: libgomp's long spins are 10-30x slower on shared busy cores
 
 from benchmarks import plots  # noqa: E402
 from engine.frontend.profiler import CATEGORIES, format_table, profile_arguments, run_profile, settings_from  # noqa: E402

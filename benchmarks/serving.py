@@ -44,8 +44,9 @@ if not __package__:  # python benchmarks/serving.py: the repository root, not be
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from benchmarks import plots  # noqa: E402
+from engine.config import set_openmp_defaults  # noqa: E402
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the server sets it: the offline side runs alike
+set_openmp_defaults()  # as the server sets it: the offline side runs alike
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "serving.json"

@@ -43,6 +43,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))  # loadtests/ (no Locust import: it runs as its own process)
 
 from benchmarks.tail_plots import plot_cdf, plot_vs_rate  # noqa: E402
+from engine.config import set_openmp_defaults  # noqa: E402
 from loadtests.calibrate import Load, capacity, run_load  # noqa: E402
 from loadtests.run import parse_duration  # noqa: E402
 
@@ -169,9 +170,9 @@ def running_server(cmd: list[str], port: int, log_path: Path):
 
 def server_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("MODEL", "PORT", "HOST", "API_KEY")}
-    # libgomp spin-waits by default: on 2 shared cores that makes every parallel op many times slower
-    # (see benchmarks/offline.py). The same for both sides.
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # libgomp spin-waits long by default: on 2 shared cores that makes every parallel op many times slower
+    # (engine/config.py). The same for both sides.
+    set_openmp_defaults(env)
     return {**env, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 
 
@@ -335,6 +336,7 @@ def main() -> int:
     report = {
         "workload": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "omp_wait_policy": server_env()["OMP_WAIT_POLICY"],
+        "gomp_spincount": server_env().get("GOMP_SPINCOUNT"),
         "machine": {
             "cpus": os.cpu_count(),
             "platform": platform.platform(),

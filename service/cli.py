@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from engine.config import set_openmp_defaults
 from engine.frontend.profiler import format_table, profile_arguments, run_profile, settings_from
 from service.config import (
     DEFAULT_FALLBACK,
@@ -43,9 +44,9 @@ logger = logging.getLogger("service")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    # before torch loads OpenMP: spinning workers steal the cores the other threads (event loop,
+    # before torch loads OpenMP: long-spinning workers steal the cores the other threads (event loop,
     # tokenizer, other replicas) need; measured 9.6 -> 57 tok/s for one stream on 2 busy cores
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    set_openmp_defaults()
     args = build_parser().parse_args(argv)
     if args.command is None:
         build_parser().print_help()

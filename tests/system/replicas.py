@@ -124,10 +124,7 @@ class Replica:
         if self.is_running:
             raise RuntimeError(f"replica {self.name} is already running (pid {self.process.pid})")
         env = {k: v for k, v in os.environ.items() if k not in _SERVER_ENV}
-        env.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
-        # libgomp spin-waits by default; on 2 shared cores that makes torch ops many times slower
-        # (see benchmarks/offline.py)
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        env.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")  # OpenMP: the server sets it (engine/config.py)
         self.num_starts += 1
         with self.log_path.open("ab") as log:
             log.write(f"\n=== start #{self.num_starts} of {self.name} ===\n".encode())

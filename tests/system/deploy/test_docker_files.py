@@ -415,7 +415,6 @@ def test_the_image_command_serves_on_host_and_port_from_the_environment(tmp_path
         PORT=str(port),
         SHUTDOWN_TIMEOUT="3",
         MODEL=str(tiny),
-        OMP_WAIT_POLICY="PASSIVE",
         HF_HUB_OFFLINE="1",
         HEALTHCHECK_STATE=str(tmp_path / "failures"),
         HEALTHCHECK_START_PERIOD="0",

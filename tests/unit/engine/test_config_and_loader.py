@@ -3,7 +3,7 @@ tests/integration/engine/test_config_and_loader.py)."""
 
 import pytest
 
-from engine.config import EngineConfig
+from engine.config import OPENMP_SPIN_COUNT, EngineConfig, set_openmp_defaults
 
 
 @pytest.mark.parametrize(
@@ -31,3 +31,18 @@ def test_config_rejects_bad_values(options, message):
 
 def test_config_accepts_aliases_and_auto():
     assert EngineConfig(model="m", dtype="bf16", block_size="auto").dtype == "bfloat16"
+
+
+@pytest.mark.parametrize(
+    ("given", "want"),
+    [
+        ({}, {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": OPENMP_SPIN_COUNT}),
+        ({"GOMP_SPINCOUNT": "0"}, {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0"}),
+        ({"OMP_WAIT_POLICY": "PASSIVE"}, {"OMP_WAIT_POLICY": "PASSIVE"}),  # the operator's choice stands
+        ({"OMP_WAIT_POLICY": "ACTIVE"}, {"OMP_WAIT_POLICY": "ACTIVE"}),
+    ],
+)
+def test_openmp_defaults_leave_an_operators_policy_alone(given, want):
+    environ = {"PATH": "/bin", **given}
+    set_openmp_defaults(environ)
+    assert environ == {"PATH": "/bin", **want}
