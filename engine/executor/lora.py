@@ -10,11 +10,12 @@ columns, zeros elsewhere, the scale folded in), so each adapter costs two small 
 In a step, rows of different adapters (and of the base) share the batch. Every resident adapter's A and B
 are stacked per projection (zero-padded to the largest rank). `LoraBank.apply` gathers the adapters' rows
 slot by slot, padded to the widest slot's count, runs two batched products (`torch.bmm`) over all slots at
-once and adds the result back in place: four ops per projection whatever the number of adapters, no loop
-over tokens. Where padding would more than quadruple the rows (a long prompt chunk of one adapter), it
-runs two products per adapter present instead. Measured on 2 cores, 8 rank-16 adapters x 32 decode rows,
-one projection: a loop per adapter 4.8 ms, F.grouped_mm 1.3 ms (its second product copies the stacks),
-the padded bmm 0.1 ms.
+once and adds the result back in place: five ops per projection whatever the number of adapters (seven
+where base rows share the step), no loop over tokens. Where padding would more than quadruple the rows (a
+long prompt chunk of one adapter), it runs two products per adapter present instead. Measured on 2 cores,
+8 rank-16 adapters x 32 decode rows, one projection: a loop per adapter 4.8 ms, F.grouped_mm 1.3 ms (its
+second product copies the stacks), the padded bmm 0.1 ms; each bmm 80 us when OpenMP's second thread must
+be woken for it, 5-10 us when it spins a little (engine/config.py's OPENMP_SPIN_COUNT).
 
 `LoraBank` holds the resident adapters (at most `max_loras`; loading one more evicts the least recently
 used one that no request uses, else refuses). Each load gets a new `uid`: the prefix cache keys a
@@ -311,8 +312,9 @@ class LoraBank:
                 adapter.num_requests -= 1
                 adapter.last_used = time.monotonic()
 
-    def set_batch(self, rows_by_uid: dict[int, list[int]]) -> None:
-        """This step's rows of each adapter (by uid); {}: none (the projections add nothing)."""
+    def set_batch(self, rows_by_uid: dict[int, list[int]], num_rows: int) -> None:
+        """This step's rows of each adapter (by uid) among its num_rows; {}: none (the projections add
+        nothing)."""
         if not rows_by_uid:
             self.step = None
             return
@@ -321,19 +323,24 @@ class LoraBank:
             by_slot[self.by_uid[uid].slot] = rows
         rows = [row for slot_rows in by_slot for row in slot_rows]
         width = max(len(slot_rows) for slot_rows in by_slot)
-        padded = None
+        padded = kept = None
         if len(self.slots) * width <= PAD_WASTE * len(rows):  # decode-like: every slot padded to `width` rows
             padded = [
                 slot_rows[i] if i < len(slot_rows) else 0 for slot_rows in by_slot for i in range(width)
             ]
-            kept = [s * width + i for s, slot_rows in enumerate(by_slot) for i in range(len(slot_rows))]
+            at = {
+                row: s * width + i for s, slot_rows in enumerate(by_slot) for i, row in enumerate(slot_rows)
+            }
+            # every row an adapter's: the padded result gathered in row order is the whole delta
+            kept = [at[row] for row in range(num_rows)] if len(at) == num_rows else [at[row] for row in rows]
         device = self.device
         self.step = _Step(
             torch.tensor(rows, dtype=torch.long, device=device),
             [(slot, len(r)) for slot, r in enumerate(by_slot) if r],
             width,
             None if padded is None else torch.tensor(padded, dtype=torch.long, device=device),
-            None if padded is None else torch.tensor(kept, dtype=torch.long, device=device),
+            None if kept is None else torch.tensor(kept, dtype=torch.long, device=device),
+            len(rows) == num_rows,
             self.stacks,
         )
 
@@ -350,7 +357,10 @@ class LoraBank:
         if step.padded is not None:
             xs = x.index_select(0, step.padded).view(a_all.shape[0], step.width, -1)
             delta = torch.bmm(torch.bmm(xs, a_all), b_all).view(-1, b_all.shape[2])
-            _add_rows(out, step.rows, delta.index_select(0, step.kept))
+            if step.every_row:  # out's rows past num_rows are padding (row_bucket)
+                out[: step.kept.shape[0]].add_(delta.index_select(0, step.kept))
+            else:
+                _add_rows(out, step.rows, delta.index_select(0, step.kept))
             return
         start = 0
         for slot, count in step.groups:
@@ -371,5 +381,6 @@ class _Step:
     groups: list[tuple[int, int]]  # (slot, its row count) of each slot with rows, in `rows`' order
     width: int  # the most rows of one slot
     padded: torch.Tensor | None  # [slots * width] each slot's rows then row 0 as padding (None: per adapter)
-    kept: torch.Tensor | None  # [n] where `rows` sit among the padded ones
+    kept: torch.Tensor | None  # [n] where `rows` sit among the padded ones (every_row: rows 0..n-1 in order)
+    every_row: bool  # every row of the step is an adapter's
     stacks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]

@@ -283,7 +283,7 @@ class ModelRunner:
                 rows.append(SampleRow(seq, item.num_samples))
         dev = self.device
         if self.lora is not None:
-            self.lora.set_batch(lora_rows)
+            self.lora.set_batch(lora_rows, len(ids))
         slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
         meta = self.attention.build(StepBatch(bs, self.layout.num_blocks, slot_mapping, decodes, segments))
         return _Batch(

@@ -71,13 +71,15 @@ SCENARIOS = {
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
 @pytest.mark.parametrize("n", [1, 2])
-def test_mixed_adapters_in_one_batch_match_merged_hf(adapted, scenario, n):
+@pytest.mark.parametrize("with_base", [True, False])  # without: every row of a step is an adapter's
+def test_mixed_adapters_in_one_batch_match_merged_hf(adapted, scenario, n, with_base):
     path, prompts, expected = adapted
     llm = LLM(path, dtype="float32", max_model_len=128, max_num_seqs=32, **SCENARIOS[scenario])
     for name, (directory, _) in expected.items():
         if name is not None:
             llm.add_lora(name, str(directory))
-    names = list(expected)  # the base and each adapter, over every prompt: all in one batch
+    # the base (or not) and each adapter, over every prompt: all in one batch
+    names = [name for name in expected if with_base or name is not None]
     batch = [(prompt, names[(i + j) % len(names)]) for i, prompt in enumerate(prompts) for j in range(2)]
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, min_tokens=NUM_NEW, n=n)
     outs = llm.generate(
