@@ -1,11 +1,14 @@
-"""LoRA adapters in PEFT's format on the own forward (engine/executor/models/llama.py).
+"""LoRA adapters in PEFT's format on the own forward (engine/executor/models/llama.py) and on the generic
+backend (engine/executor/models/generic.py).
 
 An adapter directory holds `adapter_config.json` and `adapter_model.safetensors` with, per adapted module,
-`...layers.<i>.<self_attn|mlp>.<proj>.lora_A.weight` [r, in] and `lora_B.weight` [out, r]. Its delta on a
-row x is `scale * B (A x)`, scale = lora_alpha / r (lora_alpha / sqrt(r) with use_rslora). The own
-forward runs q/k/v as one product and gate/up as one: an adapter's parts of a fused projection are stacked
-here into one A [sum of ranks, in] and one B [out, sum of ranks] (each part's B in its own rows and rank
-columns, zeros elsewhere, the scale folded in), so each adapter costs two small products per projection.
+`...layers.<i>.<path>.lora_A.weight` [r, in] and `lora_B.weight` [out, r] (path: `self_attn.q_proj`,
+`mlp.down_proj`, GPT-NeoX's `attention.query_key_value`...). Its delta on a row x is `scale * B (A x)`,
+scale = lora_alpha / r (lora_alpha / sqrt(r) with use_rslora). The own forward runs q/k/v as one product
+and gate/up as one (`LoraShapes`): an adapter's parts of a fused projection are stacked here into one A
+[sum of ranks, in] and one B [out, sum of ranks] (each part's B in its own rows and rank columns, zeros
+elsewhere, the scale folded in), so each adapter costs two small products per projection. The generic
+backend adapts its HF modules' own nn.Linear layers, each whole (`LinearShapes`), through forward hooks.
 
 In a step, rows of different adapters (and of the base) share the batch. Every resident adapter's A and B
 are stacked per projection (zero-padded to the largest rank). `LoraBank.apply` gathers the adapters' rows
@@ -30,6 +33,7 @@ import math
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,10 +44,21 @@ from engine.errors import EngineOverloadedError, RequestRejectedError
 
 PAD_WASTE = 4  # padding each slot to the widest one's rows is fine while it makes at most this many rows
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
-ATTENTION_TARGETS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
-MLP_TARGETS = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-WHOLE = {"o_proj", "down_proj", "qkv_proj", "gate_up_proj"}  # adapted as they are (Phi-3 has them fused)
-_KEY = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+WHOLE = -1  # the part of a projection adapted as it is (o_proj; Phi-3's fused qkv_proj; any generic one)
+ATTENTION_TARGETS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "qkv_proj": ("qkv_proj", WHOLE),
+    "o_proj": ("o_proj", WHOLE),
+}
+MLP_TARGETS = {
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+    "gate_up_proj": ("gate_up_proj", WHOLE),
+    "down_proj": ("down_proj", WHOLE),
+}
+_KEY = re.compile(r"layers\.(\d+)\.(\w+(?:\.\w+)*)\.lora_([AB])\.weight$")
 _uids = itertools.count(1)
 
 
@@ -66,7 +81,24 @@ class LoraShapes:
     intermediate_size: int
     moe_layers: tuple[bool, ...]  # a layer whose MLP is a mixture of experts: no MLP adapters there
 
-    def fused(self, module: str) -> tuple[int, list[int]]:
+    def place(self, name: str, layer: int, path: str) -> tuple[str, int]:
+        """(our projection, the part of it, or WHOLE) that PEFT's module `path` of `layer` adapts."""
+        if not 0 <= layer < self.num_layers:
+            raise LoraError(f"adapter {name!r}: layer {layer}, this model has {self.num_layers}")
+        parent, _, target = path.rpartition(".")
+        if parent == "self_attn" and target in ATTENTION_TARGETS:
+            return ATTENTION_TARGETS[target]
+        if parent == "mlp" and target in MLP_TARGETS:
+            if self.moe_layers[layer]:
+                raise LoraError(
+                    f"adapter {name!r}: {path} of layer {layer}: adapters on experts are not served"
+                )
+            return MLP_TARGETS[target]
+        raise LoraError(
+            f"adapter {name!r}: {path} of layer {layer} is not served (q/k/v/o/gate/up/down projections are)"
+        )
+
+    def fused(self, layer: int, module: str) -> tuple[int, list[int]]:
         """(in features, the out sizes of its parts) of one of our projections."""
         q, kv, inter, hidden = self.q_size, self.kv_size, self.intermediate_size, self.hidden_size
         return {
@@ -75,6 +107,26 @@ class LoraShapes:
             "gate_up_proj": (hidden, [inter, inter]),
             "down_proj": (inter, [hidden]),
         }[module]
+
+
+@dataclass(frozen=True)
+class LinearShapes:
+    """What an adapter must fit on the generic backend: the nn.Linear layers its decoder layers run once a
+    step over every row, by their path within the layer, each adapted whole."""
+
+    linears: dict[tuple[int, str], tuple[int, int]]  # (layer, path) -> (in, out features)
+
+    def place(self, name: str, layer: int, path: str) -> tuple[str, int]:
+        if (layer, path) not in self.linears:
+            raise LoraError(
+                f"adapter {name!r}: {path} of layer {layer} is not one of this model's adaptable linear layers "
+                "(nn.Linear run once a step over every row: not Conv1D, experts or embeddings)"
+            )
+        return path, WHOLE
+
+    def fused(self, layer: int, module: str) -> tuple[int, list[int]]:
+        in_features, out_features = self.linears[(layer, module)]
+        return in_features, [out_features]
 
 
 @dataclass(eq=False)
@@ -89,7 +141,12 @@ class Adapter:
 
 
 def load_adapter(
-    path: str | Path, name: str, shapes: LoraShapes, dtype: torch.dtype, device: torch.device, max_rank: int
+    path: str | Path,
+    name: str,
+    shapes: LoraShapes | LinearShapes,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_rank: int,
 ) -> Adapter:
     """Read and check a PEFT adapter directory; its deltas fused for our projections, in `dtype`."""
     path = Path(path)
@@ -104,7 +161,7 @@ def load_adapter(
         with safe_open(str(path / WEIGHTS_FILE), framework="pt") as tensors:
             pairs = _pairs(name, list(tensors.keys()))
             for (layer, target), (key_a, key_b) in pairs.items():
-                module, part = _our_module(name, target, layer, shapes)
+                module, part = shapes.place(name, layer, target)
                 a, b = tensors.get_tensor(key_a), tensors.get_tensor(key_b)
                 rank = a.shape[0]
                 if not 1 <= rank <= max_rank or b.shape[1] != rank:
@@ -112,16 +169,15 @@ def load_adapter(
                         f"adapter {name!r}: {target} of layer {layer} has rank {rank} "
                         f"(B {tuple(b.shape)}); this engine takes ranks 1..{max_rank}"
                     )
-                in_features, outs = shapes.fused(module)
-                whole = target in WHOLE  # o_proj, down_proj, or a checkpoint's fused qkv_proj / gate_up_proj
-                out = sum(outs) if whole else outs[part]
+                in_features, outs = shapes.fused(layer, module)
+                out = sum(outs) if part == WHOLE else outs[part]
                 if tuple(a.shape) != (rank, in_features) or tuple(b.shape) != (out, rank):
                     raise LoraError(
                         f"adapter {name!r}: {target} of layer {layer} is A {tuple(a.shape)}, B {tuple(b.shape)}; "
                         f"this model needs A ({rank}, {in_features}), B ({out}, {rank}): another base model's?"
                     )
                 scale = alpha / math.sqrt(rank) if rslora else alpha / rank
-                parts.setdefault((layer, module), {})[-1 if whole else part] = (
+                parts.setdefault((layer, module), {})[part] = (
                     a.float(),
                     b.float() * scale,
                 )
@@ -131,7 +187,7 @@ def load_adapter(
         raise LoraError(
             f"adapter {name!r}: {WEIGHTS_FILE} holds no lora_A / lora_B weights of decoder layers"
         )
-    weights = {key: _fuse(shapes, key[1], pieces, dtype, device) for key, pieces in parts.items()}
+    weights = {key: _fuse(shapes.fused(*key)[1], pieces, dtype, device) for key, pieces in parts.items()}
     return Adapter(name, str(path), next(_uids), weights)
 
 
@@ -167,48 +223,29 @@ def _pairs(name: str, keys: list[str]) -> dict[tuple[int, str], tuple[str, str]]
                     f"adapter {name!r}: {key} adapts a module this engine does not (decoder layers only)"
                 )
             continue
-        layer, _, target, which = match.groups()
-        found.setdefault((int(layer), target), {})[which] = key
+        layer, path, which = match.groups()
+        found.setdefault((int(layer), path), {})[which] = key
     incomplete = [f"{t} of layer {i}" for (i, t), ab in found.items() if len(ab) != 2]
     if incomplete:
         raise LoraError(f"adapter {name!r}: lora_A without lora_B (or the reverse) for {incomplete[:3]}")
     return {key: (ab["A"], ab["B"]) for key, ab in found.items()}
 
 
-def _our_module(name: str, target: str, layer: int, shapes: LoraShapes) -> tuple[str, int]:
-    if not 0 <= layer < shapes.num_layers:
-        raise LoraError(f"adapter {name!r}: layer {layer}, this model has {shapes.num_layers}")
-    if target in ATTENTION_TARGETS:
-        return ATTENTION_TARGETS[target]
-    if target in MLP_TARGETS or target in ("down_proj", "gate_up_proj"):
-        if shapes.moe_layers[layer]:
-            raise LoraError(
-                f"adapter {name!r}: {target} of layer {layer}: adapters on experts are not served"
-            )
-        return MLP_TARGETS.get(target, (target, 0))
-    if target in ("o_proj", "qkv_proj"):
-        return target, 0
-    raise LoraError(
-        f"adapter {name!r}: target {target!r} is not served (q/k/v/o/gate/up/down projections are)"
-    )
-
-
 def _fuse(
-    shapes: LoraShapes,
-    module: str,
+    outs: list[int],
     pieces: dict[int, tuple[torch.Tensor, torch.Tensor]],
     dtype: torch.dtype,
     device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One (A [R, in], B [out, R]) for our module from its parts (-1: the whole module adapted as one)."""
-    _, outs = shapes.fused(module)
+    """One (A [R, in], B [out, R]) for a module whose parts are `outs` wide, from its adapted parts (WHOLE:
+    the whole module adapted as one)."""
     starts = [sum(outs[:i]) for i in range(len(outs))]
     total_rank = sum(a.shape[0] for a, _ in pieces.values())
     a_all = torch.cat([a for _, (a, _) in sorted(pieces.items())])
     b_all = torch.zeros(sum(outs), total_rank)
     col = 0
     for part, (_, b) in sorted(pieces.items()):
-        row = 0 if part == -1 else starts[part]
+        row = 0 if part == WHOLE else starts[part]
         b_all[row : row + b.shape[0], col : col + b.shape[1]] = b
         col += b.shape[1]
     return a_all.to(dtype=dtype, device=device).contiguous(), b_all.to(
@@ -220,9 +257,18 @@ class LoraBank:
     """The adapters resident for one model, and which rows of the current step each one serves."""
 
     def __init__(
-        self, shapes: LoraShapes, dtype: torch.dtype, device: torch.device, max_loras: int, max_rank: int
+        self,
+        shapes: LoraShapes | LinearShapes,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_loras: int,
+        max_rank: int,
+        attach: Callable[[LoraBank], None],
     ):
+        """`attach(bank)` hooks the model's projections to the bank: called by the step's thread before the
+        first step with an adapter row (a model that never serves one pays nothing)."""
         self.shapes, self.dtype, self.device = shapes, dtype, device
+        self._attach: Callable[[LoraBank], None] | None = attach
         self.max_loras, self.max_rank = max_loras, max_rank
         self.adapters: dict[str, Adapter] = {}
         self.by_uid: dict[int, Adapter] = {}
@@ -318,6 +364,9 @@ class LoraBank:
         if not rows_by_uid:
             self.step = None
             return
+        if self._attach is not None:
+            self._attach(self)
+            self._attach = None
         by_slot: list[list[int]] = [[] for _ in self.slots]
         for uid, rows in rows_by_uid.items():
             by_slot[self.by_uid[uid].slot] = rows

@@ -123,8 +123,6 @@ class ModelRunner:
 
     def _lora_bank(self, config: EngineConfig) -> tuple[LoraBank | None, str | None]:
         """The model's adapter bank, or why this model takes no adapters."""
-        if self.generic:
-            return None, "LoRA adapters need one of the own forwards (this model runs on the generic backend)"
         if self.tp is not None:
             return None, "LoRA adapters are not served with tensor parallelism yet"
         if config.compile:
@@ -132,9 +130,13 @@ class ModelRunner:
         if self.quant is not None:
             return None, "LoRA adapters are not served on quantized weights yet"
         bank = LoraBank(
-            self.model.lora_shapes(), self.dtype, self.device, config.max_loras, config.max_lora_rank
+            self.model.lora_shapes(),
+            self.dtype,
+            self.device,
+            config.max_loras,
+            config.max_lora_rank,
+            self.model.attach_lora,
         )
-        self.model.attach_lora(bank)
         return bank, None
 
     def close(self) -> None:

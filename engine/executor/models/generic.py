@@ -17,6 +17,7 @@ LM head with the soft-capping or scaling its config names (checked against the H
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,9 +28,13 @@ from torch import nn
 from transformers import AttentionInterface, AutoModelForCausalLM, PretrainedConfig
 
 from engine.executor.attention.base import StepAttention
+from engine.executor.lora import LinearShapes, LoraBank
 
 ATTN_IMPLEMENTATION = "pagedserve"
 DRY_RUN_TOKENS = 3
+_IN_LAYER = re.compile(
+    r"(?:^|\.)layers\.(\d+)\.(.+)$"
+)  # a module of a decoder layer: (layer, its path there)
 
 
 @dataclass(frozen=True)
@@ -217,6 +222,45 @@ class GenericForCausalLM(nn.Module):
     def bind_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         self.step.kv_caches = kv_caches
 
+    def _layer_linears(self) -> dict[tuple[int, str], nn.Linear]:
+        found = {}
+        for name, module in self.hf.named_modules():
+            match = _IN_LAYER.search(name)
+            if match is not None and isinstance(module, nn.Linear):
+                found[(int(match[1]), match[2])] = module
+        return found
+
+    @torch.inference_mode()
+    def lora_shapes(self) -> LinearShapes:
+        """The decoder layers' nn.Linear layers a dry forward runs once over every row: what a LoRA adapter
+        may target (an expert's sees some rows only, and a row's delta must land on that row)."""
+        linears = self._layer_linears()
+        calls: dict[tuple[int, str], list[int]] = {key: [] for key in linears}
+        handles = [
+            module.register_forward_hook(
+                lambda m, args, out, key=key: calls[key].append(args[0].shape[:-1].numel())
+            )
+            for key, module in linears.items()
+        ]
+        rows = DRY_RUN_TOKENS if self.row_bucket is None else self.row_bucket(DRY_RUN_TOKENS)
+        try:
+            self._hidden(
+                torch.zeros(DRY_RUN_TOKENS, dtype=torch.long, device=self._device),
+                torch.arange(DRY_RUN_TOKENS, device=self._device),
+            )
+        finally:
+            for handle in handles:
+                handle.remove()
+        return LinearShapes(
+            {key: (m.in_features, m.out_features) for key, m in linears.items() if calls[key] == [rows]}
+        )
+
+    def attach_lora(self, bank: LoraBank) -> None:
+        """Each adaptable linear layer adds the deltas of the adapters `bank` batches in a step."""
+        linears = self._layer_linears()
+        for layer, path in bank.shapes.linears:
+            linears[(layer, path)].register_forward_hook(_add_lora_delta(bank, layer, path))
+
     def _hidden(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         self.step.num_tokens = input_ids.shape[0]
         rows = input_ids.shape[0] if self.row_bucket is None else self.row_bucket(input_ids.shape[0])
@@ -251,3 +295,12 @@ class GenericForCausalLM(nn.Module):
             if rows in head_counts:
                 self.compute_logits(hidden)
         return counts
+
+
+def _add_lora_delta(bank: LoraBank, layer: int, path: str) -> Callable:
+    def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        if bank.step is not None:  # out [1, rows, out features]: its rows are the step's
+            x = args[0]
+            bank.apply(out.view(-1, out.shape[-1]), x.reshape(-1, x.shape[-1]), layer, path)
+
+    return hook

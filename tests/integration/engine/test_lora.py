@@ -1,8 +1,9 @@
 """LoRA adapters (engine/executor/lora.py) in PEFT's format: four tiny adapters of different ranks and
 targets, mixed with base rows in one batch (chunked prefill, preemption, n > 1), give the greedy tokens
 of HF transformers with each adapter merged into the base weights (W + alpha / r * B A, as PEFT's
-merge_and_unload). The prefix cache never shares a block across adapters; the bank keeps at most
-max_loras, evicting the least recently used idle one; bad adapters are refused with the reason."""
+merge_and_unload), on the own forward and on the generic backend. The prefix cache never shares a block
+across adapters; the bank keeps at most max_loras, evicting the least recently used idle one; bad adapters
+are refused with the reason."""
 
 import json
 
@@ -30,11 +31,15 @@ ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 def adapted(random_model, tmp_path_factory):
     """(model dir, prompts, {adapter name or None: (dir, HF greedy outputs)})."""
     path = random_model("tiny-llama")
-    root = tmp_path_factory.mktemp("loras")
+    return path, *_merged_outputs(path, ADAPTERS, tmp_path_factory.mktemp("loras"))
+
+
+def _merged_outputs(path, adapters, root):
+    """(prompts, {adapter name or None: (dir, HF greedy outputs with the adapter merged)})."""
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     prompts = parity_prompts(11, base.config.vocab_size)[:10]
     out = {None: (None, _greedy(base, prompts))}
-    for seed, (name, (rank, alpha, targets, rslora)) in enumerate(ADAPTERS.items()):
+    for seed, (name, (rank, alpha, targets, rslora)) in enumerate(adapters.items()):
         pairs = write_adapter(base, root / name, rank, alpha, targets, rslora, seed)
         merged = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         scale = alpha / rank**0.5 if rslora else alpha / rank
@@ -43,7 +48,7 @@ def adapted(random_model, tmp_path_factory):
             for module_name, (a, b) in pairs.items():
                 modules[module_name].weight += scale * (b @ a)
         out[name] = (root / name, _greedy(merged, prompts))
-    return path, prompts, out
+    return prompts, out
 
 
 def _greedy(model, prompts):
@@ -94,6 +99,55 @@ def test_mixed_adapters_in_one_batch_match_merged_hf(adapted, scenario, n, with_
     assert all(a.num_requests == 0 for a in llm.engine.model_runner.lora.adapters.values())
     if scenario == "preempt_recompute":
         assert llm.engine.stats().num_preemptions > 0
+
+
+GENERIC = {  # the generic backend: HF's modules, adapted by their own names
+    "tiny-olmo2": {
+        "attn-r4": (4, 8, ("q_proj", "v_proj"), False),
+        "all-r8": (
+            8,
+            16,
+            ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+            False,
+        ),
+    },
+    "tiny-gpt-neox": {  # fused, interleaved q/k/v in one linear, and no *_proj names
+        "qkv-r4": (4, 8, ("query_key_value",), False),
+        "mlp-r8-rs": (8, 16, ("dense", "dense_h_to_4h", "dense_4h_to_h"), True),
+    },
+}
+
+
+@pytest.mark.parametrize("preset", GENERIC)
+def test_adapters_on_the_generic_backend_match_merged_hf(random_model, tmp_path, preset):
+    path = random_model(preset)
+    prompts, expected = _merged_outputs(path, GENERIC[preset], tmp_path)
+    llm = LLM(path, dtype="float32", max_model_len=128, max_num_seqs=32, max_num_batched_tokens=24)
+    assert llm.engine.model_runner.generic
+    for name, (directory, _) in expected.items():
+        if name is not None:
+            llm.add_lora(name, str(directory))
+    names = list(expected)
+    batch = [(prompt, names[(i + j) % len(names)]) for i, prompt in enumerate(prompts) for j in range(2)]
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, min_tokens=NUM_NEW)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p, _ in batch], params, use_tqdm=False, lora=[name for _, name in batch]
+    )
+    for (prompt, name), out in zip(batch, outs, strict=True):
+        assert out.outputs[0].token_ids == expected[name][1][prompts.index(prompt)], name
+    assert len({tuple(expected[name][1][0]) for name in names}) > 1  # the adapters change the output
+    # a module that is no linear layer is refused with the reason
+    directory = next(d for d, _ in expected.values() if d is not None)
+    tensors = load_file(str(directory / "adapter_model.safetensors"))
+    key = next(iter(tensors))
+    layer_path = key.split(".layers.0.")[1].split(".lora_")[0]
+    tensors = {k.replace(layer_path, "input_layernorm"): v for k, v in tensors.items() if ".layers.0." in k}
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "adapter_config.json").write_text((directory / "adapter_config.json").read_text())
+    save_file(tensors, str(bad / "adapter_model.safetensors"))
+    with pytest.raises(LoraError, match="input_layernorm of layer 0 is not one of this model's adaptable"):
+        llm.add_lora("bad", str(bad))
 
 
 def test_the_prefix_cache_never_shares_a_block_across_adapters(adapted):
