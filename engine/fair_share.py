@@ -12,6 +12,9 @@ class FairShare:
     weight: float = 1.0  # a tenant of weight 2 is served twice the tokens of one of weight 1
     prefill_cost: float = 1.0  # counter units per prompt token computed
     decode_cost: float = 2.0  # counter units per generated token (a decode row costs more per token)
+    # prompt tokens one step computes at most while another tenant has requests in flight: that tenant's
+    # next prompt waits for a short step, not for a whole budget's (the least of the active tenants' holds)
+    contended_prefill_tokens: int = 256
 
     def __post_init__(self) -> None:
         if not self.tenant:
@@ -20,3 +23,6 @@ class FairShare:
             value = getattr(self, name)
             if not (isinstance(value, int | float) and 0 < value < float("inf")):
                 raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+        chunk = self.contended_prefill_tokens
+        if not (isinstance(chunk, int) and not isinstance(chunk, bool) and chunk >= 1):
+            raise ValueError(f"contended_prefill_tokens must be an integer >= 1, got {chunk!r}")

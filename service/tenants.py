@@ -3,6 +3,7 @@
     [fairness]                  # optional: what the scheduler's virtual token counter charges
     prefill_cost = 1.0          #   per prompt token computed
     decode_cost = 2.0           #   per generated token
+    contended_prefill_tokens = 256  # prompt tokens a step computes while two tenants or more have work
 
     [tenants.default]           # optional: requests whose key names no tenant (or that carry none)
     weight = 1.0
@@ -23,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import re
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ from resilience.tenants import Tenant
 
 DEFAULT_TENANT = "default"
 TENANT_OPTIONS = ("keys", "weight", "priority", "tokens_per_minute", "burst", "max_concurrency")
-FAIRNESS_OPTIONS = ("prefill_cost", "decode_cost")
+FAIRNESS_OPTIONS = ("prefill_cost", "decode_cost", "contended_prefill_tokens")
 _DIGEST = re.compile(r"^sha256:([0-9a-fA-F]{64})$")
 
 
@@ -44,8 +45,7 @@ class TenantsError(ValueError):
 class Tenants:
     tenants: tuple[Tenant, ...]  # the default one included
     key_digests: dict[bytes, str] = field(repr=False)  # sha256 of a key -> its tenant's name
-    prefill_cost: float = 1.0
-    decode_cost: float = 2.0
+    fairness: FairShare = FairShare(DEFAULT_TENANT)  # [fairness]: every tenant's share but name and weight
 
     @property
     def default(self) -> Tenant:
@@ -57,7 +57,7 @@ class Tenants:
         return next(t for t in self.tenants if t.name == name) if name else self.default
 
     def share(self, tenant: Tenant) -> FairShare:
-        return FairShare(tenant.name, tenant.weight, self.prefill_cost, self.decode_cost)
+        return replace(self.fairness, tenant=tenant.name, weight=tenant.weight)
 
 
 def usable_key(key: object) -> bool:
@@ -115,7 +115,7 @@ def parse_tenants(data: dict[str, Any], where: str = "tenants") -> Tenants:
         share = FairShare(DEFAULT_TENANT, **fairness)
     except (TypeError, ValueError) as exc:
         raise TenantsError(f"{where}: [fairness]: {exc}") from None
-    return Tenants(tuple(tenants), digests, share.prefill_cost, share.decode_cost)
+    return Tenants(tuple(tenants), digests, share)
 
 
 def _digest_of(key: str, entry: str) -> bytes:

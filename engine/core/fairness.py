@@ -6,17 +6,30 @@ prefill token costs `prefill_cost`, a decode token `decode_cost`); within a prio
 prefill goes to the tenant with the smallest counter. A tenant sending more, or longer, requests only
 raises its own counter. A tenant that had nothing queued or running is lifted, when it comes back, to the
 smallest counter among the active ones: idle time is no credit to spend later on a burst. (The scheduler
-breaks a tie for the tenant with fewer sequences in flight: the one back from idle.)"""
+breaks a tie for the tenant with fewer sequences in flight: the one back from idle.)
 
+While more than one tenant has had sequences in flight within the last CONTENTION_WINDOW_S, a step
+computes at most `contended_prefill_tokens` prompt tokens (the least among those tenants' shares): a
+tenant's next prompt then waits for a short step, never for a whole budget of another tenant's long
+prompt. (A tenant between two requests counts: its next one is what the cap is for.)"""
+
+import time
 from collections import Counter
+from collections.abc import Callable
 
 from engine.fair_share import FairShare
 
+CONTENTION_WINDOW_S = 5.0  # a tenant idle for less than this still contends
+
 
 class VirtualTokenCounter:
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
         self.counters: dict[str, float] = {}
         self.active: Counter[str] = Counter()  # sequences of each tenant queued or running
+        # each tenant's contended_prefill_tokens (its latest share's), while it contends; when the idle ones left
+        self.chunks: dict[str, int] = {}
+        self.idle_since: dict[str, float] = {}
 
     def join(self, share: FairShare | None) -> None:
         """One more sequence of `share`'s tenant is queued or running."""
@@ -28,6 +41,8 @@ class VirtualTokenCounter:
             own = self.counters.get(tenant, 0.0)
             self.counters[tenant] = own if floor is None else max(own, floor)
         self.active[tenant] += 1
+        self.chunks[tenant] = share.contended_prefill_tokens
+        self.idle_since.pop(tenant, None)
 
     def leave(self, share: FairShare | None) -> None:
         if share is None:
@@ -35,6 +50,15 @@ class VirtualTokenCounter:
         self.active[share.tenant] -= 1
         if not self.active[share.tenant]:
             del self.active[share.tenant]
+            self.idle_since[share.tenant] = self.clock()
+
+    def prefill_cap(self) -> int | None:
+        """Prompt tokens a step may compute while tenants contend (None: one tenant, or none, contends)."""
+        if self.idle_since:
+            stale = self.clock() - CONTENTION_WINDOW_S
+            for tenant in [t for t, since in self.idle_since.items() if since < stale]:
+                del self.idle_since[tenant], self.chunks[tenant]
+        return min(self.chunks.values()) if len(self.chunks) > 1 else None
 
     def charge(self, share: FairShare | None, num_tokens: int, is_prefill: bool) -> None:
         if share is None or not num_tokens:

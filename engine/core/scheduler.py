@@ -75,7 +75,7 @@ class Scheduler:
         self.make_detokenizer: Callable[[Sequence], Detokenizer | None] = lambda seq: None
         self.num_preemptions = 0
         self.is_full = False  # the last step left a queued sequence out for lack of seats or KV blocks
-        self.fair = VirtualTokenCounter()
+        self.fair = VirtualTokenCounter(clock)
 
     # --- queues ----------------------------------------------------------------------------------
     def add_seq(self, seq: Sequence) -> None:
@@ -157,8 +157,11 @@ class Scheduler:
 
     def _prefill_cap(self) -> int:
         if self.config.scheduler_policy != "hybrid":
-            return self.config.max_num_batched_tokens
-        return self.config.max_prefill_tokens or max(1, self.config.max_num_batched_tokens // 2)
+            cap = self.config.max_num_batched_tokens
+        else:
+            cap = self.config.max_prefill_tokens or max(1, self.config.max_num_batched_tokens // 2)
+        contended = self.fair.prefill_cap()
+        return cap if contended is None else min(cap, contended)
 
     def _num_new_tokens(self, seq: Sequence, budget: _Budget) -> int:
         num_new = min(seq.num_uncomputed_tokens, budget.tokens)

@@ -3,9 +3,10 @@ virtual token counter, and the scheduler's order over a tiny pool driven by hand
 
 import pytest
 
-from engine.core.fairness import VirtualTokenCounter
+from engine.core.fairness import CONTENTION_WINDOW_S, VirtualTokenCounter
 from engine.core.sequence import Sequence
 from engine.fair_share import FairShare
+from tests.fakes import FakeClock
 from tests.unit.engine.test_scheduler import add, assert_all_free, chunks, drain, make_scheduler, step
 
 A, B = FairShare("a"), FairShare("b")
@@ -36,6 +37,41 @@ def test_counter_charges_cost_over_weight_and_lifts_a_returning_tenant():
 def test_a_share_needs_positive_finite_weights(field, value):
     with pytest.raises(ValueError, match=field):
         FairShare("t", **{field: value})
+
+
+def test_contention_caps_a_steps_prefill_while_two_tenants_have_had_work_lately():
+    clock = FakeClock()
+    vtc = VirtualTokenCounter(clock)
+    small, big = FairShare("a", contended_prefill_tokens=64), FairShare("b", contended_prefill_tokens=512)
+    vtc.join(small)
+    vtc.join(small)
+    assert vtc.prefill_cap() is None  # one tenant: nobody to wait for its chunks
+    vtc.join(big)
+    assert vtc.prefill_cap() == 64  # the least of the contending tenants'
+    vtc.leave(small)
+    vtc.leave(small)
+    clock.advance(CONTENTION_WINDOW_S - 0.1)
+    assert vtc.prefill_cap() == 64  # a between its requests still contends: its next prompt is coming
+    clock.advance(0.2)
+    assert vtc.prefill_cap() is None
+    vtc.join(small)
+    assert vtc.prefill_cap() == 64
+
+
+def test_a_long_prompt_runs_short_chunks_while_another_tenant_contends():
+    clock = FakeClock(0.0)
+    sched = make_fair_scheduler(clock=clock, max_num_batched_tokens=16)
+    capped = FairShare("a", contended_prefill_tokens=4)
+    long = shared(sched, 30, capped, arrival=0)
+    assert chunks(step(sched)) == [(long, 0, 16, 0)]  # alone: the whole budget
+    short = shared(sched, 3, FairShare("b", contended_prefill_tokens=4), arrival=1)
+    assert chunks(step(sched)) == [(long, 16, 4, 0)]  # a tie (b joins at a's counter): a's chunk, short
+    assert chunks(step(sched)) == [(short, 0, 3, 1)]
+    assert chunks(step(sched)) == [(long, 20, 4, 0)]  # b is done, yet may come back: short chunks
+    clock.advance(CONTENTION_WINDOW_S + 1)
+    assert chunks(step(sched)) == [(long, 24, 6, 1)]  # b gone quiet: the rest at once (6 > 4)
+    drain(sched)
+    assert_all_free(sched)
 
 
 def shared(sched, prompt_len: int, share: FairShare, arrival: float, max_tokens: int = 1) -> Sequence:

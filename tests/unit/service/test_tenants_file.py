@@ -12,6 +12,7 @@ from service.tenants import DEFAULT_TENANT, TenantsError, load_tenants, parse_te
 FILE = """
 [fairness]
 decode_cost = 3.0
+contended_prefill_tokens = 128
 
 [tenants.search]
 keys = ["sk-search", "sha256:{digest}"]
@@ -55,6 +56,7 @@ def test_keys_plain_and_hashed_name_their_tenant_and_any_other_is_the_default(tm
     )
     share = tenants.share(search)
     assert (share.tenant, share.weight, share.prefill_cost, share.decode_cost) == ("search", 2.0, 1.0, 3.0)
+    assert share.contended_prefill_tokens == 128
     assert "sk-search" not in repr(tenants)
 
 
@@ -71,6 +73,10 @@ def test_keys_plain_and_hashed_name_their_tenant_and_any_other_is_the_default(tm
         ("[tenants.default]\nkeys = ['k']\n", "the default tenant has no keys"),
         ("[fairness]\ndecode_cost = 0\n[tenants.a]\n", r"\[fairness\]: decode_cost must be a positive"),
         ("[fairness]\ncost = 1\n[tenants.a]\n", r"\[fairness\] unknown keys \['cost'\]"),
+        (
+            "[fairness]\ncontended_prefill_tokens = 0.5\n[tenants.a]\n",
+            "contended_prefill_tokens must be an integer",
+        ),
         ("[tenants.a\n", "invalid TOML"),
     ],
 )
