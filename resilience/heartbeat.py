@@ -30,18 +30,21 @@ DEFAULT_MAX_NUM_SEQS = 128  # for an engine that does not say (test fakes)
 
 
 def engine_load(engines: Iterable[Any]) -> float:
-    """0.0 when no engine has work, else the fraction of all their sequence slots running: what the
-    activations' working set scales with (KV blocks are preallocated and do not move memory)."""
-    num_running = num_slots = 0
+    """0.0 when no engine has work, else the sequences they hold (running, waiting, swapped out) per
+    sequence slot, above 1.0 with a backlog. The activations' working set scales with the running ones
+    (KV blocks are preallocated and do not move memory), and each queued request holds its prompt and
+    bookkeeping: a backlog growing under overload grows memory (+108 MiB a minute for a flood of
+    2,000-token prompts at twice capacity), and samples at other backlogs are not compared."""
+    num_held = num_slots = 0
     is_busy = False
     for engine in engines:
         stats = engine.stats()
         is_busy = is_busy or stats.is_busy
-        num_running += stats.num_running
+        num_held += stats.num_running + stats.num_waiting + stats.num_swapped
         num_slots += getattr(getattr(engine, "config", None), "max_num_seqs", DEFAULT_MAX_NUM_SEQS)
     if not is_busy:
         return 0.0
-    return min(1.0, max(MIN_BUSY_LOAD, num_running / max(1, num_slots)))
+    return max(MIN_BUSY_LOAD, num_held / max(1, num_slots))
 
 
 class Heartbeat:
@@ -63,7 +66,7 @@ class Heartbeat:
         self.probe_timeout_s = probe_timeout_s if probe_timeout_s is not None else interval_s
         if not self.probe_timeout_s > 0:
             raise ValueError(f"probe_timeout_s must be > 0, got {self.probe_timeout_s}")
-        # load: 0.0 idle, else the fraction of sequence slots running (see LeakDetector.add)
+        # load: 0.0 idle, else the sequences held per sequence slot (see engine_load, LeakDetector.add)
         self._probe, self._detector, self._clock, self._load = probe, detector, clock, load
         self._on_leak, self._on_probe_error = on_leak, on_probe_error
         self.last_sample: MemorySample | None = None

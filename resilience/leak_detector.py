@@ -1,7 +1,7 @@
 """Leak detection: pure logic over memory samples and a clock, so tests feed it generated series.
 
 Each sample comes with the load at that moment: 0.0 idle (nothing running or waiting), else the
-fraction of the engines' sequence slots running (> 0). Only samples taken at comparable load are
+sequences the engines hold (running, queued) per sequence slot (> 0; above 1 with a backlog). Only samples taken at comparable load are
 compared: idle ones with idle ones, busy ones with busy ones whose load is within `load_tolerance`
 of the newest sample's. What load changes is not a leak: KV blocks are preallocated (no growth), the
 allocator's working set for activations scales with the batch, so a sample at another load would
@@ -34,6 +34,7 @@ noisier, `window_s` (hours) to catch slow leaks.
 """
 
 import logging
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -53,7 +54,7 @@ class LeakDetectorConfig:
     min_slope_bytes_per_s: float = 64 * MIB / 3600  # 64 MiB/h
     min_growth_bytes: float = 64 * MIB  # must exceed the noise at one load, peak to peak
     max_samples: int = 64  # newest samples kept, whatever the window: bounds the work per check
-    load_tolerance: float = 0.05  # busy samples compare when their loads (slot fractions) are this close
+    load_tolerance: float = 0.05  # busy samples compare when their loads (per slot) are this close
 
     def __post_init__(self) -> None:
         for name in ("warmup_s", "min_slope_bytes_per_s", "min_growth_bytes", "load_tolerance"):
@@ -79,7 +80,7 @@ class LeakReport:
     span_s: float
     num_samples: int
     cache_growth_bytes: float  # allocator cache over the same run: not part of the growth above
-    load: float = 0.0  # of the newest sample: 0.0 idle, else the fraction of sequence slots running
+    load: float = 0.0  # of the newest sample: 0.0 idle, else the sequences held per sequence slot
 
     def describe(self) -> str:
         at = "idle" if self.load == 0 else f"busy ({self.load:.0%} of sequence slots)"
@@ -117,10 +118,10 @@ class LeakDetector:
         return len(self._points)
 
     def add(self, sample: MemorySample, load: float) -> LeakReport | None:
-        """Take one heartbeat's sample with the load it was taken at (0.0 idle, else the fraction of
-        sequence slots running); returns a report while sustained growth is seen."""
-        if not 0 <= load <= 1:
-            raise ValueError(f"load must be in [0, 1], got {load}")
+        """Take one heartbeat's sample with the load it was taken at (0.0 idle, else the sequences held per
+        sequence slot); returns a report while sustained growth is seen."""
+        if not 0 <= load < math.inf:
+            raise ValueError(f"load must be a finite number >= 0, got {load}")
         now = self._clock()
         self.num_busy_samples += load > 0
         if now >= self._started_at + self.config.warmup_s:

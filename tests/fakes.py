@@ -132,7 +132,12 @@ class FakeStatsEngine:
     """What the heartbeat reads of an engine: `stats()` (running, busy) and, if given, `config.max_num_seqs`."""
 
     def __init__(self, num_running: int, num_waiting: int = 0, max_num_seqs: int | None = None) -> None:
-        self._stats = SimpleNamespace(num_running=num_running, is_busy=num_running + num_waiting > 0)
+        self._stats = SimpleNamespace(
+            num_running=num_running,
+            num_waiting=num_waiting,
+            num_swapped=0,
+            is_busy=num_running + num_waiting > 0,
+        )
         if max_num_seqs is not None:
             self.config = SimpleNamespace(max_num_seqs=max_num_seqs)
 

@@ -4,7 +4,7 @@ import threading
 import pytest
 
 from resilience.errors import ProbeError
-from resilience.heartbeat import DEFAULT_MAX_NUM_SEQS, MIN_BUSY_LOAD, Heartbeat, engine_load
+from resilience.heartbeat import DEFAULT_MAX_NUM_SEQS, Heartbeat, engine_load
 from resilience.leak_detector import MIB, LeakDetector, LeakDetectorConfig
 from resilience.probes import MemorySample
 from tests.fakes import FakeStatsEngine, kwargs_id
@@ -76,12 +76,28 @@ async def test_a_sample_takes_the_higher_load_of_the_probe_call_s_two_ends(clock
     assert heartbeat.last_report is not None and heartbeat.last_report.load == 0.5
 
 
-def test_engine_load_is_the_fraction_of_sequence_slots_running():
+def test_engine_load_is_the_sequences_held_per_sequence_slot():
     assert engine_load([]) == 0.0
     assert engine_load([FakeStatsEngine(0, max_num_seqs=8), FakeStatsEngine(0)]) == 0.0
     assert engine_load([FakeStatsEngine(64, max_num_seqs=128), FakeStatsEngine(0, max_num_seqs=128)]) == 0.25
-    assert engine_load([FakeStatsEngine(0, num_waiting=3, max_num_seqs=8)]) == MIN_BUSY_LOAD  # queued: busy
+    assert engine_load([FakeStatsEngine(0, num_waiting=3, max_num_seqs=8)]) == 3 / 8  # queued: busy
+    assert engine_load([FakeStatsEngine(8, num_waiting=24, max_num_seqs=8)]) == 4.0  # a backlog
     assert engine_load([FakeStatsEngine(32)]) == 32 / DEFAULT_MAX_NUM_SEQS  # a fake without a config
+
+
+async def test_memory_that_grows_with_a_growing_backlog_is_no_leak(clock):
+    """Overload: every slot running and the queue growing by 400 requests a beat, memory with it."""
+    leaks = []
+    backlog = iter(range(0, 4000, 400))
+    heartbeat = make(
+        clock,
+        GrowingProbe(clock),
+        load=lambda: engine_load([FakeStatsEngine(128, num_waiting=next(backlog), max_num_seqs=128)]),
+        on_leak=leaks.append,
+    )
+    for _ in range(4):
+        await heartbeat.beat()
+    assert heartbeat._detector.num_busy_samples == 4 and leaks == []
 
 
 async def test_probe_errors_are_reported_and_the_beat_goes_on(clock):

@@ -259,7 +259,8 @@ def test_report_says_the_load_it_was_seen_at():
     assert "of busy (25% of sequence slots) samples" in report.describe()
 
 
-def test_load_outside_zero_one_is_refused():
+@pytest.mark.parametrize("load", [-0.5, float("inf"), float("nan")])
+def test_a_load_below_zero_or_not_finite_is_refused(load):
     detector = LeakDetector(clock=FakeClock(0.0))
-    with pytest.raises(ValueError, match="load must be in"):
-        detector.add(MemorySample("cpu", used_bytes=1), load=1.5)
+    with pytest.raises(ValueError, match="load must be a finite number"):
+        detector.add(MemorySample("cpu", used_bytes=1), load=load)
