@@ -119,7 +119,14 @@ request_strategy = st.tuples(
     st.integers(-3, 3),  # priority
     st.integers(0, 4),  # steps before the next arrival
     st.none() | st.integers(0, 6),  # abort after this many steps, or never
-    st.none() | st.sampled_from([FairShare("a"), FairShare("b", weight=3.0), FairShare("c", 0.5, 2.0, 1.0)]),
+    st.none()
+    | st.sampled_from(
+        [
+            FairShare("a"),
+            FairShare("b", weight=3.0),
+            FairShare("c", 0.5, 2.0, 1.0, contended_prefill_tokens=2),
+        ]
+    ),
 )
 
 
