@@ -115,7 +115,7 @@ bench-tail: $(STAMP)
 # short chats at 10% of it; B's p99 TTFT flooded / alone, with --tenants and without (about 9 minutes)
 .PHONY: bench-fairness
 bench-fairness: $(STAMP)
-	$(PY) benchmarks/fairness.py --pagedserve-args "--max-num-batched-tokens 256"
+	$(PY) benchmarks/fairness.py
 
 baseline: $(STAMP)
 	$(PY) benchmarks/baseline_server.py --model models/pagedserve-coder-small --port 8100 --max-batch 32
