@@ -36,7 +36,7 @@ class EngineClient(Protocol):
     dtype_probe: DtypeProbe | None  # on CPU with --dtype auto: what was measured to choose it
     quantization: (
         str | None
-    )  # "int8", "awq", "gptq": the linear weights are int8 (engine/executor/layers/quantization.py)
+    )  # "int8", "w8a8", "awq", "gptq": the linear weights are int8 (engine/executor/layers/quantization.py)
     attention_backend: str  # "torch" or "flex": what --attention-backend (auto: by device) resolved to
     linear_kernel: str  # "onednn", "aten" or "int8": what --linear-kernel (auto: timed at load) resolved to
     linear_choice: dict | None  # with auto on CPU: what was timed to choose (onednn_linear.LinearChoice)

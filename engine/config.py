@@ -10,7 +10,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 POLICIES = ("fcfs", "priority", "hybrid")
 PREEMPTION_MODES = ("recompute", "swap")
-QUANTIZATIONS = ("int8", "awq", "gptq")
+QUANTIZATIONS = ("int8", "w8a8", "awq", "gptq")
 ATTENTION_BACKENDS = ("auto", "torch", "flex")
 LINEAR_KERNELS = ("auto", "aten", "onednn")
 MODEL_IMPLS = ("auto", "own", "generic")  # vLLM's --model-impl: auto | vllm | transformers
@@ -67,7 +67,7 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
     quantization: str | None = (
-        None  # "int8" (at load), "awq" / "gptq" (the checkpoint's); engine/executor/layers/quantization.py
+        None  # "int8" / "w8a8" (at load), "awq" / "gptq" (the checkpoint's): executor/layers/quantization.py
     )
     # "torch" (engine/executor/attention/torch_backend.py: C decode kernel + SDPA), "flex" (engine/executor/attention/flex_backend.py); auto: flex on CUDA
     attention_backend: str = "auto"

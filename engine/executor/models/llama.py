@@ -280,7 +280,7 @@ def linear(
 ) -> nn.Module:
     if quant is None:
         return nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
-    return Int8Linear(in_features, out_features, bias, quant.group_size, dtype)
+    return Int8Linear(in_features, out_features, bias, quant.group_size, dtype, quant.method == "w8a8")
 
 
 class Attention(nn.Module):

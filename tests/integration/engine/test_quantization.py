@@ -98,6 +98,29 @@ def test_int8_linear_each_path_matches_the_dequantized_weight(dtype, m):
     torch.testing.assert_close(got.double(), want, rtol=rtol, atol=atol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w8a8_quantizes_each_row_of_a_many_row_product(dtype):
+    """Many rows: x rounded per row to int8 (scale max |x| / 127), an exact int32 product, scaled back;
+    few rows read the int8 weight with x as it is (the decode path, as int8's)."""
+    layer = Int8Linear(96, 40, bias=False, group_size=None, dtype=dtype, int8_activations=True)
+    q, scale = _int8_weight(40, 96, 96)
+    layer.weight.copy_(q)
+    layer.scales.copy_(scale)
+    x = torch.randn(300, 96).to(dtype)
+    x_scale = x.double().abs().amax(dim=1, keepdim=True) / 127
+    want = (x.double() / x_scale).round() @ q.double().t() * x_scale * scale.double().view(1, -1)
+    got = layer(x)
+    assert got.dtype == dtype
+    atol, rtol = (1e-4, 1e-5) if dtype == torch.float32 else (0.15, 2e-2)
+    torch.testing.assert_close(got.double(), want, rtol=rtol, atol=atol)
+    exact = torch.nn.functional.linear(x.double(), dequantize(q, scale, torch.float64))
+    assert 0 < (got.double() - exact).abs().max() < 0.02 * exact.abs().max()  # the activations' rounding
+    few = x[:1]
+    torch.testing.assert_close(layer(few).double(), exact[:1], rtol=rtol, atol=atol)
+    with pytest.raises(ValueError, match="one weight scale per output row"):
+        Int8Linear(96, 40, bias=False, group_size=32, dtype=dtype, int8_activations=True)
+
+
 def test_int8_linear_refuses_a_group_that_does_not_divide_its_inputs():
     with pytest.raises(ValueError, match="group_size 48 does not divide the layer's 64 inputs"):
         Int8Linear(64, 8, bias=False, group_size=48, dtype=torch.float32)
@@ -296,6 +319,26 @@ def test_int8_matches_the_dequantized_fp32_model(random_model, tmp_path, preset)
                 rows.copy_(dequantize(*quantize_int8(rows)))
     model.save_pretrained(reference)
     _assert_matches(_engine_greedy(src, quantization="int8"), _hf_greedy(str(reference)), atol=1e-4)
+
+
+@needs_cc
+def test_w8a8_prefills_in_int8_products_close_to_int8s(random_model):
+    """w8a8: the prompt's step (many rows) rounds activations to int8, so the first token's logprobs move a
+    little from weight-only int8's; the decode steps are int8's own path."""
+    src = random_model("tiny-qwen2")
+    w8a8 = LLM(src, dtype="float32", max_model_len=128, quantization="w8a8")
+    layers = [m for m in w8a8.engine.model_runner.model.modules() if isinstance(m, Int8Linear)]
+    assert layers and all(m.int8_activations for m in layers)
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, min_tokens=NUM_NEW, logprobs=5)
+    got = w8a8.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    want = _engine_greedy(src, quantization="int8")[1]
+    diffs = [
+        abs(value - ref[0][token])
+        for out, ref in zip(got, want, strict=True)
+        for token, value in out.outputs[0].logprobs[0].items()
+        if token in ref[0]
+    ]
+    assert 0 < max(diffs) < 0.1, max(diffs)
 
 
 @needs_cc
