@@ -135,8 +135,9 @@ def main() -> int:
     out.write_text(json.dumps(result, indent=1) + "\n")
     plot(result, out.with_suffix(".png"))
     ppl = result["accuracy"]["perplexity"]
+    bf16_ms = result["speed"]["median_s"]["None"] * 1000
     print(
-        f"prefill of {args.prompt_tokens} tokens, median: bf16 {result['speed']['median_s']['None'] * 1000:.0f} ms, "
+        f"prefill of {args.prompt_tokens} tokens, median: bf16 {bf16_ms:.0f} ms, "
         f"int8 {ratio['int8']:.2f}x, w8a8 {ratio['w8a8']:.2f}x of bf16's; perplexity fp32 {ppl['None']:.3f}, "
         f"int8 {ppl['int8']:.3f}, w8a8 {ppl['w8a8']:.3f}; {out}",
         flush=True,

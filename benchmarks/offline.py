@@ -44,7 +44,7 @@ from engine.config import set_openmp_defaults  # noqa: E402
 
 # libgomp's default spin-waiting makes every parallel op on 2 threads 10-30x slower when other processes
 # share the 2 cores (measured: a 32x576x1536 linear 1.5 ms passive vs 44 ms spinning under load 7): the
-# server's setting (engine/config.py), before torch loads libgomp; export OMP_WAIT_POLICY yourself to override.
+# server's setting (engine/config.py), before torch loads libgomp; export OMP_WAIT_POLICY to override.
 set_openmp_defaults()
 
 import torch  # noqa: E402

@@ -1,8 +1,8 @@
 """Leak detection: pure logic over memory samples and a clock, so tests feed it generated series.
 
 Each sample comes with the load at that moment: 0.0 idle (nothing running or waiting), else the
-sequences the engines hold (running, queued) per sequence slot (> 0; above 1 with a backlog). Only samples taken at comparable load are
-compared: idle ones with idle ones, busy ones with busy ones whose load is within `load_tolerance`
+sequences the engines hold (running, queued) per sequence slot (> 0; above 1 with a backlog). Only
+samples taken at comparable load are compared: idle ones with idle ones, busy ones with busy ones whose load is within `load_tolerance`
 of the newest sample's. What load changes is not a leak: KV blocks are preallocated (no growth), the
 allocator's working set for activations scales with the batch, so a sample at another load would
 read a working-set change as growth; at the same load the working set is the same and what keeps

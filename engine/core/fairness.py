@@ -27,7 +27,8 @@ class VirtualTokenCounter:
         self.clock = clock
         self.counters: dict[str, float] = {}
         self.active: Counter[str] = Counter()  # sequences of each tenant queued or running
-        # each tenant's contended_prefill_tokens (its latest share's), while it contends; when the idle ones left
+        # each tenant's contended_prefill_tokens (its latest share's) while it contends, and when the idle
+        # ones left
         self.chunks: dict[str, int] = {}
         self.idle_since: dict[str, float] = {}
 

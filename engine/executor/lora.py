@@ -119,8 +119,8 @@ class LinearShapes:
     def place(self, name: str, layer: int, path: str) -> tuple[str, int]:
         if (layer, path) not in self.linears:
             raise LoraError(
-                f"adapter {name!r}: {path} of layer {layer} is not one of this model's adaptable linear layers "
-                "(nn.Linear run once a step over every row: not Conv1D, experts or embeddings)"
+                f"adapter {name!r}: {path} of layer {layer} is not one of this model's adaptable linear "
+                "layers (nn.Linear run once a step over every row: not Conv1D, experts or embeddings)"
             )
         return path, WHOLE
 

@@ -11,8 +11,8 @@ process exits with EXIT_CODE_REPLACE_ME for its supervisor (Docker, systemd, Kub
 
 Every `heartbeat_interval` seconds the probe (NVML on CUDA, /proc on CPU) runs off the event loop
 and feeds the leak detector, with the engines' load at that moment (the sequences they hold, running
-or queued, per sequence slot): samples are compared at a comparable load, so a leak is found on a busy replica too, in
-as many beats as on an idle one. A confirmed leak takes the replica out of rotation at once (ready
+or queued, per sequence slot): samples are compared at a comparable load, so a leak is found on a busy
+replica too, in as many beats as on an idle one. A confirmed leak takes the replica out of rotation at once (ready
 turns 503, nginx and Kubernetes route away), lets in-flight requests finish, then either recycles
 every engine in process (stop, drop, gc, reload, warm up; memory checked against the baseline) or
 exits with EXIT_CODE_REPLACE_ME for the supervisor to replace the process.

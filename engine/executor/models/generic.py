@@ -32,9 +32,8 @@ from engine.executor.lora import LinearShapes, LoraBank
 
 ATTN_IMPLEMENTATION = "pagedserve"
 DRY_RUN_TOKENS = 3
-_IN_LAYER = re.compile(
-    r"(?:^|\.)layers\.(\d+)\.(.+)$"
-)  # a module of a decoder layer: (layer, its path there)
+# a module of a decoder layer: (layer, its path there)
+_IN_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)$")
 
 
 @dataclass(frozen=True)
