@@ -21,12 +21,11 @@ MAX_NUM_TOKENS = 1 << 20  # max_num_batched_tokens, max_num_waiting
 # libgomp's idle threads (torch's intra-op pool), read once when torch loads it. Spinning for the next
 # parallel region, libgomp's default (300,000 spins, milliseconds), they take the cores from the event loop
 # and other replicas: on 2 shared cores every op ran 10-30x slower. Asleep at once (OMP_WAIT_POLICY=PASSIVE),
-# each parallel op pays a wake-up instead (~70 us on a 2-core VM: 8 rank-16 LoRA products, 80 us on 2
-# threads, 5 us on 1). GOMP_SPINCOUNT bounds the spin in between: 3,000 spins (~0.1 ms on a Xeon, less where
-# `pause` is short) bridge the gaps between one step's ops, not the idle time between steps. Measured on a
-# 2-core Xeon: one stream 171 -> 292 tok/s, two processes on the two cores 132 -> 130 each (30,000 spins:
-# 45), 8 LoRA adapters x 32 streams 0.58 -> ~0.7 of the base.
-OPENMP_SPIN_COUNT = "3000"
+# each parallel op pays a wake-up instead (~70 us on a 2-core VM). A short spin (GOMP_SPINCOUNT=3000, ~0.1 ms
+# on a Xeon) pays offline, one process alone on its cores (one stream 171 -> 292 tok/s; 8 LoRA adapters x 32
+# streams 0.58 -> 0.71 of the base), but not in the server, whose event loop needs the core the spinning
+# thread holds: over HTTP one stream ran 150 -> 135 tok/s, 64 streams -4%. The server waits passively;
+# docs/operations.md#cpu-threads says when to set the spin.
 DTYPE_ALIASES = {
     "fp32": "float32",
     "bf16": "bfloat16",
@@ -37,11 +36,9 @@ DTYPE_ALIASES = {
 
 
 def set_openmp_defaults(environ: MutableMapping[str, str] = os.environ) -> None:
-    """PASSIVE waits after a short spin (OPENMP_SPIN_COUNT), unless a wait policy is set already; call it
-    before torch is imported (in this process, or in `environ` for a child's)."""
-    if "OMP_WAIT_POLICY" not in environ:
-        environ["OMP_WAIT_POLICY"] = "PASSIVE"
-        environ.setdefault("GOMP_SPINCOUNT", OPENMP_SPIN_COUNT)
+    """The server's OpenMP waits: PASSIVE, unless a policy is set already; call it before torch is imported
+    (in this process, or in `environ` for a child's)."""
+    environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ where base rows share the step), no loop over tokens. Where padding would more t
 long prompt chunk of one adapter), it runs two products per adapter present instead. Measured on 2 cores,
 8 rank-16 adapters x 32 decode rows, one projection: a loop per adapter 4.8 ms, F.grouped_mm 1.3 ms (its
 second product copies the stacks), the padded bmm 0.1 ms; each bmm 80 us when OpenMP's second thread must
-be woken for it, 5-10 us when it spins a little (engine/config.py's OPENMP_SPIN_COUNT).
+be woken for it (the server's passive wait), 5-10 us when it spins a little (engine/config.py).
 
 `LoraBank` holds the resident adapters (at most `max_loras`; loading one more evicts the least recently
 used one that no request uses, else refuses). Each load gets a new `uid`: the prefix cache keys a
