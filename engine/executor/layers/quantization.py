@@ -24,8 +24,8 @@ dequantizes its weight per call (correct, not fast).
 w8a8 runs the many-row products as int8 x int8 -> int32 (`torch._int_mm`, exact in int32) on the int8
 weight as it lies, each row of x quantized with its own scale (max |x| / 127) and the result scaled back
 by both scales. benchmarks/int8_prefill.py, 2-core Xeon with AMX, a 128-token prefill on the Qwen2-1.5B
-shape: bf16 294 ms, w8a8 425 ms (of which int8 products 223 ms, rounding and scaling ~160 ms), int8 by
-dequantized slices 1036 ms; and the activations' rounding against float32 (docs/models.md#quantization).
+shape: bf16 301 ms, w8a8 513 ms (in a profile: int8 products 223 ms, rounding and scaling ~160 ms), int8
+by dequantized slices 1252 ms; and the activations' rounding against float32 (docs/models.md#quantization).
 """
 
 import threading
