@@ -186,6 +186,22 @@ NUM_NEW = 10
 MAX_MODEL_LEN = 128
 
 
+def hf_greedy(model, prompts: list[list[int]], num_new: int = NUM_NEW) -> list[list[int]]:
+    """HF transformers' greedy continuation of each prompt, exactly num_new tokens (EOS not stopping it)."""
+    import torch
+
+    return [
+        model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=num_new,
+            min_new_tokens=num_new,
+            do_sample=False,
+            pad_token_id=0,
+        )[0, len(ids) :].tolist()
+        for ids in prompts
+    ]
+
+
 def parity_prompts(seed: int, vocab: int) -> list[list[int]]:
     """18 prompts of mixed lengths (1..70 tokens); the last six share a 40-token prefix."""
     rng = random.Random(seed)

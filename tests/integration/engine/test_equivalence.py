@@ -14,6 +14,7 @@ from tests.harness import (
     NUM_NEW,
     SCENARIOS,
     check_parity,
+    hf_greedy,
     parity_prompts,
 )
 
@@ -28,17 +29,7 @@ def references(random_model):
             path = random_model(preset)
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
             prompts = parity_prompts(7, model.config.vocab_size)
-            outs = []
-            for ids in prompts:
-                gen = model.generate(
-                    torch.tensor([ids]),
-                    max_new_tokens=NUM_NEW,
-                    min_new_tokens=NUM_NEW,
-                    do_sample=False,
-                    pad_token_id=0,
-                )
-                outs.append(gen[0, len(ids) :].tolist())
-            cache[preset] = (path, prompts, outs)
+            cache[preset] = (path, prompts, hf_greedy(model, prompts, NUM_NEW))
         return cache[preset]
 
     return get

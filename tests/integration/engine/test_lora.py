@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
 from engine.executor.lora import LoraBankFull, LoraError
-from tests.harness import parity_prompts, write_adapter
+from tests.harness import hf_greedy, parity_prompts, write_adapter
 
 NUM_NEW = 8
 # name -> (rank, alpha, targets, use_rslora)
@@ -38,7 +38,7 @@ def _merged_outputs(path, adapters, root):
     """(prompts, {adapter name or None: (dir, HF greedy outputs with the adapter merged)})."""
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     prompts = parity_prompts(11, base.config.vocab_size)[:10]
-    out = {None: (None, _greedy(base, prompts))}
+    out = {None: (None, hf_greedy(base, prompts, NUM_NEW))}
     for seed, (name, (rank, alpha, targets, rslora)) in enumerate(adapters.items()):
         pairs = write_adapter(base, root / name, rank, alpha, targets, rslora, seed)
         merged = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -47,22 +47,8 @@ def _merged_outputs(path, adapters, root):
         with torch.no_grad():
             for module_name, (a, b) in pairs.items():
                 modules[module_name].weight += scale * (b @ a)
-        out[name] = (root / name, _greedy(merged, prompts))
+        out[name] = (root / name, hf_greedy(merged, prompts, NUM_NEW))
     return prompts, out
-
-
-def _greedy(model, prompts):
-    outs = []
-    for ids in prompts:
-        gen = model.generate(
-            torch.tensor([ids]),
-            max_new_tokens=NUM_NEW,
-            min_new_tokens=NUM_NEW,
-            do_sample=False,
-            pad_token_id=0,
-        )
-        outs.append(gen[0, len(ids) :].tolist())
-    return outs
 
 
 SCENARIOS = {

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM
-from tests.harness import MAX_MODEL_LEN, NUM_NEW, SCENARIOS, check_parity, parity_prompts
+from tests.harness import MAX_MODEL_LEN, NUM_NEW, SCENARIOS, check_parity, hf_greedy, parity_prompts
 
 WINDOW = 12  # below most prompts (up to 70 tokens), and not a multiple of any block size tested
 MODELS = {
@@ -32,17 +32,7 @@ def windowed(tmp_path_factory):
             path = str(make_random_model(preset, tmp_path_factory.mktemp(name), seed=1, **overrides))
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
             prompts = parity_prompts(11, model.config.vocab_size)
-            outs = [
-                model.generate(
-                    torch.tensor([ids]),
-                    max_new_tokens=NUM_NEW,
-                    min_new_tokens=NUM_NEW,
-                    do_sample=False,
-                    pad_token_id=0,
-                )[0, len(ids) :].tolist()
-                for ids in prompts
-            ]
-            cache[name] = (path, prompts, outs)
+            cache[name] = (path, prompts, hf_greedy(model, prompts, NUM_NEW))
         return cache[name]
 
     return get
