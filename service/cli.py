@@ -385,9 +385,9 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-threads", type=int, help="torch threads on CPU")
     g.add_argument(
         "--quantization",
-        help="int8: quantize linear weights at load (weight-only, per channel); w8a8: int8, and a "
-        "prompt's activations rounded to int8 for int8 products; AWQ / GPTQ 4-bit checkpoints are read "
-        "as they are (awq | gptq)",
+        help="int8: quantize linear weights at load (weight-only, per channel); w8a8: int8, and the "
+        "activations rounded to int8 per row for int8 products (a prompt's always; decode's where that "
+        "was faster when timed at load); AWQ / GPTQ 4-bit checkpoints are read as they are (awq | gptq)",
     )
     g.add_argument("--attention-backend", help="auto | torch | flex (auto: flex on CUDA, torch on CPU)")
     g.add_argument(

@@ -1,11 +1,11 @@
-"""The CPU kernels in engine/kernels/csrc (decode attention, the int8 linear layer, RMSNorm, RoPE, SiLU * up): built on first use,
-called via ctypes.
+"""The CPU kernels in engine/kernels/csrc (decode attention, the int8 linear layer and w8a8's activations,
+RMSNorm, RoPE, SiLU * up): built on first use, called via ctypes.
 
 The C sources are compiled with the system compiler (`cc`, or $CC) for this machine's CPU into one
 library in $PAGEDSERVE_KERNEL_CACHE (default ~/.cache/pagedserve/kernels), named by a hash of the
 sources, the flags and the CPU's feature flags, so a copy never runs on a CPU it was not built for.
 Building takes about a second. Without a compiler, or with PAGEDSERVE_CPU_KERNEL=0, `load()`,
-`int8_linear()`, `rms_norm()`, `rope()` and `silu_mul()` return None and the engine keeps its pure-torch paths (same results up to
+`int8_linear()`, `int8_rows()`, `rms_norm()`, `rope()` and `silu_mul()` return None and the engine keeps its pure-torch paths (same results up to
 float rounding, slower).
 """
 
@@ -27,7 +27,15 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = tuple(
     CSRC / name
-    for name in ("paged_attention.c", "int8_linear.c", "rms_norm.c", "rope.c", "silu_mul.c", "thread_pool.c")
+    for name in (
+        "paged_attention.c",
+        "int8_linear.c",
+        "int8_rows.c",
+        "rms_norm.c",
+        "rope.c",
+        "silu_mul.c",
+        "thread_pool.c",
+    )
 )
 HEADERS = (CSRC / "kernel_math.h",)
 # -fopenmp-simd: the simd pragmas only, no OpenMP runtime (torch brings its own); threads: csrc/thread_pool.c
@@ -40,6 +48,8 @@ KERNELS = {
     "rms_norm": {torch.float32: 4, torch.bfloat16: 5},
     "rope": {torch.float32: 6, torch.bfloat16: 7},
     "silu_mul": {torch.float32: 8, torch.bfloat16: 9},
+    "quantize_rows": {torch.float32: 10, torch.bfloat16: 11},
+    "scale_rows": {torch.float32: 12, torch.bfloat16: 13},
 }
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 # below this many elements an elementwise kernel (RMSNorm, RoPE, SiLU * up) runs on the calling thread alone: it is done
@@ -377,6 +387,52 @@ class SiluMulKernel:
         return out
 
 
+class Int8RowsKernel:
+    """w8a8's activations (engine/kernels/csrc/int8_rows.c), float32 or bfloat16, rows split over threads past
+    PARALLEL_ELEMENTS: `quantize` rounds each row of x to int8 with its own scale, `scale` multiplies an int8
+    product's float32 rows back by them."""
+
+    def __init__(self, library: ctypes.CDLL, threads: Threads) -> None:
+        self.threads = threads
+
+    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [m, k] -> (q [m, k] int8, scale [m, 1] float32), q * scale ~ x (round half to even)."""
+        if x.device.type != "cpu" or x.dtype not in KERNELS["quantize_rows"] or x.dim() != 2:
+            raise ValueError(
+                f"quantize_rows takes a CPU float32 or bfloat16 [m, k] x, got {x.dtype} {x.dim()}-d"
+            )
+        x = x.contiguous()
+        (m, k) = x.shape
+        q = torch.empty(m, k, dtype=torch.int8)
+        scale = torch.empty(m, 1, dtype=torch.float32)
+        self.threads.run_sized(
+            KERNELS["quantize_rows"][x.dtype], (x.data_ptr(), q.data_ptr(), scale.data_ptr(), k), m, x.numel()
+        )
+        return q, scale
+
+    def scale(self, y: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """y [m, n] float32 (contiguous) times scale [m, 1] row by row, in `dtype` (float32: y in place)."""
+        if not (
+            y.dtype == torch.float32
+            and y.is_contiguous()
+            and y.dim() == 2
+            and scale.dtype == torch.float32
+            and scale.is_contiguous()
+            and scale.numel() == y.shape[0]
+            and dtype in KERNELS["scale_rows"]
+        ):
+            raise ValueError(
+                "scale_rows takes contiguous float32 y [m, n] and scale [m, 1], out in float32 or bfloat16"
+            )
+        (m, n), kernel = y.shape, KERNELS["scale_rows"][dtype]
+        if dtype == torch.float32:
+            self.threads.run_sized(kernel, (y.data_ptr(), scale.data_ptr(), n), m, y.numel())
+            return y
+        out = torch.empty(m, n, dtype=dtype)
+        self.threads.run_sized(kernel, (y.data_ptr(), scale.data_ptr(), out.data_ptr(), n), m, y.numel())
+        return out
+
+
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14
 
@@ -421,6 +477,11 @@ def load(num_threads: int) -> DecodeKernel | None:
 def int8_linear(num_threads: int) -> Int8LinearKernel | None:
     """The int8 linear-layer kernel for this machine, or None."""
     return _kernel(Int8LinearKernel, num_threads)
+
+
+def int8_rows(num_threads: int) -> Int8RowsKernel | None:
+    """w8a8's activation kernels for this machine, or None."""
+    return _kernel(Int8RowsKernel, num_threads)
 
 
 def rms_norm(num_threads: int) -> RMSNormKernel | None:

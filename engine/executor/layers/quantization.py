@@ -21,11 +21,16 @@ into a reused float32 buffer and runs the GEMM on it. Where one path overtakes t
 machine's GEMM (AVX2, AVX-512, AMX): `calibrate_kernel_rows` measures it at load. Without the C kernels, and on CUDA, a layer
 dequantizes its weight per call (correct, not fast).
 
-w8a8 runs the many-row products as int8 x int8 -> int32 (`torch._int_mm`, exact in int32) on the int8
-weight as it lies, each row of x quantized with its own scale (max |x| / 127) and the result scaled back
-by both scales. benchmarks/int8_prefill.py, 2-core Xeon with AMX, a 128-token prefill on the Qwen2-1.5B
-shape: bf16 301 ms, w8a8 513 ms (in a profile: int8 products 223 ms, rounding and scaling ~160 ms), int8
-by dequantized slices 1252 ms; and the activations' rounding against float32 (docs/models.md#quantization).
+w8a8 runs its products as int8 x int8, each row of x quantized with its own scale (max |x| / 127) and
+the result scaled back by both scales (in C: engine/kernels/csrc/int8_rows.c). On CPU the int8 weight is
+reordered once, at load, into oneDNN's blocked layout (`Int8Linear.pack`; exact: int32 sums) and
+`calibrate_kernel_rows` times those products against the C kernel from one row up: where oneDNN wins at
+one row, every step's products are int8 x int8 and the plain int8 copy is dropped (1 byte a weight);
+otherwise the plain copy stays for the decode kernel (2 bytes a weight). Without oneDNN's int8 operators:
+`torch._int_mm` on the plain weight (which it reorders on every call). benchmarks/int8_prefill.py, 2-core
+Xeon with AMX, a 128-token prefill on the Qwen2-1.5B shape: bf16 288 ms, w8a8 0.90x that (on `_int_mm`
+with torch ops around it: 1.70x), int8 by dequantized slices 4.48x; batch-1 decode 10.8 tok/s in w8a8
+(oneDNN from one row), 8.9 in int8; the activations' rounding against float32: docs/models.md#quantization.
 """
 
 import threading
@@ -42,8 +47,9 @@ from engine.kernels import cpu as cpu_kernel
 KERNEL_MAX_ROWS = (
     32  # rows of x up to which a layer reads int8 directly, until calibrate_kernel_rows measures
 )
-CALIBRATION_ROWS = (8, 16, 32, 64)
+CALIBRATION_ROWS = (1, 8, 16, 32, 64)
 SCRATCH_ELEMENTS = 1 << 20  # float32 weights dequantized at a time for a GEMM (4 MiB, stays in cache)
+ROW_KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # w8a8's activations in C (cpu_kernel.int8_rows)
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # AWQ packs columns 0,2,4,6,1,3,5,7 into nibbles 0..7
 
 
@@ -228,6 +234,9 @@ class Int8Linear(nn.Module):
             raise ValueError("int8 activations need one weight scale per output row (group_size None)")
         self.int8_activations = int8_activations
         self.kernel_max_rows = KERNEL_MAX_ROWS
+        self.out_features, self.in_features = out_features, in_features
+        self.register_buffer("packed", None)  # w8a8 on CPU: the weight in oneDNN's layout (pack)
+        self.register_buffer("zero_points", None)  # ... and its zero points (symmetric: zeros)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernel = cpu_kernel.int8_linear(torch.get_num_threads()) if x.device.type == "cpu" else None
@@ -244,13 +253,39 @@ class Int8Linear(nn.Module):
     def _many_rows(self, kernel: cpu_kernel.Int8LinearKernel, x: torch.Tensor) -> torch.Tensor:
         return self._int8_product(x) if self.int8_activations else self._gemm_by_slices(kernel, x)
 
+    def pack(self) -> bool:
+        """w8a8 on CPU: reorder the int8 weight once for oneDNN's int8 x int8 products (about 2.5x
+        `_int_mm`'s speed on the plain weight, whose reorder it pays on every call). False where it
+        does not apply (weight-only int8, another device, a torch without oneDNN's int8 operators)."""
+        if not (self.int8_activations and self.weight.device.type == "cpu" and onednn_int8()):
+            return False
+        self.packed = torch.ops.onednn.qlinear_prepack(self.weight.detach(), None)
+        self.zero_points = torch.zeros(self.out_features, dtype=torch.int64)
+        return True
+
+    def drop_plain_weight(self) -> None:
+        """After `pack`, where the direct kernel never runs (kernel_max_rows 0): the packed copy alone."""
+        self.weight = nn.Parameter(self.weight.new_empty(0, self.in_features), requires_grad=False)
+
     def _int8_product(self, x: torch.Tensor) -> torch.Tensor:
         """x quantized per row (symmetric, max |x| / 127), times the int8 weight in int32, scaled back."""
-        xf = x.float()
-        x_scale = xf.abs().amax(dim=1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny).div_(127)
-        xq = (xf / x_scale).round_().to(torch.int8)  # (not in place: x.float() of float32 x is x)
-        y = torch._int_mm(xq, self.weight.t())
-        return y.mul(x_scale).mul_(self.scales.view(1, -1)).to(x.dtype)
+        rows = cpu_kernel.int8_rows(torch.get_num_threads()) if x.dtype in ROW_KERNEL_DTYPES else None
+        if rows is not None:
+            xq, x_scale = rows.quantize(x)
+        else:
+            xf = x.float()
+            x_scale = xf.abs().amax(dim=1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny).div_(127)
+            xq = (xf / x_scale).round_().to(torch.int8)  # (not in place: x.float() of float32 x is x)
+        if self.packed is None:
+            y = torch._int_mm(xq, self.weight.t()).float().mul_(self.scales.view(1, -1))
+        else:  # oneDNN applies the weight's scales
+            y = torch.ops.onednn.qlinear_pointwise(
+                xq, 1.0, 0, self.packed, self.scales.view(-1), self.zero_points, None, 1.0, 0,
+                torch.float32, "none", [], "",
+            )  # fmt: skip
+        if rows is not None:
+            return rows.scale(y, x_scale, x.dtype)
+        return y.mul_(x_scale).to(x.dtype)
 
     def _gemm_by_slices(self, kernel: cpu_kernel.Int8LinearKernel, x: torch.Tensor) -> torch.Tensor:
         out_features, in_features = self.weight.shape
@@ -267,25 +302,35 @@ class Int8Linear(nn.Module):
 
 @torch.no_grad()
 def calibrate_kernel_rows(model: nn.Module, dtype: torch.dtype) -> int | None:
-    """Time both CPU paths on the model's largest int8 layer at 8..64 rows of x; every int8 layer then reads
-    int8 directly up to the most rows at which that was not slower. Returns that number (None: no int8
-    layer on CPU with the kernel). About a second for a 1.5B model."""
+    """Pack the w8a8 layers (Int8Linear.pack), then time both CPU paths on the model's largest int8 layer
+    at 1..64 rows of x; every int8 layer then reads int8 directly up to the most rows at which that was
+    not slower (0: never, and packed layers drop their plain weight). Returns that number (None: no int8
+    layer on CPU, or no C kernel). About a second for a 1.5B model."""
     layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
-    kernel = cpu_kernel.int8_linear(torch.get_num_threads())
-    if not layers or kernel is None or layers[0].weight.device.type != "cpu":
+    if not layers or layers[0].weight.device.type != "cpu":
         return None
-    big = max(layers, key=lambda m: m.weight.numel())
-    best = 1
-    for rows in CALIBRATION_ROWS:
-        x = torch.randn(rows, big.weight.shape[1]).to(dtype)
-        direct = fastest(lambda: kernel(x.float(), big.weight, big.scales, big.group_size))  # noqa: B023
-        many_rows = fastest(lambda: big._many_rows(kernel, x))  # noqa: B023
-        if direct > many_rows:
-            break
-        best = rows
-    for layer in layers:
+    packed = [layer.pack() for layer in layers]
+    kernel = cpu_kernel.int8_linear(torch.get_num_threads())
+    best = 0
+    if kernel is not None:
+        big = max(layers, key=lambda m: m.weight.numel())
+        for rows in CALIBRATION_ROWS:
+            x = torch.randn(rows, big.in_features).to(dtype)
+            direct = fastest(lambda: kernel(x.float(), big.weight, big.scales, big.group_size))  # noqa: B023
+            many_rows = fastest(lambda: big._many_rows(kernel, x))  # noqa: B023
+            if direct > many_rows:
+                break
+            best = rows
+    for layer, is_packed in zip(layers, packed, strict=True):
         layer.kernel_max_rows = best
-    return best
+        if is_packed and best == 0:
+            layer.drop_plain_weight()
+    return best if kernel is not None else None
+
+
+def onednn_int8() -> bool:
+    """Whether this torch has oneDNN's int8 linear operators (x86 builds do)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
 
 
 def fastest(fn, repeats: int = 3, min_seconds: float = 0.0) -> float:

@@ -40,6 +40,10 @@ int rope_f32(float *, const float *, const float *, int64_t, int64_t, int64_t, i
 int rope_bf16(uint16_t *, const uint16_t *, const uint16_t *, int64_t, int64_t, int64_t, int64_t, int64_t);
 int silu_mul_f32(const float *, float *, int64_t, int64_t, int64_t);
 int silu_mul_bf16(const uint16_t *, uint16_t *, int64_t, int64_t, int64_t);
+int quantize_rows_f32(const float *, int8_t *, float *, int64_t, int64_t, int64_t);
+int quantize_rows_bf16(const uint16_t *, int8_t *, float *, int64_t, int64_t, int64_t);
+int scale_rows_f32(float *, const float *, int64_t, int64_t, int64_t);
+int scale_rows_bf16(const float *, const float *, uint16_t *, int64_t, int64_t, int64_t);
 
 typedef struct {
     const int64_t *i; /* the kernel's integer and pointer arguments, in order */
@@ -62,6 +66,10 @@ static int run_kernel_as_is(int kernel, const args_t *a, int64_t b, int64_t e)
     case 7: return rope_bf16(P(0), P(1), P(2), i[3], i[4], i[5], b, e);
     case 8: return silu_mul_f32(P(0), P(1), i[2], b, e);
     case 9: return silu_mul_bf16(P(0), P(1), i[2], b, e);
+    case 10: return quantize_rows_f32(P(0), P(1), P(2), i[3], b, e);
+    case 11: return quantize_rows_bf16(P(0), P(1), P(2), i[3], b, e);
+    case 12: return scale_rows_f32(P(0), P(1), i[2], b, e);
+    case 13: return scale_rows_bf16(P(0), P(1), P(2), i[3], b, e);
     default: return -2;
     }
 }
@@ -171,7 +179,7 @@ static void init(void) { pthread_atfork(NULL, NULL, after_fork_in_child); }
  * the first error a range returned, or -2 / -3 for an unknown kernel / a wrong argument count */
 int pool_run(int kernel, const int64_t *ints, int64_t num_ints, float f, int64_t work, int64_t num_threads)
 {
-    static const int64_t arity[] = {12, 12, 8, 6, 6, 6, 6, 6, 3, 3}; /* run_kernel's, case by case */
+    static const int64_t arity[] = {12, 12, 8, 6, 6, 6, 6, 6, 3, 3, 4, 4, 3, 4}; /* run_kernel's, case by case */
     if (kernel < 0 || kernel >= (int)(sizeof arity / sizeof arity[0])) return -2;
     if (num_ints != arity[kernel]) return -3;
     const args_t args = {ints, f};

@@ -301,3 +301,42 @@ def test_silu_mul_refuses_what_it_cannot_read():
     assert not kernel.runs(torch.randn(4, 8).double())
     with pytest.raises(ValueError, match="contiguous"):
         kernel(torch.randn(4, 7))
+
+
+def _quantize_rows(x):
+    """w8a8's torch expression (engine/executor/layers/quantization.py, without the C kernels)."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny).div_(127)
+    return (xf / scale).round_().to(torch.int8), scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "k"), [(1, 7), (3, 1536), (600, 2048)])  # the last split over threads
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_quantize_rows_is_bit_for_bit_the_torch_expression(dtype, rows, k, num_threads):
+    torch.manual_seed(rows)
+    x = (torch.randn(rows, k) * torch.rand(rows, 1) * 50).to(dtype)
+    x[0, : min(k, 4)] = torch.tensor([127.0, -63.5, 0.5, 2.5])[: min(k, 4)]  # ties round to even
+    q, scale = cpu_kernel.int8_rows(num_threads).quantize(x)
+    want_q, want_scale = _quantize_rows(x)
+    assert q.dtype == torch.int8 and scale.shape == (rows, 1)
+    assert torch.equal(scale, want_scale) and torch.equal(q, want_q)
+
+
+def test_quantize_rows_keeps_zero_rows_and_leaves_nan_out():
+    x = torch.tensor([[0.0, 0.0, -0.0], [1.0, float("nan"), -2.0], [float("inf"), 1.0, -1.0]])
+    q, scale = cpu_kernel.int8_rows(1).quantize(x)
+    assert q[0].tolist() == [0, 0, 0] and scale[0, 0] > 0  # no division by zero
+    assert q[1].tolist() == [64, 0, -127] and scale[1, 0] == pytest.approx(2 / 127)
+    assert q[2].tolist() == [0, 0, 0] and scale[2, 0] == float("inf")  # inf / inf: NaN, then 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_scale_rows_is_y_times_each_rows_scale(dtype, num_threads):
+    y, scale = torch.randn(300, 4000), torch.rand(300, 1)
+    want = (y * scale).to(dtype)
+    got = cpu_kernel.int8_rows(num_threads).scale(y.clone(), scale, dtype)
+    assert got.dtype == dtype and torch.equal(got, want)
+    with pytest.raises(ValueError, match="contiguous float32"):
+        cpu_kernel.int8_rows(1).scale(y.t(), scale, dtype)

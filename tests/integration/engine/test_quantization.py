@@ -18,6 +18,7 @@ from engine.executor.layers.quantization import (
     QuantConfig,
     check_g_idx,
     dequantize,
+    onednn_int8,
     quantize_int8,
     resolve,
     unpack_layer,
@@ -99,13 +100,17 @@ def test_int8_linear_each_path_matches_the_dequantized_weight(dtype, m):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_w8a8_quantizes_each_row_of_a_many_row_product(dtype):
-    """Many rows: x rounded per row to int8 (scale max |x| / 127), an exact int32 product, scaled back;
-    few rows read the int8 weight with x as it is (the decode path, as int8's)."""
+@pytest.mark.parametrize("packed", [False, True])
+def test_w8a8_quantizes_each_row_of_a_many_row_product(dtype, packed):
+    """Many rows: x rounded per row to int8 (scale max |x| / 127), an exact int32 product (`_int_mm`, or
+    oneDNN's on the packed weight), scaled back; few rows read the int8 weight with x as it is (the decode
+    kernel, while the plain weight is kept)."""
     layer = Int8Linear(96, 40, bias=False, group_size=None, dtype=dtype, int8_activations=True)
     q, scale = _int8_weight(40, 96, 96)
     layer.weight.copy_(q)
     layer.scales.copy_(scale)
+    if packed and not layer.pack():
+        pytest.skip("this torch has no oneDNN int8 linear operators")
     x = torch.randn(300, 96).to(dtype)
     x_scale = x.double().abs().amax(dim=1, keepdim=True) / 127
     want = (x.double() / x_scale).round() @ q.double().t() * x_scale * scale.double().view(1, -1)
@@ -117,6 +122,12 @@ def test_w8a8_quantizes_each_row_of_a_many_row_product(dtype):
     assert 0 < (got.double() - exact).abs().max() < 0.02 * exact.abs().max()  # the activations' rounding
     few = x[:1]
     torch.testing.assert_close(layer(few).double(), exact[:1], rtol=rtol, atol=atol)
+    if packed:  # decode as int8 x int8 too: the plain weight goes
+        layer.kernel_max_rows = 0
+        layer.drop_plain_weight()
+        assert layer.weight.numel() == 0
+        torch.testing.assert_close(layer(x).double(), want, rtol=rtol, atol=atol)
+        torch.testing.assert_close(layer(few).double(), want[:1], rtol=rtol, atol=atol)
     with pytest.raises(ValueError, match="one weight scale per output row"):
         Int8Linear(96, 40, bias=False, group_size=32, dtype=dtype, int8_activations=True)
 
@@ -324,11 +335,23 @@ def test_int8_matches_the_dequantized_fp32_model(random_model, tmp_path, preset)
 @needs_cc
 def test_w8a8_prefills_in_int8_products_close_to_int8s(random_model):
     """w8a8: the prompt's step (many rows) rounds activations to int8, so the first token's logprobs move a
-    little from weight-only int8's; the decode steps are int8's own path."""
+    little from weight-only int8's. Where oneDNN's int8 products beat the decode kernel at one row (measured
+    at load), every step runs them and only the packed weight is kept: int8's bytes."""
     src = random_model("tiny-qwen2")
     w8a8 = LLM(src, dtype="float32", max_model_len=128, quantization="w8a8")
-    layers = [m for m in w8a8.engine.model_runner.model.modules() if isinstance(m, Int8Linear)]
+    runner = w8a8.engine.model_runner
+    layers = [m for m in runner.model.modules() if isinstance(m, Int8Linear)]
     assert layers and all(m.int8_activations for m in layers)
+    if onednn_int8():
+        assert all(m.packed is not None for m in layers)
+        assert {m.kernel_max_rows for m in layers} == {runner.int8_kernel_rows}
+        int8_bytes = LLM(
+            src, dtype="float32", max_model_len=128, quantization="int8"
+        ).engine.model_runner.weight_bytes
+        zero_points = sum(m.zero_points.numel() * 8 for m in layers)
+        plain = 0 if runner.int8_kernel_rows == 0 else sum(m.weight.numel() for m in layers)
+        assert all(m.weight.numel() == 0 for m in layers) == (runner.int8_kernel_rows == 0)
+        assert runner.weight_bytes == int8_bytes + zero_points + plain
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, min_tokens=NUM_NEW, logprobs=5)
     got = w8a8.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     want = _engine_greedy(src, quantization="int8")[1]
