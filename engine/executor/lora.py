@@ -11,7 +11,11 @@ elsewhere, the scale folded in), so each adapter costs two small products per pr
 backend adapts its HF modules' own nn.Linear layers, each whole (`LinearShapes`), through forward hooks.
 
 In a step, rows of different adapters (and of the base) share the batch. Every resident adapter's A and B
-are stacked per projection (zero-padded to the largest rank). `LoraBank.apply` gathers the adapters' rows
+are stacked per projection (zero-padded to the largest rank). On CPU `LoraBank.apply` adds every adapter
+row's delta in one C call (engine/kernels/csrc/lora_rows.c: each row through its own adapter's matrices,
+rows split over the kernels' threads): 8 rank-16 adapters x 32 decode rows of the shipped primary, gate/up
+projection, 49 us against 154 for torch's path below; 2,048 prompt rows of one adapter on the Qwen2-1.5B
+gate/up shape, 30 ms against 107. Elsewhere (CUDA, no C compiler), `LoraBank.apply` gathers the adapters' rows
 slot by slot, padded to the widest slot's count, runs two batched products (`torch.bmm`) over all slots at
 once and adds the result back in place: five ops per projection whatever the number of adapters (seven
 where base rows share the step), no loop over tokens. Where padding would more than quadruple the rows (a
@@ -41,6 +45,7 @@ import torch
 from safetensors import safe_open
 
 from engine.errors import EngineOverloadedError, RequestRejectedError
+from engine.kernels import cpu as cpu_kernel
 
 PAD_WASTE = 4  # padding each slot to the widest one's rows is fine while it makes at most this many rows
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
@@ -383,6 +388,7 @@ class LoraBank:
             # every row an adapter's: the padded result gathered in row order is the whole delta
             kept = [at[row] for row in range(num_rows)] if len(at) == num_rows else [at[row] for row in rows]
         device = self.device
+        kernel = cpu_kernel.lora_rows(torch.get_num_threads()) if device.type == "cpu" else None
         self.step = _Step(
             torch.tensor(rows, dtype=torch.long, device=device),
             [(slot, len(r)) for slot, r in enumerate(by_slot) if r],
@@ -391,6 +397,8 @@ class LoraBank:
             None if kept is None else torch.tensor(kept, dtype=torch.long, device=device),
             len(rows) == num_rows,
             self.stacks,
+            kernel,
+            torch.tensor([s for s, r in enumerate(by_slot) for _ in r], dtype=torch.long, device=device),
         )
 
     def apply(self, out: torch.Tensor, x: torch.Tensor, layer: int, module: str) -> None:
@@ -403,6 +411,9 @@ class LoraBank:
         if weights is None:
             return
         a_all, b_all = weights
+        if step.kernel is not None and step.kernel.runs(out, x, a_all, b_all):
+            step.kernel(out, x, step.rows, step.slots, a_all, b_all)
+            return
         if step.padded is not None:
             xs = x.index_select(0, step.padded).view(a_all.shape[0], step.width, -1)
             delta = torch.bmm(torch.bmm(xs, a_all), b_all).view(-1, b_all.shape[2])
@@ -433,3 +444,5 @@ class _Step:
     kept: torch.Tensor | None  # [n] where `rows` sit among the padded ones (every_row: rows 0..n-1 in order)
     every_row: bool  # every row of the step is an adapter's
     stacks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    kernel: cpu_kernel.LoraRowsKernel | None  # on CPU, the C kernel (None: no compiler)
+    slots: torch.Tensor  # [n] each of `rows`' adapter slot

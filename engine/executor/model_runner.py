@@ -176,8 +176,9 @@ class ModelRunner:
 
     def _bound_row_counts(self) -> list[int] | None:
         """Where the model's products run through oneDNN on CPU (aten's for bf16 and fp16, the packed
-        ones, w8a8's int8 ones), which keeps memory for every row count it has run: pad each step to a bounded set of
-        counts and run them all now (engine/executor/layers/onednn_linear.py). Returns the counts (None: unbounded)."""
+        ones, w8a8's int8 ones), which keeps memory for every row count it has run: pad each step to a
+        bounded set of counts and run them all now (engine/executor/layers/onednn_linear.py). Returns the
+        counts (None: unbounded)."""
         onednn_products = self.linear_kernel == "onednn" or (self.quant and self.quant.method == "w8a8")
         if self.device.type != "cpu" or (self.dtype == torch.float32 and not onednn_products):
             return None

@@ -1,12 +1,12 @@
 """The CPU kernels in engine/kernels/csrc (decode attention, the int8 linear layer and w8a8's activations,
-RMSNorm, RoPE, SiLU * up): built on first use, called via ctypes.
+LoRA deltas, RMSNorm, RoPE, SiLU * up): built on first use, called via ctypes.
 
 The C sources are compiled with the system compiler (`cc`, or $CC) for this machine's CPU into one
 library in $PAGEDSERVE_KERNEL_CACHE (default ~/.cache/pagedserve/kernels), named by a hash of the
 sources, the flags and the CPU's feature flags, so a copy never runs on a CPU it was not built for.
 Building takes about a second. Without a compiler, or with PAGEDSERVE_CPU_KERNEL=0, `load()`,
-`int8_linear()`, `int8_rows()`, `rms_norm()`, `rope()` and `silu_mul()` return None and the engine keeps its pure-torch paths (same results up to
-float rounding, slower).
+`int8_linear()`, `int8_rows()`, `lora_rows()`, `rms_norm()`, `rope()` and `silu_mul()` return None and the
+engine keeps its pure-torch paths (same results up to float rounding, slower).
 """
 
 import ctypes
@@ -31,6 +31,7 @@ SOURCES = tuple(
         "paged_attention.c",
         "int8_linear.c",
         "int8_rows.c",
+        "lora_rows.c",
         "rms_norm.c",
         "rope.c",
         "silu_mul.c",
@@ -50,6 +51,7 @@ KERNELS = {
     "silu_mul": {torch.float32: 8, torch.bfloat16: 9},
     "quantize_rows": {torch.float32: 10, torch.bfloat16: 11},
     "scale_rows": {torch.float32: 12, torch.bfloat16: 13},
+    "lora_rows": {torch.float32: 14, torch.bfloat16: 15},
 }
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 # below this many elements an elementwise kernel (RMSNorm, RoPE, SiLU * up) runs on the calling thread alone: it is done
@@ -433,6 +435,58 @@ class Int8RowsKernel:
         return out
 
 
+class LoraRowsKernel:
+    """lora_rows_f32 / _bf16 (engine/kernels/csrc/lora_rows.c): out[rows[i]] += (x[rows[i]] @ a[slots[i]]) @
+    b[slots[i]] for every adapter row i, in place, rows split over threads."""
+
+    MAX_RANK = 256
+
+    def __init__(self, library: ctypes.CDLL, threads: Threads) -> None:
+        self.threads = threads
+
+    def runs(self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
+        """Whether this kernel can add into out [m, n] the deltas of x [m', in] by stacks a [s, in, r] and
+        b [s, r, n] (contiguous CPU tensors of one dtype)."""
+        tensors = (out, x, a, b)
+        return (
+            out.dtype in KERNELS["lora_rows"]
+            and all(t.device.type == "cpu" and t.dtype == out.dtype and t.is_contiguous() for t in tensors)
+            and out.dim() == x.dim() == 2
+            and a.dim() == b.dim() == 3
+            and x.shape[1] == a.shape[1]
+            and a.shape[2] == b.shape[1] <= self.MAX_RANK
+            and b.shape[2] == out.shape[1]
+        )
+
+    def __call__(
+        self,
+        out: torch.Tensor,
+        x: torch.Tensor,
+        rows: torch.Tensor,
+        slots: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+    ) -> None:
+        """rows, slots: int64 [k], each row (of x and of out) and its adapter's slot in the stacks; the
+        caller guarantees they are in range (the kernel reads raw memory)."""
+        if not self.runs(out, x, a, b) or rows.dtype != torch.int64 or slots.dtype != torch.int64:
+            raise ValueError(
+                "lora_rows reads raw memory: contiguous CPU out [m, n], x [m, in], a [s, in, r <= 256] and "
+                "b [s, r, n] of one float32 or bfloat16 dtype; int64 rows and slots"
+            )
+        ints = (
+            x.data_ptr(),
+            out.data_ptr(),
+            rows.data_ptr(),
+            slots.data_ptr(),
+            a.data_ptr(),
+            b.data_ptr(),
+            *a.shape[1:],
+            b.shape[2],
+        )
+        self.threads.run(KERNELS["lora_rows"][out.dtype], ints, rows.numel())
+
+
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14
 
@@ -482,6 +536,11 @@ def int8_linear(num_threads: int) -> Int8LinearKernel | None:
 def int8_rows(num_threads: int) -> Int8RowsKernel | None:
     """w8a8's activation kernels for this machine, or None."""
     return _kernel(Int8RowsKernel, num_threads)
+
+
+def lora_rows(num_threads: int) -> LoraRowsKernel | None:
+    """The LoRA delta kernel for this machine, or None."""
+    return _kernel(LoraRowsKernel, num_threads)
 
 
 def rms_norm(num_threads: int) -> RMSNormKernel | None:

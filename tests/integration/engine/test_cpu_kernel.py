@@ -340,3 +340,43 @@ def test_scale_rows_is_y_times_each_rows_scale(dtype, num_threads):
     assert got.dtype == dtype and torch.equal(got, want)
     with pytest.raises(ValueError, match="contiguous float32"):
         cpu_kernel.int8_rows(1).scale(y.t(), scale, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("num_rows", "rank", "n"), [(1, 8, 24), (37, 16, 1100), (300, 64, 40)])
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_lora_rows_adds_each_rows_own_adapters_delta(dtype, num_rows, rank, n, num_threads):
+    """out[row] += (x[row] @ a[slot]) @ b[slot] for the adapter rows only, rounded where torch's products
+    round (bfloat16: the rank-sized product, the delta, the sum)."""
+    torch.manual_seed(num_rows)
+    k, slots_total = 48, 5
+    x = torch.randn(num_rows + 3, k).to(dtype)
+    out = torch.randn(num_rows + 3, n).to(dtype)
+    a = (torch.randn(slots_total, k, rank) / 4).to(dtype)
+    b = (torch.randn(slots_total, rank, n) / 4).to(dtype)
+    rows = torch.randperm(num_rows + 3)[:num_rows]  # three rows are the base's: untouched
+    slots = torch.randint(0, slots_total, (num_rows,))
+    want = out.clone()
+    for row, slot in zip(rows.tolist(), slots.tolist(), strict=True):
+        t = (x[row : row + 1] @ a[slot]).to(dtype)
+        want[row] += ((t @ b[slot]).to(dtype))[0]
+    got = out.clone()
+    cpu_kernel.lora_rows(num_threads)(got, x, rows, slots, a, b)
+    if dtype == torch.float32:  # another summation order: a few ulp
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:  # the same rounding points; sums in another order round to a neighbouring bfloat16, rarely
+        assert (got != want).float().mean() <= 0.02
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=2**-7)
+    base_rows = [r for r in range(num_rows + 3) if r not in set(rows.tolist())]
+    assert torch.equal(got[base_rows], out[base_rows])
+
+
+def test_lora_rows_refuses_what_it_cannot_read():
+    kernel = cpu_kernel.lora_rows(1)
+    out, x = torch.zeros(4, 8), torch.zeros(4, 6)
+    a, b = torch.zeros(2, 6, 3), torch.zeros(2, 3, 8)
+    assert kernel.runs(out, x, a, b)
+    assert not kernel.runs(out, x.t().contiguous().t(), a, b)  # not contiguous
+    assert not kernel.runs(out, x.double(), a, b) and not kernel.runs(out, x, torch.zeros(2, 6, 300), b)
+    with pytest.raises(ValueError, match="raw memory"):
+        kernel(out, x, torch.tensor([0], dtype=torch.int32), torch.tensor([0]), a, b)

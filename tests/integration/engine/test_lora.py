@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
 from engine.executor.lora import LoraBankFull, LoraError
+from engine.kernels import cpu as cpu_kernel
 from tests.harness import hf_greedy, parity_prompts, write_adapter
 
 NUM_NEW = 8
@@ -63,8 +64,11 @@ SCENARIOS = {
 @pytest.mark.parametrize("scenario", SCENARIOS)
 @pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.parametrize("with_base", [True, False])  # without: every row of a step is an adapter's
-def test_mixed_adapters_in_one_batch_match_merged_hf(adapted, scenario, n, with_base):
+@pytest.mark.parametrize("kernel", [True, False])  # without: torch's batched products (CUDA's path)
+def test_mixed_adapters_in_one_batch_match_merged_hf(adapted, scenario, n, with_base, kernel, monkeypatch):
     path, prompts, expected = adapted
+    if not kernel:
+        monkeypatch.setattr(cpu_kernel, "lora_rows", lambda num_threads: None)
     llm = LLM(path, dtype="float32", max_model_len=128, max_num_seqs=32, **SCENARIOS[scenario])
     for name, (directory, _) in expected.items():
         if name is not None:
