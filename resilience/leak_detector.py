@@ -83,7 +83,7 @@ class LeakReport:
     load: float = 0.0  # of the newest sample: 0.0 idle, else the sequences held per sequence slot
 
     def describe(self) -> str:
-        at = "idle" if self.load == 0 else f"busy ({self.load:.0%} of sequence slots)"
+        at = "idle" if self.load == 0 else f"busy ({self.load:.2f} sequences held per slot)"
         return (
             f"{self.device}: +{self.growth_bytes / MIB:.0f} MiB over {self.span_s:.0f} s of {at} "
             f"samples ({self.slope_bytes_per_s * 3600 / MIB:.0f} MiB/h, {self.num_samples} samples; "

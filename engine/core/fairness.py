@@ -9,9 +9,11 @@ smallest counter among the active ones: idle time is no credit to spend later on
 breaks a tie for the tenant with fewer sequences in flight: the one back from idle.)
 
 While more than one tenant has had sequences in flight within the last CONTENTION_WINDOW_S, a step
-computes at most `contended_prefill_tokens` prompt tokens (the least among those tenants' shares): a
-tenant's next prompt then waits for a short step, never for a whole budget of another tenant's long
-prompt. (A tenant between two requests counts: its next one is what the cap is for.)"""
+computes at most `contended_prefill_tokens` prompt tokens (the least among those tenants' shares), all of
+one tenant (the first the scheduler gives prompt tokens to, the least served): a tenant's next prompt
+then waits for a short step, never for a whole budget of another tenant's long prompt, and its own step
+carries no other tenant's prompt tokens beside it, only decodes. (A tenant between two requests counts:
+its next one is what the cap is for.)"""
 
 import time
 from collections import Counter

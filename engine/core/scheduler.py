@@ -60,6 +60,11 @@ class SchedulerOutput:
 class _Budget:
     tokens: int
     prefill_tokens: int
+    one_tenant: bool = False  # tenants contend: the step's prompt tokens are one tenant's (the first's)
+    prefill_tenant: str | None = None  # ... that tenant, once a prompt of it is scheduled
+
+    def takes_prefill_of(self, seq: Sequence) -> bool:
+        return self.prefill_tenant is None or seq.share is None or seq.share.tenant == self.prefill_tenant
 
 
 class Scheduler:
@@ -133,7 +138,10 @@ class Scheduler:
 
     # --- schedule --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        budget = _Budget(self.config.max_num_batched_tokens, self._prefill_cap())
+        contended = self.fair.prefill_cap()
+        budget = _Budget(
+            self.config.max_num_batched_tokens, self._prefill_cap(contended), contended is not None
+        )
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
         if self.config.scheduler_policy != "fcfs":
@@ -155,12 +163,11 @@ class Scheduler:
         self.num_preemptions += len(preempted)
         return SchedulerOutput(scheduled, self.block_manager.take_copies(), preempted)
 
-    def _prefill_cap(self) -> int:
+    def _prefill_cap(self, contended: int | None) -> int:
         if self.config.scheduler_policy != "hybrid":
             cap = self.config.max_num_batched_tokens
         else:
             cap = self.config.max_prefill_tokens or max(1, self.config.max_num_batched_tokens // 2)
-        contended = self.fair.prefill_cap()
         return cap if contended is None else min(cap, contended)
 
     def _num_new_tokens(self, seq: Sequence, budget: _Budget) -> int:
@@ -169,7 +176,9 @@ class Scheduler:
             seq.num_computed_tokens < seq.num_prompt_tokens < seq.replay_until
         ):  # the prompt's chunks, then the
             num_new = min(num_new, seq.num_prompt_tokens - seq.num_computed_tokens)  # replayed ones apart
-        return min(num_new, budget.prefill_tokens) if seq.is_prefill else num_new
+        if not seq.is_prefill:
+            return num_new
+        return min(num_new, budget.prefill_tokens) if budget.takes_prefill_of(seq) else 0
 
     def _schedule(self, seq: Sequence, num_new: int, budget: _Budget, scheduled: list[ScheduledSeq]) -> None:
         start = seq.num_computed_tokens
@@ -177,6 +186,8 @@ class Scheduler:
         budget.tokens -= num_new
         if seq.is_prefill:
             budget.prefill_tokens -= num_new
+            if budget.one_tenant and seq.share is not None:
+                budget.prefill_tenant = seq.share.tenant
         self.fair.charge(seq.share, num_new, seq.is_prefill)
         samples = start + num_new == seq.num_tokens
         num_samples = seq.params.n if samples and not seq.is_forked else int(samples)
@@ -266,6 +277,8 @@ class Scheduler:
             if first_deferred is not None and first_deferred < self._fair_key(seq):
                 return
             if budget.tokens == 0 or budget.prefill_tokens == 0:  # this step's budget: room next step
+                return
+            if not budget.takes_prefill_of(seq):  # another tenant's prompt has this step
                 return
             if not self._has_seats_for(seq) or not self._admit(seq, budget):
                 self.is_full = True

@@ -207,3 +207,25 @@ def test_the_floods_new_prompts_do_not_take_what_its_running_ones_were_deferred_
     assert all(seq in sched.waiting for seq in queued)
     drain(sched, max_steps=100)
     assert_all_free(sched)
+
+
+def test_while_tenants_contend_a_steps_prompt_tokens_are_one_tenants():
+    """b's prompt gets a step of its own prompt tokens (beside decodes): a's queued prompts, which would
+    fill the rest of the cap, wait a step, so b's first token waits for a short step, not a full one."""
+    clock = FakeClock(0.0)
+    sched = make_fair_scheduler(clock=clock, max_num_seqs=8, max_num_batched_tokens=64)
+    share_a, share_b = (
+        FairShare("a", contended_prefill_tokens=16),
+        FairShare("b", contended_prefill_tokens=16),
+    )
+    flood = [shared(sched, 4, share_a, arrival=i / 10, max_tokens=3) for i in range(2)]
+    assert [c[0] for c in chunks(step(sched))] == flood  # one tenant: every prompt at once
+    chat = shared(sched, 3, share_b, arrival=1)
+    more = [shared(sched, 4, share_a, arrival=1 + i / 10, max_tokens=1) for i in range(2)]
+    first = chunks(step(sched))
+    assert [c for c in first if c[1] == 0] == [(chat, 0, 3, 1)]  # b's prompt alone ...
+    assert {c[0] for c in first} == {chat, *flood}  # ... beside a's decodes
+    second = chunks(step(sched))
+    assert [c for c in second if c[1] == 0] == [(more[0], 0, 4, 1), (more[1], 0, 4, 1)]  # a's, in the cap
+    drain(sched)
+    assert_all_free(sched)

@@ -12,7 +12,7 @@ from tests.fakes import FakeClock, kwargs_id
 
 BEAT_S = 30.0
 NUM_BEATS = 21  # 0 .. 600 s
-Beat = tuple[float, MemorySample]  # (load: 0.0 idle, else the fraction of sequence slots running, sample)
+Beat = tuple[float, MemorySample]  # (load: 0.0 idle, else the sequences held per sequence slot, sample)
 
 
 def cuda_sample(footprint: float, cache: float = 0.0, non_torch: float = 300 * MIB) -> MemorySample:
@@ -256,7 +256,7 @@ def test_report_says_the_load_it_was_seen_at():
         report = detector.add(sample, load)
         clock.advance(1.0)
     assert report is not None and report.load == 0.25
-    assert "of busy (25% of sequence slots) samples" in report.describe()
+    assert "of busy (0.25 sequences held per slot) samples" in report.describe()
 
 
 @pytest.mark.parametrize("load", [-0.5, float("inf"), float("nan")])
