@@ -1,12 +1,13 @@
 """The CPU kernels in engine/kernels/csrc (decode attention, the int8 linear layer and w8a8's activations,
-LoRA deltas, RMSNorm, RoPE, SiLU * up): built on first use, called via ctypes.
+LoRA deltas, sampling's race, RMSNorm, RoPE, SiLU * up): built on first use, called via ctypes.
 
 The C sources are compiled with the system compiler (`cc`, or $CC) for this machine's CPU into one
 library in $PAGEDSERVE_KERNEL_CACHE (default ~/.cache/pagedserve/kernels), named by a hash of the
 sources, the flags and the CPU's feature flags, so a copy never runs on a CPU it was not built for.
 Building takes about a second. Without a compiler, or with PAGEDSERVE_CPU_KERNEL=0, `load()`,
-`int8_linear()`, `int8_rows()`, `lora_rows()`, `rms_norm()`, `rope()` and `silu_mul()` return None and the
-engine keeps its pure-torch paths (same results up to float rounding, slower).
+`int8_linear()`, `int8_rows()`, `lora_rows()`, `race()`, `rms_norm()`, `rope()` and `silu_mul()` return None
+and the engine keeps its pure-torch paths (same results up to float rounding, slower; sampling's race
+draws its own numbers there, torch's).
 """
 
 import ctypes
@@ -32,6 +33,7 @@ SOURCES = tuple(
         "int8_linear.c",
         "int8_rows.c",
         "lora_rows.c",
+        "race.c",
         "rms_norm.c",
         "rope.c",
         "silu_mul.c",
@@ -52,6 +54,7 @@ KERNELS = {
     "quantize_rows": {torch.float32: 10, torch.bfloat16: 11},
     "scale_rows": {torch.float32: 12, torch.bfloat16: 13},
     "lora_rows": {torch.float32: 14, torch.bfloat16: 15},
+    "race_scores": 16,
 }
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 # below this many elements an elementwise kernel (RMSNorm, RoPE, SiLU * up) runs on the calling thread alone: it is done
@@ -487,6 +490,34 @@ class LoraRowsKernel:
         self.threads.run(KERNELS["lora_rows"][out.dtype], ints, rows.numel())
 
 
+class RaceKernel:
+    """race_scores_f32 (engine/kernels/csrc/race.c): p[r] /= E(seeds[r], token) in place, each token's
+    exponential noise a hash of its draw's seed and its id; rows split over threads past PARALLEL_ELEMENTS."""
+
+    def __init__(self, library: ctypes.CDLL, threads: Threads) -> None:
+        self.threads = threads
+
+    def __call__(self, p: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+        """p [rows, vocab] float32 (contiguous, CPU; overwritten), seeds [rows] int64 -> p, the scores."""
+        if not (
+            p.device.type == "cpu"
+            and p.dtype == torch.float32
+            and p.is_contiguous()
+            and p.dim() == 2
+            and seeds.dtype == torch.int64
+            and seeds.is_contiguous()
+            and seeds.shape == (p.shape[0],)
+        ):
+            raise ValueError(
+                "race_scores takes contiguous CPU float32 p [rows, vocab] and int64 seeds [rows]"
+            )
+        rows, vocab = p.shape
+        self.threads.run_sized(
+            KERNELS["race_scores"], (p.data_ptr(), seeds.data_ptr(), vocab), rows, p.numel()
+        )
+        return p
+
+
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14
 
@@ -541,6 +572,11 @@ def int8_rows(num_threads: int) -> Int8RowsKernel | None:
 def lora_rows(num_threads: int) -> LoraRowsKernel | None:
     """The LoRA delta kernel for this machine, or None."""
     return _kernel(LoraRowsKernel, num_threads)
+
+
+def race(num_threads: int) -> RaceKernel | None:
+    """Sampling's race kernel for this machine, or None."""
+    return _kernel(RaceKernel, num_threads)
 
 
 def rms_norm(num_threads: int) -> RMSNormKernel | None:

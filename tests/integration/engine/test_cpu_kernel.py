@@ -380,3 +380,35 @@ def test_lora_rows_refuses_what_it_cannot_read():
     assert not kernel.runs(out, x.double(), a, b) and not kernel.runs(out, x, torch.zeros(2, 6, 300), b)
     with pytest.raises(ValueError, match="raw memory"):
         kernel(out, x, torch.tensor([0], dtype=torch.int32), torch.tensor([0]), a, b)
+
+
+def _race_draws(p: torch.Tensor, seeds: list[int], num_threads: int = 1) -> list[int]:
+    scores = p.repeat(len(seeds), 1) if p.dim() == 1 else p.clone()
+    return cpu_kernel.race(num_threads)(scores, torch.tensor(seeds)).argmax(dim=-1).tolist()
+
+
+def test_race_draws_follow_p():
+    p = torch.softmax(torch.tensor([0.5, 2.0, 1.0, -1.0, 0.0, 1.5, -0.5, 0.2]), dim=-1)
+    draws = 8000
+    counts = torch.bincount(torch.tensor(_race_draws(p, list(range(draws)))), minlength=8).double()
+    tolerance = 4 * torch.sqrt(p.double() * (1 - p.double()) / draws)  # 4 standard errors a token
+    assert torch.all((counts / draws - p.double()).abs() <= tolerance), counts / draws
+    assert _race_draws(torch.tensor([0.0, 0.0, 1.0, 0.0]), list(range(50))) == [2] * 50  # zeros never win
+
+
+def test_race_draws_depend_on_their_seed_and_token_ids_only():
+    """The same seed draws the same token whatever the rows around it and the thread split; a p moved in its
+    last bits (another batch shape's rounding) keeps its token."""
+    generator = torch.Generator().manual_seed(1)
+    p = torch.softmax(torch.randn(300, 4096, generator=generator) * 2, dim=-1)
+    seeds = [(2**61 + 7919 * i) for i in range(300)]
+    alone = [_race_draws(p[i], [seeds[i]])[0] for i in range(0, 300, 37)]
+    batched = _race_draws(p, seeds, num_threads=2)
+    assert alone == batched[::37]
+    order = torch.randperm(300, generator=generator)
+    assert [batched[i] for i in order.tolist()] == _race_draws(
+        p[order], [seeds[i] for i in order.tolist()], 2
+    )
+    nudged = p * (1 + 1e-6 * torch.randn(p.shape, generator=generator))
+    assert sum(a != b for a, b in zip(_race_draws(nudged, seeds), batched, strict=True)) <= 1
+    assert len(set(batched)) > 100  # it does sample

@@ -1,5 +1,6 @@
 """Sampler: seeded reproducibility whatever the batch, filters never sample outside the allowed
-set, and at temperature 1 the empirical distribution matches softmax."""
+set, and at temperature 1 the empirical distribution matches softmax (torch's draws: tests/unit/conftest.py;
+the C race is tested in tests/integration/engine/test_cpu_kernel.py)."""
 
 import math
 
@@ -104,3 +105,24 @@ def test_logprobs_hold_top_n_and_the_sampled_token():
     expected = torch.log_softmax(_logits()[0], dim=-1)
     assert set(token.logprobs) == {1, 5}
     assert math.isclose(token.logprobs[1], float(expected[1]), rel_tol=1e-6)
+
+
+def test_filters_over_the_most_likely_tokens_match_sorting_whole_rows():
+    """`_filter` looks among each row's most likely tokens (torch.topk) and sorts whole rows only where a
+    nucleus reaches past them: the same tokens survive, with the same logits, as sorting every row."""
+    from engine.executor.sampler import NUCLEUS_CANDIDATES, _filter, _filter_sorted
+
+    vocab = 3 * NUCLEUS_CANDIDATES
+    generator = torch.Generator().manual_seed(7)
+    logits = torch.randn(8, vocab, generator=generator) * 4
+    logits[5] = torch.randn(vocab, generator=generator) * 0.01  # flat: its 0.99 nucleus is most of the row
+    top_k = torch.tensor([0, 5, 0, 40, 0, 0, 2000, 0])
+    top_p = torch.tensor([0.9, 1.0, 1.0, 0.5, 0.95, 0.99, 0.8, 1.0])
+    min_p = torch.tensor([0.0, 0.0, 0.1, 0.0, 0.05, 0.0, 0.0, 0.0])
+    got, want = _filter(logits, top_k, top_p, min_p), _filter_sorted(logits, top_k, top_p, min_p)
+    assert torch.equal(got.isinf(), want.isinf())
+    assert torch.equal(got[~got.isinf()], want[~want.isinf()])
+    kept = (~got.isinf()).sum(dim=-1).tolist()
+    assert (
+        kept[1] == 5 and kept[5] > NUCLEUS_CANDIDATES and kept[7] == vocab
+    )  # top-k; past the candidates; none
