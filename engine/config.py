@@ -2,8 +2,8 @@
 (number of KV blocks, bytes per block) live in `KVCacheLayout`, never in the config."""
 
 import os
-from collections.abc import MutableMapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -39,6 +39,52 @@ def set_openmp_defaults(environ: MutableMapping[str, str] = os.environ) -> None:
     """The server's OpenMP waits: PASSIVE, unless a policy is set already; call it before torch is imported
     (in this process, or in `environ` for a child's)."""
     environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (engine/core/speculative.py), as vLLM's --speculative-config names it: each
+    decoding sequence gets up to `num_speculative_tokens` draft tokens, checked in the same step as its
+    next token. "ngram" (prompt lookup) drafts the tokens that followed the last earlier occurrence of the
+    sequence's last n tokens, n from `prompt_lookup_max` down to `prompt_lookup_min`. No drafts in a step
+    that starts with more than `disable_by_batch_size` running sequences (None: drafts at any size), where
+    a step's extra rows stop being nearly free (docs/serving.md#speculative-decoding)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 3
+    prompt_lookup_min: int = 1
+    disable_by_batch_size: int | None = 16
+
+    def __post_init__(self) -> None:
+        _check(
+            self.method in SPECULATIVE_METHODS,
+            f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r} "
+            "(a draft model is not served yet)",
+        )
+        for name, low, high in (
+            ("num_speculative_tokens", 1, 16),
+            ("prompt_lookup_max", 1, 64),
+            ("prompt_lookup_min", 1, 64),
+        ):
+            value = getattr(self, name)
+            _check(
+                isinstance(value, int) and not isinstance(value, bool) and low <= value <= high,
+                f"speculative {name} must be an integer in {low}..{high}, got {value!r}",
+            )
+        _check(
+            self.prompt_lookup_min <= self.prompt_lookup_max,
+            f"speculative prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max "
+            f"({self.prompt_lookup_max})",
+        )
+        limit = self.disable_by_batch_size
+        _check(
+            limit is None or (isinstance(limit, int) and not isinstance(limit, bool) and limit >= 1),
+            f"speculative disable_by_batch_size must be a positive integer, got {limit!r}",
+        )
 
 
 @dataclass(frozen=True)
@@ -89,8 +135,19 @@ class EngineConfig:
     files_root: str | None = None
     # a request's deltas come out every this many tokens (and with its first and last): 1 streams each token
     stream_interval: int = 1
+    # speculative decoding (a SpeculativeConfig, or its fields as a mapping: --speculative-config's JSON)
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        spec = self.speculative_config
+        if isinstance(spec, Mapping):
+            unknown = set(spec) - {f.name for f in fields(SpeculativeConfig)}
+            _check(not unknown, f"speculative_config has unknown keys {sorted(unknown)}")
+            object.__setattr__(self, "speculative_config", SpeculativeConfig(**spec))
+        _check(
+            self.speculative_config is None or isinstance(self.speculative_config, SpeculativeConfig),
+            f"speculative_config must be a mapping of its fields, got {spec!r}",
+        )
         dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         object.__setattr__(self, "dtype", dtype)
         _check(dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")

@@ -126,6 +126,11 @@ class EngineStats:
     # priority and tenant (None: requests of no tenant)
     queue_heads: tuple[tuple[int, str | None, float], ...] = ()
     is_full: bool = False  # the last step left a queued sequence out for lack of seats or KV blocks
+    # speculative decoding: drafts run, their tokens, and those the sampler kept
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()  # kept draft tokens by their place in the draft
 
     def queue_delay_s(self, now: float, max_priority: int | None = None, tenant: str | None = None) -> float:
         """How long the longest-queued sequence (of priority <= `max_priority`, or any; of `tenant`, or

@@ -420,6 +420,14 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
         "throughput under many streams (default 1: every token as it comes)",
     )
     g.add_argument(
+        "--speculative-config",
+        type=_json_object,
+        help='speculative decoding, as vLLM takes it: JSON such as \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1, '
+        '"disable_by_batch_size": 16}\' (n-gram prompt lookup; the same tokens as without it, greedy or '
+        "sampled: docs/serving.md#speculative-decoding)",
+    )
+    g.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -430,6 +438,16 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
 
 def _int_or_auto(value: str) -> int | str:
     return value if value == "auto" else int(value)
+
+
+def _json_object(value: str) -> dict[str, Any]:
+    try:
+        parsed = json.loads(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {value!r}")
+    return parsed
 
 
 def engine_options(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str, Any]:
@@ -456,6 +474,7 @@ def engine_options(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str
         "tensor_parallel_size",
         "engine_process",
         "stream_interval",
+        "speculative_config",
         "max_loras",
         "max_lora_rank",
     )

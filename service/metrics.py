@@ -191,8 +191,8 @@ class Metrics:
         self.time_to_first_token.labels(model).observe(seconds)
 
     def observe_tokens(self, model: str, intervals: list[tuple[float, int]]) -> None:
-        """A delta's `RequestOutput.token_intervals`: each (seconds, n) is n tokens (one per choice that
-        advanced in that step) made `seconds` after the request's previous ones: each waited `seconds`."""
+        """A delta's `RequestOutput.token_intervals`: each (seconds, n) is n tokens of a step, each
+        `seconds` after its choice's previous token (engine/frontend/llm_engine.py, `note_tokens`)."""
         if intervals:
             histogram = self.inter_token_latency.labels(model)  # one label lookup a delta, not a token
             for seconds, num_tokens in intervals:
@@ -246,9 +246,16 @@ class EngineCollector(Collector):
             "linear kernel and attention backend chosen at load (always 1)",
             labels=["model_name", "dtype", "linear_kernel", "attention_backend"],
         )
+        per_position = CounterMetricFamily(
+            f"{PREFIX}spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens kept, by their position in the draft (0: the first)",
+            labels=["model_name", "position"],
+        )
         for name, engine in list(self.engines().items()):
             config.add_metric([name, engine.dtype, engine.linear_kernel, engine.attention_backend], 1)
             stats = engine.stats()
+            for position, count in enumerate(stats.spec_accepted_per_position):
+                per_position.add_metric([name, str(position)], count)
             for key, value in _figures(stats).items():
                 families[key].add_metric([name], value)
             for key, distribution in _distributions(stats).items():
@@ -259,6 +266,7 @@ class EngineCollector(Collector):
         yield from histograms.values()
         yield cache
         yield config
+        yield per_position
 
 
 def _families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
@@ -308,6 +316,17 @@ def _families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
             "Requests the engine ended with an error after isolating them as the cause of a failed step",
             labels=labels,
         ),
+        "spec_decode_num_drafts": CounterMetricFamily(
+            f"{PREFIX}spec_decode_num_drafts", "Speculative drafts run", labels=labels
+        ),
+        "spec_decode_num_draft_tokens": CounterMetricFamily(
+            f"{PREFIX}spec_decode_num_draft_tokens", "Tokens of the speculative drafts run", labels=labels
+        ),
+        "spec_decode_num_accepted_tokens": CounterMetricFamily(
+            f"{PREFIX}spec_decode_num_accepted_tokens",
+            "Draft tokens kept: the target model drew the same token at their position",
+            labels=labels,
+        ),
     }
 
 
@@ -325,6 +344,9 @@ def _figures(stats: EngineStats) -> dict[str, float]:
         "generation_tokens": stats.num_generation_tokens,
         "isolated_steps": stats.num_isolated_steps,
         "requests_failed_in_engine": stats.num_failed_requests,
+        "spec_decode_num_drafts": stats.spec_num_drafts,
+        "spec_decode_num_draft_tokens": stats.spec_num_draft_tokens,
+        "spec_decode_num_accepted_tokens": stats.spec_num_accepted_tokens,
     }
 
 

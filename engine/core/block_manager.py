@@ -212,6 +212,12 @@ class BlockManager:
         for _ in range(needed):
             seq.block_table.append(self._allocate_block().block_id)
 
+    def trim(self, seq: Sequence) -> None:
+        """Release seq's blocks past those its tokens need (a draft's rejected tail allocated them)."""
+        keep = self.blocks_needed(seq.num_tokens)
+        self._unref(seq.block_table[keep:])
+        del seq.block_table[keep:]
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """child shares every block of parent (copy-on-write for a partly filled last block)."""
         for block_id in parent.block_table:
@@ -224,8 +230,12 @@ class BlockManager:
         self.free_swap_blocks.extend(self.swapped.pop(seq.seq_id, ()))
 
     def _release_device_blocks(self, seq: Sequence) -> None:
+        self._unref(seq.block_table)
+        seq.block_table = []
+
+    def _unref(self, block_ids: list[int]) -> None:
         # reverse order, so a sequence's tail blocks are evicted first
-        for block_id in reversed(seq.block_table):
+        for block_id in reversed(block_ids):
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
@@ -233,7 +243,6 @@ class BlockManager:
                     self.free_queue.appendleft(block)
                 else:
                     self.free_queue.append(block)
-        seq.block_table = []
 
     # --- swap --------------------------------------------------------------------------------------
     def can_swap_out(self, seq: Sequence) -> bool:

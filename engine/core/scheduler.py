@@ -30,6 +30,7 @@ from engine.config import EngineConfig
 from engine.core.block_manager import BlockCopies, BlockManager
 from engine.core.fairness import VirtualTokenCounter
 from engine.core.sequence import Detokenizer, SampledToken, Sequence, SequenceStatus
+from engine.core.speculative import NgramProposer
 from engine.errors import EngineOverloadedError
 
 
@@ -37,8 +38,16 @@ from engine.errors import EngineOverloadedError
 class ScheduledSeq:
     seq: Sequence
     start: int  # first position computed this step
-    num_new_tokens: int
+    num_new_tokens: int  # the draft's tokens included
     num_samples: int  # tokens to sample after this chunk: 0 mid-prefill, n at a fan-out, else 1
+    # speculative decoding (engine/core/speculative.py): tokens proposed after the sequence's last one,
+    # computed at the positions after it in this step and kept as far as the sampler draws them
+    draft: tuple[int, ...] = ()
+
+    def token_id_at(self, position: int) -> int:
+        if self.draft and position >= self.seq.num_tokens:
+            return self.draft[position - self.seq.num_tokens]
+        return self.seq.token_id_at(position)
 
 
 @dataclass
@@ -62,6 +71,7 @@ class _Budget:
     prefill_tokens: int
     one_tenant: bool = False  # tenants contend: the step's prompt tokens are one tenant's (the first's)
     prefill_tenant: str | None = None  # ... that tenant, once a prompt of it is scheduled
+    drafts: bool = False  # decoding sequences may run drafts this step
 
     def takes_prefill_of(self, seq: Sequence) -> bool:
         return self.prefill_tenant is None or seq.share is None or seq.share.tenant == self.prefill_tenant
@@ -81,6 +91,14 @@ class Scheduler:
         self.num_preemptions = 0
         self.is_full = False  # the last step left a queued sequence out for lack of seats or KV blocks
         self.fair = VirtualTokenCounter(clock)
+        spec = config.speculative_config
+        self.proposer = NgramProposer(spec) if spec is not None else None
+        # speculative decoding's counts, as vLLM's spec_decode metrics name them
+        self.num_drafts = 0  # drafts run
+        self.num_draft_tokens = 0  # their tokens
+        self.num_accepted_tokens = 0  # ... that the sampler kept
+        self.accepted_per_position = [0] * (spec.num_speculative_tokens if spec is not None else 0)
+        self.accepted: dict[int, int] = {}  # seq_id -> draft tokens kept in the last postprocess
 
     # --- queues ----------------------------------------------------------------------------------
     def add_seq(self, seq: Sequence) -> None:
@@ -142,6 +160,9 @@ class Scheduler:
         budget = _Budget(
             self.config.max_num_batched_tokens, self._prefill_cap(contended), contended is not None
         )
+        if self.proposer is not None:
+            limit = self.config.speculative_config.disable_by_batch_size
+            budget.drafts = limit is None or len(self.running) <= limit
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
         if self.config.scheduler_policy != "fcfs":
@@ -182,6 +203,9 @@ class Scheduler:
 
     def _schedule(self, seq: Sequence, num_new: int, budget: _Budget, scheduled: list[ScheduledSeq]) -> None:
         start = seq.num_computed_tokens
+        samples = start + num_new == seq.num_tokens
+        draft = self._draft(seq, num_new, budget)
+        num_new += len(draft)
         self.block_manager.allocate(seq, num_new)
         budget.tokens -= num_new
         if seq.is_prefill:
@@ -189,11 +213,21 @@ class Scheduler:
             if budget.one_tenant and seq.share is not None:
                 budget.prefill_tenant = seq.share.tenant
         self.fair.charge(seq.share, num_new, seq.is_prefill)
-        samples = start + num_new == seq.num_tokens
         num_samples = seq.params.n if samples and not seq.is_forked else int(samples)
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = self.clock()
-        scheduled.append(ScheduledSeq(seq, start, num_new, num_samples))
+        scheduled.append(ScheduledSeq(seq, start, num_new, num_samples, draft))
+
+    def _draft(self, seq: Sequence, num_new: int, budget: _Budget) -> tuple[int, ...]:
+        """A decoding sequence's draft, where the step has tokens and free blocks for it (a draft never
+        preempts anything)."""
+        if not budget.drafts or seq.is_prefill or num_new != 1:
+            return ()
+        limit = min(budget.tokens - 1, seq.max_tokens - seq.num_output_tokens - 1)
+        draft = self.proposer.propose(seq, limit)
+        if draft and not self.block_manager.can_allocate(seq, 1 + len(draft)):
+            return ()
+        return draft
 
     def _schedule_running(
         self, budget: _Budget, scheduled: list[ScheduledSeq], preempted: list[Sequence]
@@ -346,6 +380,7 @@ class Scheduler:
         Returns every sequence that got a token (fan-out children included). A sequence whose
         update raises goes to `on_error` (the engine fails its request) and the others go on."""
         updated = []
+        self.accepted = {}
         for item in output.scheduled:
             if item.seq.is_finished:  # aborted while its step ran
                 continue
@@ -359,6 +394,8 @@ class Scheduler:
 
     def _postprocess_one(self, item: ScheduledSeq, tokens: list[SampledToken] | None) -> list[Sequence]:
         seq = item.seq
+        if item.draft:
+            return self._postprocess_draft(item, tokens)
         seq.num_computed_tokens = item.start + item.num_new_tokens
         self.block_manager.cache_full_blocks(seq)
         if not tokens:
@@ -371,6 +408,33 @@ class Scheduler:
             if member.is_finished:
                 self._release(member)
         return family
+
+    def _postprocess_draft(self, item: ScheduledSeq, tokens: list[SampledToken] | None) -> list[Sequence]:
+        """tokens: the draft's kept tokens, then the one drawn after them (the sampler's chain). Their K/V is
+        in the pool up to the last kept draft token; the blocks past the sequence's tokens go back."""
+        seq = item.seq
+        self.num_drafts += 1
+        self.num_draft_tokens += len(item.draft)
+        if not tokens:  # nothing drawn (the sampler always draws a sampling row): the step changed nothing
+            seq.num_computed_tokens = item.start
+            self.block_manager.trim(seq)
+            return []
+        accepted = len(tokens) - 1
+        self.num_accepted_tokens += accepted
+        for position in range(accepted):
+            self.accepted_per_position[position] += 1
+        self.accepted[seq.seq_id] = accepted
+        for token in tokens:
+            seq.append_token(token)
+            if seq.is_finished:
+                break
+        seq.num_computed_tokens = min(item.start + 1 + accepted, seq.num_tokens - 1)
+        self.block_manager.cache_full_blocks(seq)
+        if seq.is_finished:
+            self._release(seq)
+        else:
+            self.block_manager.trim(seq)
+        return [seq]
 
     def _fan_out(self, parent: Sequence, num_children: int) -> list[Sequence]:
         parent.is_forked = True

@@ -273,7 +273,7 @@ class ModelRunner:
             row = len(ids)
             if self.lora is not None and seq.lora_id:  # (a tensor-parallel rank's _RowSeq has none)
                 lora_rows.setdefault(seq.lora_id, []).extend(range(row, row + end - start))
-            ids.extend(seq.token_id_at(p) for p in range(start, end))
+            ids.extend(item.token_id_at(p) for p in range(start, end))
             positions.extend(range(start, end))
             slots.extend(seq.block_table[p // bs] * bs + p % bs for p in range(start, end))
             if i >= len(decodes):
@@ -284,7 +284,8 @@ class ModelRunner:
                 prompt_rows.extend(PromptRow(seq, p) for p in scored)
             if item.num_samples:
                 sample_at.append(len(ids) - 1)
-                rows.append(SampleRow(seq, item.num_samples))
+                # a draft's row: the position's offset past the sequence's last token
+                rows.append(SampleRow(seq, item.num_samples, end - seq.num_tokens, item.draft))
         dev = self.device
         if self.lora is not None:
             self.lora.set_batch(lora_rows, len(ids))
@@ -303,8 +304,10 @@ class ModelRunner:
 
 def _replayed(item: ScheduledSeq) -> list[ScheduledSeq]:
     """A chunk of replayed output tokens as one decode row each (the last one samples, if the chunk does);
-    any other chunk as it is."""
+    a decode with a draft as one decode row a position, each sampled; any other chunk as it is."""
     seq, end = item.seq, item.start + item.num_new_tokens
+    if item.draft:
+        return [ScheduledSeq(seq, p, 1, 1, item.draft) for p in range(item.start, end)]
     if item.num_new_tokens == 1 or not seq.num_prompt_tokens <= item.start < end <= seq.replay_until:
         return [item]
     return [ScheduledSeq(seq, p, 1, item.num_samples if p == end - 1 else 0) for p in range(item.start, end)]

@@ -160,7 +160,7 @@ class Ranks:
                 (
                     s.seq.block_table,
                     s.start,
-                    [s.seq.token_id_at(p) for p in range(s.start, s.start + s.num_new_tokens)],
+                    [s.token_id_at(p) for p in range(s.start, s.start + s.num_new_tokens)],
                 )
                 for s in scheduled
             ],

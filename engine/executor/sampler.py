@@ -17,12 +17,12 @@ from engine.structured.grammar import apply_masks
 
 def _adjusts(row: "SampleRow") -> bool:
     """Whether `_apply_penalties` changes this row's logits."""
-    seq, params = row.seq, row.seq.params
+    params = row.seq.params
     return (
         params.repetition_penalty != 1.0
-        or bool((params.presence_penalty or params.frequency_penalty) and seq.output_token_ids)
+        or bool((params.presence_penalty or params.frequency_penalty) and row.output_token_ids)
         or bool(params.logit_bias)
-        or seq.num_output_tokens < params.min_tokens
+        or len(row.output_token_ids) < params.min_tokens
     )
 
 
@@ -33,6 +33,23 @@ NUCLEUS_CANDIDATES = 1024  # a top-p row's most likely tokens, where its nucleus
 class SampleRow:
     seq: Sequence
     num_samples: int  # n at a fan-out, else 1
+    # a draft's rows (engine/core/speculative.py): one a position, `offset` tokens past the sequence's
+    # last one, each drawn as it would be at that position; the sequence gets the draft's tokens up to the
+    # first that differs from the one drawn at its position, and that drawn token
+    offset: int = 0
+    draft: tuple[int, ...] = ()
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """The output before this row's position: the sequence's, and the draft's tokens before it."""
+        if not self.offset:
+            return self.seq.output_token_ids
+        return self.seq.output_token_ids + list(self.draft[: self.offset])
+
+    def seed(self, sample: int) -> int:
+        """The seed of this row's `sample`th draw: (sampling seed, choice index, position)."""
+        seq = self.seq
+        return hash((seq.sampling_seed, seq.index + sample, seq.num_tokens + self.offset)) & (2**63 - 1)
 
 
 class Sampler:
@@ -58,14 +75,14 @@ class Sampler:
             self._draw(
                 probs,
                 [
-                    (i, row.seq, row.seq.index + j)
+                    (i, row.seed(j))
                     for i, row in enumerate(rows)
                     if not is_greedy[i]
                     for j in range(row.num_samples)
                 ],
             )
         )
-        sampled = {}
+        sampled: dict[int, list[SampledToken]] = {}
         for i, row in enumerate(rows):
             seq = row.seq
             if seq.is_poisoned:
@@ -74,7 +91,12 @@ class Sampler:
             for _ in range(row.num_samples):
                 token_id = greedy[i] if is_greedy[i] else next(drawn)
                 tokens.append(SampledToken(token_id, self._logprobs(raw_logprobs, i, token_id, seq)))
-            sampled[seq.seq_id] = tokens
+            if row.offset == 0:
+                sampled[seq.seq_id] = tokens
+                continue
+            chain = sampled[seq.seq_id]  # a draft's later position: it counts if the chain got this far
+            if len(chain) == row.offset and chain[-1].token_id == row.draft[row.offset - 1]:
+                chain += tokens
         return sampled
 
     # --- logits processing -----------------------------------------------------------------------
@@ -85,14 +107,15 @@ class Sampler:
             return logits
         logits = logits.clone()
         for i, row in enumerate(rows):
-            seq, params = row.seq, row.seq.params
+            seq, params, output = row.seq, row.seq.params, row.output_token_ids
             if params.repetition_penalty != 1.0:
-                seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=logits.device)
+                seen = sorted({*seq.prompt_token_ids, *output})
+                seen = torch.tensor(seen, dtype=torch.long, device=logits.device)
                 values = logits[i, seen]
                 penalty = params.repetition_penalty
                 logits[i, seen] = torch.where(values > 0, values / penalty, values * penalty)
-            if (params.presence_penalty or params.frequency_penalty) and seq.output_token_ids:
-                out = torch.tensor(seq.output_token_ids, dtype=torch.long, device=logits.device)
+            if (params.presence_penalty or params.frequency_penalty) and output:
+                out = torch.tensor(output, dtype=torch.long, device=logits.device)
                 counts = torch.zeros_like(logits[i]).scatter_add_(
                     0, out, torch.ones_like(out, dtype=logits.dtype)
                 )
@@ -102,7 +125,7 @@ class Sampler:
                 logits[i, ids] += torch.tensor(
                     list(params.logit_bias.values()), dtype=logits.dtype, device=logits.device
                 )
-            if seq.num_output_tokens < params.min_tokens:
+            if len(output) < params.min_tokens:
                 banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(seq.eos_token_ids))
                 if banned:
                     logits[i, torch.tensor(banned, device=logits.device)] = float("-inf")
@@ -146,18 +169,16 @@ class Sampler:
 
     # --- drawing ---------------------------------------------------------------------------------
     @staticmethod
-    def _draw(probs: torch.Tensor | None, draws: list[tuple[int, Sequence, int]]) -> list[int]:
-        """One token per draw (row, sequence, choice index): argmax(p / E) with E ~ Exp(1) per token is a
-        draw from p (the exponential race), E from the draw's seed, made of (sampling seed, choice index,
-        position). A race, unlike an inverse CDF, keeps its token when p moves in its last bits (another
+    def _draw(probs: torch.Tensor | None, draws: list[tuple[int, int]]) -> list[int]:
+        """One token per draw (row, seed): argmax(p / E) with E ~ Exp(1) per token is a draw from p (the
+        exponential race), E from the draw's seed (SampleRow.seed). A race, unlike an inverse CDF, keeps its token when p moves in its last bits (another
         batch's rounding): a stream continued on a rebuilt engine draws what it would have. On CPU the
         noise is a hash of the seed and the token id (cpu_kernel.race: all draws at once, ~1.5 ms for 64
         rows of 49,152 tokens); elsewhere, a generator seeded by it (torch's exponential_, a row at a time:
         ~1 ms a row on CPU)."""
         if not draws:
             return []
-        seeds = [hash((seq.sampling_seed, index, seq.num_tokens)) & (2**63 - 1) for _, seq, index in draws]
-        rows = [i for i, _, _ in draws]
+        rows, seeds = [i for i, _ in draws], [seed for _, seed in draws]
         race = cpu_kernel.race(torch.get_num_threads()) if probs.device.type == "cpu" else None
         if race is not None and probs.dtype == torch.float32:
             # the usual draw, each row once in order, scores probs in place (nothing reads them after)

@@ -4,6 +4,7 @@ drives it from its own thread."""
 import logging
 import random
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 from transformers import AutoTokenizer
@@ -55,10 +56,13 @@ class _Request:
     lora_id: int = 0  # the adapter it holds (engine/executor/lora.py), 0: none
     token_intervals: list[tuple[float, int]] = field(default_factory=list)  # not in an output yet
 
-    def note_tokens(self, now: float, num_tokens: int) -> None:
-        """`num_tokens` (one per choice that advanced) made at `now`: an inter-token interval after the first."""
+    def note_tokens(self, now: float, per_choice: list[int]) -> None:
+        """Each choice that advanced made that many tokens at `now`: after the request's first tokens, each
+        of a choice's m tokens came 1/m of the interval after its previous one (m > 1: a kept draft)."""
         if self.last_token_time is not None:
-            self.token_intervals.append((now - self.last_token_time, num_tokens))
+            gap = now - self.last_token_time
+            for m, num_choices in sorted(Counter(per_choice).items()):
+                self.token_intervals.append((gap / m, m * num_choices))
         self.last_token_time = now
 
     @property
@@ -306,7 +310,7 @@ class LLMEngine:
             sampled = self._run(batch)
         with phase(POSTPROCESS):
             updated = self.scheduler.postprocess(batch, sampled, on_error=self._fail_seq)
-            self._account(batch.num_batched_tokens, len(updated))
+            self._account(batch.num_batched_tokens, len(updated) + sum(self.scheduler.accepted.values()))
             return self._fail_marked() + self._outputs(updated)
 
     # --- poison isolation: a step that raises never stops the engine --------------------------------
@@ -439,12 +443,13 @@ class LLMEngine:
         outputs = []
         every_step = self.config.stream_interval == 1
         now = self.scheduler.clock()
+        accepted = self.scheduler.accepted  # a draft's kept tokens came with its sequence's next one
         for request_id, seqs in by_request.items():
             request = self.requests.get(request_id)
             if request is None:  # failed in this step: its final output is out already
                 continue
             request.seqs.extend(s for s in seqs if s not in request.seqs)
-            request.note_tokens(now, len(seqs))
+            request.note_tokens(now, [1 + accepted.get(s.seq_id, 0) for s in seqs])
             if every_step or self._is_due(request, seqs):
                 outputs.append(self._output(request, seqs))
         return outputs
@@ -544,6 +549,10 @@ class LLMEngine:
             cache=self.cache_info,
             queue_heads=sched.queue_heads(),
             is_full=sched.is_full,
+            spec_num_drafts=sched.num_drafts,
+            spec_num_draft_tokens=sched.num_draft_tokens,
+            spec_num_accepted_tokens=sched.num_accepted_tokens,
+            spec_accepted_per_position=tuple(sched.accepted_per_position),
         )
 
 

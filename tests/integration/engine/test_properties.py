@@ -136,8 +136,10 @@ request_strategy = st.tuples(
     policy=st.sampled_from(["fcfs", "priority", "hybrid"]),
     mode=st.sampled_from(["recompute", "swap"]),
     budget=st.sampled_from([4, 7, 64]),
+    speculate=st.booleans(),
 )
-def test_scheduler_finishes_every_request_and_frees_every_block(requests, policy, mode, budget):
+def test_scheduler_finishes_every_request_and_frees_every_block(requests, policy, mode, budget, speculate):
+    """With `speculate`, decodes run n-gram drafts, of which each step keeps a varying part."""
     config = EngineConfig(
         model="x",
         block_size=BLOCK_SIZE,
@@ -146,6 +148,7 @@ def test_scheduler_finishes_every_request_and_frees_every_block(requests, policy
         scheduler_policy=policy,
         preemption_mode=mode,
         max_prefill_tokens=3,
+        speculative_config={"num_speculative_tokens": 3, "disable_by_batch_size": 4} if speculate else None,
     )
     bm = BlockManager(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=True, num_swap_blocks=6)
     sched = Scheduler(config, bm, clock=lambda: 0.0)
@@ -175,7 +178,8 @@ def test_scheduler_finishes_every_request_and_frees_every_block(requests, policy
             break
         out = sched.schedule()
         sampled = {
-            item.seq.seq_id: [SampledToken(7)] * item.num_samples
+            item.seq.seq_id: [SampledToken(t) for t in item.draft[: (item.seq.seq_id + num_steps) % 4]]
+            + [SampledToken(7)] * item.num_samples
             for item in out.scheduled
             if item.num_samples
         }
@@ -210,11 +214,15 @@ def assert_held_blocks_are_running_blocks(bm: BlockManager, running: list[Sequen
 # --- a real engine ---------------------------------------------------------------------------------
 @pytest.fixture(
     scope="module",
-    params=[("fcfs", "recompute", 1), ("priority", "swap", 3)],
-    ids=lambda p: "-".join(map(str, p)),
+    params=[
+        ("fcfs", "recompute", 1, None),
+        ("priority", "swap", 3, "ngram"),
+        ("hybrid", "recompute", 1, "ngram"),
+    ],
+    ids=lambda p: "-".join(map(str, filter(None, p))),
 )
 def engine(request, random_model):
-    policy, mode, stream_interval = request.param
+    policy, mode, stream_interval, speculative = request.param
     return LLMEngine(
         EngineConfig(
             model=random_model("tiny-llama"),
@@ -228,6 +236,7 @@ def engine(request, random_model):
             preemption_mode=mode,
             swap_space=0.001,
             stream_interval=stream_interval,
+            speculative_config={"method": speculative, "num_speculative_tokens": 3} if speculative else None,
         )
     )
 
@@ -275,12 +284,15 @@ def test_engine_serves_every_mix_to_the_end_and_returns_every_block(engine, requ
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks and not engine.requests
     assert engine.num_isolated_steps == isolated_before  # isolation is a safety net: no step may need it
+    if engine.config.speculative_config is not None and engine.num_steps > 100:
+        assert engine.stats().spec_num_drafts > 0  # (once the module's examples have run a while)
     for (request_id, params, *_), outs in zip(requests_with_ids(requests), outputs.values(), strict=True):
         assert outs and outs[-1].finished and outs[-1].error is None, request_id
-        # a choice's tokens go out once --stream-interval of them are unsent, never later
-        assert all(
-            len(part.token_ids) <= engine.config.stream_interval for out in outs for part in out.outputs
-        )
+        # a choice's tokens go out once --stream-interval of them are unsent, never later (a step that
+        # keeps a draft adds its tokens at once)
+        spec = engine.config.speculative_config
+        most = engine.config.stream_interval + (spec.num_speculative_tokens if spec else 0)
+        assert all(len(part.token_ids) <= most for out in outs for part in out.outputs)
         for choice in _whole(outs):
             assert choice["finish_reason"] in ("stop", "length", "abort")
             assert all(0 <= t < vocab for t in choice["token_ids"])

@@ -101,6 +101,29 @@ async def test_a_stream_interval_streams_the_same_text_in_fewer_events(start):
     assert events[-1]["choices"][0]["finish_reason"] == "length"
 
 
+async def test_speculative_drafts_stream_their_kept_tokens_and_count_them_on_metrics(start):
+    h = await start(engine_kwargs={"speculative_config": {"method": "ngram", "num_speculative_tokens": 4}})
+    prompt = "for i in range(10):\n    print(i)\nfor j in range(10):\n"
+    body = {"prompt": prompt, "max_tokens": 40, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+    whole = (await (await h.client.post("/v1/completions", json=body)).json())["choices"][0]
+    body |= {"stream": True, "stream_options": {"include_usage": True}}
+    *chunks, usage = _events(await (await h.client.post("/v1/completions", json=body)).read())
+    choices = [c["choices"][0] for c in chunks]
+    assert "".join(c["text"] for c in choices) == whole["text"]
+    assert sum(len(c["logprobs"]["tokens"]) for c in choices) == usage["usage"]["completion_tokens"] == 40
+    assert max(len(c["logprobs"]["tokens"]) for c in choices) > 1  # a kept draft: tokens of one step
+    text = await (await h.client.get("/metrics")).text()
+    counts = {
+        name: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("pagedserve:spec_decode_num_") and 'model_name="primary"' in line
+        for name in [line.split("{")[0].removeprefix("pagedserve:spec_decode_num_")]
+    }
+    assert counts["drafts_total"] > 0 and counts["draft_tokens_total"] >= counts["accepted_tokens_total"] > 0
+    first = 'pagedserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="primary",position="0"} '
+    assert float(next(line for line in text.splitlines() if line.startswith(first))[len(first) :]) > 0
+
+
 async def test_chat_stream_role_then_content(start):
     h = await start()
     messages = [{"role": "user", "content": "sort a list"}]

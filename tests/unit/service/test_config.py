@@ -228,3 +228,18 @@ def test_help_lists_subcommands(capsys):
         main(["--help"])
     out = capsys.readouterr().out
     assert "serve" in out and "generate" in out
+
+
+def test_speculative_config_is_vllms_json_and_checked_by_the_engine(capsys):
+    spec = '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4}'
+    engine = _config(["--model", "/m/a", "--speculative-config", spec]).models[0].engine
+    assert (
+        engine.speculative_config.num_speculative_tokens,
+        engine.speculative_config.prompt_lookup_max,
+    ) == (2, 4)
+    with pytest.raises(ConfigError, match="a draft model is not served yet"):
+        _config(["--model", "/m/a", "--speculative-config", '{"method": "eagle"}'])
+    for bad in ("{method: ngram}", "[1, 2]"):
+        with pytest.raises(SystemExit):
+            _config(["--model", "/m/a", "--speculative-config", bad])
+        assert "--speculative-config" in capsys.readouterr().err
