@@ -1,8 +1,9 @@
 """Turn logits into tokens: penalties, structured-output masks, temperature, top-k / top-p / min-p,
 seeded sampling, logprobs.
 
-Each sample draws from its own generator seeded by (sampling seed, choice index, position), so a
-seeded request gives the same tokens whatever else shares its batch; greedy rows take one batched argmax.
+Each draw's noise comes from its own seed, (sampling seed, choice index, position), so a seeded request
+gives the same tokens whatever else shares its batch, and a speculative draft's positions, drawn in one
+step, the tokens they would get one step at a time; greedy rows take one batched argmax.
 """
 
 from dataclasses import dataclass
