@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from engine.config import EngineConfig
 from engine.core.block_manager import BlockCopies, BlockManager
 from engine.core.fairness import VirtualTokenCounter
-from engine.core.sequence import Detokenizer, SampledToken, Sequence, SequenceStatus
+from engine.core.sequence import Detokenizer, Grammar, SampledToken, Sequence, SequenceStatus
 from engine.core.speculative import NgramProposer
 from engine.errors import EngineOverloadedError
 
@@ -43,6 +43,7 @@ class ScheduledSeq:
     # speculative decoding (engine/core/speculative.py): tokens proposed after the sequence's last one,
     # computed at the positions after it in this step and kept as far as the sampler draws them
     draft: tuple[int, ...] = ()
+    draft_grammars: tuple[Grammar, ...] = ()  # under a grammar: its matcher after each draft token
 
     def token_id_at(self, position: int) -> int:
         if self.draft and position >= self.seq.num_tokens:
@@ -204,7 +205,7 @@ class Scheduler:
     def _schedule(self, seq: Sequence, num_new: int, budget: _Budget, scheduled: list[ScheduledSeq]) -> None:
         start = seq.num_computed_tokens
         samples = start + num_new == seq.num_tokens
-        draft = self._draft(seq, num_new, budget)
+        draft, grammars = self._draft(seq, num_new, budget)
         num_new += len(draft)
         self.block_manager.allocate(seq, num_new)
         budget.tokens -= num_new
@@ -216,18 +217,18 @@ class Scheduler:
         num_samples = seq.params.n if samples and not seq.is_forked else int(samples)
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = self.clock()
-        scheduled.append(ScheduledSeq(seq, start, num_new, num_samples, draft))
+        scheduled.append(ScheduledSeq(seq, start, num_new, num_samples, draft, tuple(grammars)))
 
-    def _draft(self, seq: Sequence, num_new: int, budget: _Budget) -> tuple[int, ...]:
-        """A decoding sequence's draft, where the step has tokens and free blocks for it (a draft never
-        preempts anything)."""
+    def _draft(self, seq: Sequence, num_new: int, budget: _Budget) -> tuple[tuple[int, ...], list[Grammar]]:
+        """A decoding sequence's draft (and its grammar's matchers along it), where the step has tokens
+        and free blocks for it (a draft never preempts anything)."""
         if not budget.drafts or seq.is_prefill or num_new != 1:
-            return ()
+            return (), []
         limit = min(budget.tokens - 1, seq.max_tokens - seq.num_output_tokens - 1)
-        draft = self.proposer.propose(seq, limit)
+        draft, grammars = self.proposer.propose(seq, limit)
         if draft and not self.block_manager.can_allocate(seq, 1 + len(draft)):
-            return ()
-        return draft
+            return (), []
+        return draft, grammars
 
     def _schedule_running(
         self, budget: _Budget, scheduled: list[ScheduledSeq], preempted: list[Sequence]

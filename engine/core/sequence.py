@@ -56,6 +56,8 @@ class Grammar(Protocol):
 
     def fork(self) -> "Grammar": ...
 
+    def lookahead(self, tokens: tuple[int, ...]) -> list["Grammar"]: ...
+
 
 @dataclass
 class SampledToken:

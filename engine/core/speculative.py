@@ -4,24 +4,18 @@ A decoding sequence's draft is the run of tokens that followed the last earlier 
 tokens (n from prompt_lookup_max down to prompt_lookup_min), in its prompt or its output. The scheduler
 runs the draft in the same step as the sequence's next token (positions after it, as decode rows each);
 the sampler draws every position's token exactly as it would have without a draft (greedy, or the
-seeded draw of that position) and keeps the draft up to its first token that differs from the drawn
-one, plus the token drawn there. So a draft never changes the output, greedy or sampled (as far as a
-batch's rows do not change each other's arithmetic, as with any batch): a draft token is kept with the
-probability the target gives it, and the token that replaces a rejected one is drawn from the target's
-distribution without it (rejection sampling with a one-point draft).
+seeded draw of that position; under a grammar, masked by a matcher that took the draft's tokens before
+it) and keeps the draft up to its first token that differs from the drawn one, plus the token drawn
+there. So a draft never changes the output, greedy or sampled (as far as a batch's rows do not change
+each other's arithmetic, as with any batch): a draft token is kept with the probability the target gives
+it, and the token that replaces a rejected one is drawn from the target's distribution without it
+(rejection sampling with a one-point draft).
 """
 
 from array import array
 
 from engine.config import SpeculativeConfig
-from engine.core.sequence import Sequence
-
-
-def can_draft(seq: Sequence) -> bool:
-    """Whether a draft's positions can be sampled as they would be one step at a time: not under a
-    grammar, whose masks at a position depend on the matcher having taken the tokens before it (the
-    sampler applies penalties and min_tokens' ban per position, the draft's earlier tokens counted)."""
-    return seq.grammar is None
+from engine.core.sequence import Grammar, Sequence
 
 
 class NgramProposer:
@@ -29,13 +23,18 @@ class NgramProposer:
         self.num_tokens = config.num_speculative_tokens
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
 
-    def propose(self, seq: Sequence, limit: int) -> tuple[int, ...]:
-        """Up to min(limit, num_speculative_tokens) tokens that may follow seq's tokens; () without a match."""
+    def propose(self, seq: Sequence, limit: int) -> tuple[tuple[int, ...], list[Grammar]]:
+        """Up to min(limit, num_speculative_tokens) tokens that may follow seq's tokens (() without a
+        match) and, under a grammar, its matcher after each of them: the draft stops where the grammar
+        refuses a token or ends, and has none for a JSON constraint (Grammar.lookahead)."""
         limit = min(limit, self.num_tokens)
-        if limit <= 0 or not can_draft(seq):
-            return ()
-        tokens = seq.token_ids
-        return lookup(tokens, self.min_n, self.max_n, limit)
+        if limit <= 0:
+            return (), []
+        draft = lookup(seq.token_ids, self.min_n, self.max_n, limit)
+        if seq.grammar is None or not draft:
+            return draft, []
+        grammars = seq.grammar.lookahead(draft)
+        return draft[: len(grammars)], grammars
 
 
 def lookup(tokens: list[int], min_n: int, max_n: int, limit: int) -> tuple[int, ...]:

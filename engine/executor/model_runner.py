@@ -285,7 +285,9 @@ class ModelRunner:
             if item.num_samples:
                 sample_at.append(len(ids) - 1)
                 # a draft's row: the position's offset past the sequence's last token
-                rows.append(SampleRow(seq, item.num_samples, end - seq.num_tokens, item.draft))
+                rows.append(
+                    SampleRow(seq, item.num_samples, end - seq.num_tokens, item.draft, item.draft_grammars)
+                )
         dev = self.device
         if self.lora is not None:
             self.lora.set_batch(lora_rows, len(ids))
@@ -307,7 +309,7 @@ def _replayed(item: ScheduledSeq) -> list[ScheduledSeq]:
     a decode with a draft as one decode row a position, each sampled; any other chunk as it is."""
     seq, end = item.seq, item.start + item.num_new_tokens
     if item.draft:
-        return [ScheduledSeq(seq, p, 1, 1, item.draft) for p in range(item.start, end)]
+        return [ScheduledSeq(seq, p, 1, 1, item.draft, item.draft_grammars) for p in range(item.start, end)]
     if item.num_new_tokens == 1 or not seq.num_prompt_tokens <= item.start < end <= seq.replay_until:
         return [item]
     return [ScheduledSeq(seq, p, 1, item.num_samples if p == end - 1 else 0) for p in range(item.start, end)]

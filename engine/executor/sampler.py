@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.core.phases import SAMPLE, phase
-from engine.core.sequence import SampledToken, Sequence
+from engine.core.sequence import Grammar, SampledToken, Sequence
 from engine.kernels import cpu as cpu_kernel
 from engine.structured.grammar import apply_masks
 
@@ -39,6 +39,14 @@ class SampleRow:
     # first that differs from the one drawn at its position, and that drawn token
     offset: int = 0
     draft: tuple[int, ...] = ()
+    draft_grammars: tuple[Grammar, ...] = ()  # under a grammar: its matcher after each draft token
+
+    @property
+    def grammar(self) -> Grammar | None:
+        """The matcher that masks this row: the sequence's, or one that took the draft's tokens before it."""
+        if self.offset and self.seq.grammar is not None:
+            return self.draft_grammars[self.offset - 1]
+        return self.seq.grammar
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -135,15 +143,16 @@ class Sampler:
     @staticmethod
     def _apply_grammars(logits: torch.Tensor, raw: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """Constrained rows only: a batch without one pays nothing."""
-        constrained = [i for i, r in enumerate(rows) if r.seq.grammar is not None]
+        constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
         if constrained:
-            banned = [i for i in constrained if rows[i].seq.num_output_tokens < rows[i].seq.params.min_tokens]
+            made = [len(rows[i].output_token_ids) for i in constrained]  # the draft's tokens before a row too
+            banned = [i for i, n in zip(constrained, made, strict=True) if n < rows[i].seq.params.min_tokens]
             apply_masks(
                 logits,
                 raw,
                 constrained,
-                [rows[i].seq.grammar for i in constrained],
-                [rows[i].seq.max_tokens - rows[i].seq.num_output_tokens for i in constrained],
+                [rows[i].grammar for i in constrained],
+                [rows[i].seq.max_tokens - n for i, n in zip(constrained, made, strict=True)],
                 banned,
             )
         return logits

@@ -88,6 +88,21 @@ class Grammar:
     def fork(self) -> "Grammar":
         return Grammar(self.matcher.deep_copy(), self.closer.fork() if self.closer is not None else None)
 
+    def lookahead(self, tokens: tuple[int, ...]) -> list["Grammar"]:
+        """Matchers after tokens[:1], tokens[:2], ..., as far as the grammar takes them and goes on after
+        them (a speculative draft's positions, engine/core/speculative.py). None for a JSON constraint:
+        its closer plans its path when a mask is computed, so a mask at a later position depends on the
+        masks before it, not only on the tokens."""
+        if self.closer is not None:
+            return []
+        chain, matcher = [], self.matcher
+        for token_id in tokens:
+            matcher = matcher.deep_copy()
+            if not matcher.consume_token(token_id) or matcher.is_stopped():
+                break
+            chain.append(Grammar(matcher))
+        return chain
+
     def fill_mask(self, row: torch.Tensor, budget: int) -> None:
         """row: [ceil(vocab / 32)] int32, one bit per token allowed next; budget: the tokens the sequence
         may still generate, this one included."""

@@ -3,6 +3,9 @@ chunked prefill, preemption and n > 1, and on the shipped trained model every ki
 sampling, logprobs, stop strings, penalties, structured output) gets exactly the tokens it gets without
 drafts, in fewer steps. Every block comes back."""
 
+import json
+import re
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -93,3 +96,24 @@ def test_drafts_change_no_token_of_any_request_and_save_steps():
     assert stats.num_generation_tokens == base_engine.stats().num_generation_tokens
     assert engine.num_steps < base_engine.num_steps
     assert stats.num_preemptions > 0 and base_engine.stats().num_preemptions > 0
+
+
+def test_a_grammar_row_drafts_and_keeps_its_tokens_inside_the_grammar():
+    """A regex constraint drafts along its matcher (a JSON one does not: its closer plans per mask); the
+    tokens are those of plain decoding, and they match the constraint."""
+    prompt = "x = 1\nx = 1\nx = 1\nx = 1\n"
+    params = [
+        SamplingParams(
+            temperature=0, max_tokens=24, structured_outputs=StructuredOutputs(regex="(x = 1\n){1,6}")
+        ),
+        SamplingParams(temperature=0, max_tokens=24, structured_outputs=StructuredOutputs(json_object=True)),
+    ]
+    outs = {}
+    for spec in (None, {**NGRAM, "num_speculative_tokens": 4}):
+        llm = LLM(str(TINY), dtype="float32", linear_kernel="aten", speculative_config=spec)
+        outs[spec is None] = [o.outputs[0] for o in llm.generate([prompt, prompt], params, use_tqdm=False)]
+    assert [o.token_ids for o in outs[True]] == [o.token_ids for o in outs[False]]
+    assert re.fullmatch("(x = 1\n){1,6}", outs[False][0].text)
+    json.loads(outs[False][1].text)
+    stats = llm.engine.stats()
+    assert stats.spec_num_accepted_tokens > 0  # the regex row's drafts (the JSON row has none)

@@ -9,7 +9,7 @@ from engine.core.scheduler import Scheduler
 from engine.core.sequence import SampledToken, Sequence
 from engine.core.speculative import lookup
 from engine.executor.sampler import Sampler, SampleRow
-from engine.sampling_params import SamplingParams, StructuredOutputs
+from engine.sampling_params import SamplingParams
 from tests.unit.engine.test_scheduler import NUM_BLOCKS, add, assert_all_free, make_scheduler
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
@@ -127,14 +127,44 @@ def test_drafts_respect_max_tokens_the_budget_and_the_batch_size():
     assert [item.draft for item in sched.schedule().scheduled] == [(5, 6)] * 3
 
 
-def test_no_draft_under_a_grammar():
+class _Grammar:
+    """A grammar that takes tokens below `bound` (a JSON one: `plans`, no lookahead at all)."""
+
+    def __init__(self, bound: int, plans: bool = False) -> None:
+        self.bound, self.plans = bound, plans
+
+    def lookahead(self, tokens):
+        if self.plans:
+            return []
+        chain = []
+        for token in tokens:
+            if token >= self.bound:
+                break
+            chain.append(_Grammar(self.bound))
+        return chain
+
+
+def test_a_draft_under_a_grammar_stops_where_the_grammar_refuses_and_carries_its_matchers():
     sched = spec_scheduler()
-    seq = add(
-        sched, [5, 6, 7, 5, 6, 7, 5], max_tokens=20, structured_outputs=StructuredOutputs(regex="[0-9]+")
-    )
+    seq = add(sched, [5, 6, 7, 5, 6, 7, 5], max_tokens=20)
     run_step(sched, accept=0, next_token=6)
-    seq.grammar = object()  # compiled by the engine; the scheduler only asks whether there is one
-    assert sched.schedule().scheduled[0].draft == ()
+    seq.grammar = _Grammar(bound=7)  # compiled by the engine; here a stand-in that takes 5 and 6, not 7
+    seq.grammar.accept = lambda token_id: None
+    [item] = sched.schedule().scheduled  # (7, 5, 6) proposed: 7 refused
+    assert (item.draft, item.draft_grammars, item.num_new_tokens) == ((), (), 1)
+    sched.abort_seq(seq)
+    seq = add(sched, [5, 6, 5, 6, 5], max_tokens=20, arrival=1.0)
+    run_step(sched, accept=0, next_token=6)
+    seq.grammar = _Grammar(bound=6)  # takes 5, refuses 6
+    [item] = sched.schedule().scheduled  # (5, 6) proposed: the draft is (5,)
+    assert item.draft == (5,) and len(item.draft_grammars) == 1 and item.num_new_tokens == 2
+    sched.abort_seq(seq)
+    seq = add(sched, [5, 6, 5, 6, 5], max_tokens=20, arrival=2.0)
+    run_step(sched, accept=0, next_token=6)
+    seq.grammar = _Grammar(bound=99, plans=True)
+    assert sched.schedule().scheduled[0].draft == ()  # a JSON constraint: no drafts
+    sched.abort_seq(seq)
+    assert_all_free(sched)
 
 
 def test_without_a_speculative_config_nothing_is_drafted():
