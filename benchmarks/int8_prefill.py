@@ -146,14 +146,11 @@ def main() -> int:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from benchmarks import plots
 
     names = {"None": "bf16", "int8": "int8 (weight-only)", "w8a8": "w8a8"}
     medians = result["speed"]["median_s"]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plots.new(figsize=(7, 4))
     ax.bar(
         [names[n] for n in medians],
         [s * 1000 for s in medians.values()],
@@ -166,8 +163,7 @@ def plot(result: dict, path: Path) -> None:
         f"int8 {ppl['int8']:.3f}, w8a8 {ppl['w8a8']:.3f}",
         fontsize=8,
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    plots.save(fig, path)
 
 
 if __name__ == "__main__":

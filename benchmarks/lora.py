@@ -151,12 +151,9 @@ def main() -> int:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
+    from benchmarks import plots
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plots.new(figsize=(7, 4))
     rounds = range(len(result["rounds"]))
     for side in ("base", "adapters"):
         ax.plot(rounds, [r[side]["tokens_per_s"] for r in result["rounds"]], marker="o", label=side)
@@ -169,8 +166,7 @@ def plot(result: dict, path: Path) -> None:
         fontsize=10,
     )
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    plots.save(fig, path)
 
 
 if __name__ == "__main__":
