@@ -410,16 +410,13 @@ class Scheduler:
                 self._release(member)
         return family
 
-    def _postprocess_draft(self, item: ScheduledSeq, tokens: list[SampledToken] | None) -> list[Sequence]:
-        """tokens: the draft's kept tokens, then the one drawn after them (the sampler's chain). Their K/V is
-        in the pool up to the last kept draft token; the blocks past the sequence's tokens go back."""
+    def _postprocess_draft(self, item: ScheduledSeq, tokens: list[SampledToken]) -> list[Sequence]:
+        """tokens: the draft's kept tokens, then the one drawn after them (the sampler's chain: a draft's
+        first row always samples). Their K/V is in the pool up to the last kept draft token; the blocks
+        past the sequence's tokens go back."""
         seq = item.seq
         self.num_drafts += 1
         self.num_draft_tokens += len(item.draft)
-        if not tokens:  # nothing drawn (the sampler always draws a sampling row): the step changed nothing
-            seq.num_computed_tokens = item.start
-            self.block_manager.trim(seq)
-            return []
         accepted = len(tokens) - 1
         self.num_accepted_tokens += accepted
         for position in range(accepted):

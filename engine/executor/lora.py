@@ -398,7 +398,9 @@ class LoraBank:
             len(rows) == num_rows,
             self.stacks,
             kernel,
-            torch.tensor([s for s, r in enumerate(by_slot) for _ in r], dtype=torch.long, device=device),
+            None
+            if kernel is None
+            else torch.tensor([s for s, r in enumerate(by_slot) for _ in r], dtype=torch.long, device=device),
         )
 
     def apply(self, out: torch.Tensor, x: torch.Tensor, layer: int, module: str) -> None:
@@ -445,4 +447,4 @@ class _Step:
     every_row: bool  # every row of the step is an adapter's
     stacks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
     kernel: cpu_kernel.LoraRowsKernel | None  # on CPU, the C kernel (None: no compiler)
-    slots: torch.Tensor  # [n] each of `rows`' adapter slot
+    slots: torch.Tensor | None  # [n] each of `rows`' adapter slot (for the kernel)

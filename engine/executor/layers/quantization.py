@@ -242,15 +242,16 @@ class Int8Linear(nn.Module):
         kernel = cpu_kernel.int8_linear(torch.get_num_threads()) if x.device.type == "cpu" else None
         if kernel is not None and x.shape[0] <= self.kernel_max_rows:
             y = kernel(x.float(), self.weight, self.scales, self.group_size).to(x.dtype)
+        elif kernel is not None:
+            y = self._many_rows(kernel, x)
         elif self.int8_activations and x.device.type == "cpu":
             y = self._int8_product(x)
-        elif kernel is None:
-            y = F.linear(x, dequantize(self.weight, self.scales, x.dtype))
         else:
-            y = self._gemm_by_slices(kernel, x)
+            y = F.linear(x, dequantize(self.weight, self.scales, x.dtype))
         return y if self.bias is None else y + self.bias
 
     def _many_rows(self, kernel: cpu_kernel.Int8LinearKernel, x: torch.Tensor) -> torch.Tensor:
+        """A CPU product past the direct kernel's rows (calibrate_kernel_rows times it against that kernel)."""
         return self._int8_product(x) if self.int8_activations else self._gemm_by_slices(kernel, x)
 
     def pack(self) -> bool:
