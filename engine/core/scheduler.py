@@ -16,8 +16,8 @@ Tenants (a sequence with a `FairShare`, engine/core/fairness.py): within a prior
 aged priority rounded down), the queue is served least-served tenant first by a virtual token counter,
 and a running sequence's next prefill chunk waits while a less-served tenant's sequence is queued: it
 runs in a step that admits none of them (a step of the less-served tenant's prompt alone is as short as
-that prompt), so one tenant's long prompts cannot hold the token budget, nor lengthen another's first
-step, step after step.
+that prompt, and that tenant's other queued prompts fill the rest of its cap), so one tenant's long
+prompts cannot hold the token budget, nor lengthen another's first step, step after step.
 """
 
 import itertools
@@ -176,7 +176,7 @@ class Scheduler:
             # prompts would otherwise take the budget its running ones were deferred from, seat by seat)
             first_deferred = min(map(self._fair_key, deferred), default=None)
             self._schedule_swapped(budget, scheduled, first_deferred)
-            self._schedule_waiting(budget, scheduled, first_deferred)
+            self._schedule_waiting(budget, scheduled, deferred)
         if len(scheduled) == num_running:  # the queue took nothing: the deferred chunks take the budget
             for seq in deferred:
                 num_new = self._num_new_tokens(seq, budget)
@@ -296,7 +296,7 @@ class Scheduler:
                 self._schedule(seq, num_new, budget, scheduled)
 
     def _schedule_waiting(
-        self, budget: _Budget, scheduled: list[ScheduledSeq], first_deferred: tuple | None
+        self, budget: _Budget, scheduled: list[ScheduledSeq], deferred: list[Sequence]
     ) -> None:
         if not self.waiting or budget.tokens == 0 or budget.prefill_tokens == 0:
             return
@@ -305,15 +305,26 @@ class Scheduler:
             self.is_full = True
             return
         first_swapped = min(map(self._fair_key, self.swapped), default=None)  # still out: not overtaken
-        while self.waiting:  # picked one at a time: each admission raises its tenant's counter
-            seq = min(self.waiting, key=self._fair_key)
+        while True:  # picked one at a time: each admission raises its tenant's counter
+            # once a contended step's prompt tokens are a tenant's, that tenant's queued prompts fill the rest
+            # of its cap in their own order: another tenant's prompts and chunks cannot join this step (they
+            # take the next), so they hold none of the step's room back
+            queue = (
+                self.waiting
+                if budget.prefill_tenant is None
+                else [seq for seq in self.waiting if budget.takes_prefill_of(seq)]
+            )
+            if not queue:
+                return
+            seq = min(queue, key=self._fair_key)
             if first_swapped is not None and first_swapped < self._fair_key(seq):
                 return
+            first_deferred = min(
+                (self._fair_key(s) for s in deferred if budget.takes_prefill_of(s)), default=None
+            )
             if first_deferred is not None and first_deferred < self._fair_key(seq):
                 return
             if budget.tokens == 0 or budget.prefill_tokens == 0:  # this step's budget: room next step
-                return
-            if not budget.takes_prefill_of(seq):  # another tenant's prompt has this step
                 return
             if not self._has_seats_for(seq) or not self._admit(seq, budget):
                 self.is_full = True

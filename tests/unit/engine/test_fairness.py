@@ -229,3 +229,26 @@ def test_while_tenants_contend_a_steps_prompt_tokens_are_one_tenants():
     assert [c for c in second if c[1] == 0] == [(more[0], 0, 4, 1), (more[1], 0, 4, 1)]  # a's, in the cap
     drain(sched)
     assert_all_free(sched)
+
+
+def test_a_tenants_step_takes_its_other_queued_prompts_though_it_passes_the_flood():
+    """b's first prompt puts b past a (a's running chunk is deferred for it): b's second prompt, queued
+    beside it, still joins b's step. a's prompts and chunks cannot join a step whose prompt tokens are b's,
+    so holding b's second one back would only leave the cap's room empty and b's prompt a step behind a's
+    next chunk (seen in benchmarks/fairness.py: a chat turn's first token a whole flood chunk later)."""
+    sched = make_fair_scheduler(max_num_seqs=8, max_num_batched_tokens=16)
+    share_a, share_b = (
+        FairShare("a", contended_prefill_tokens=8),
+        FairShare("b", contended_prefill_tokens=8),
+    )
+    flood = shared(sched, 24, share_a, arrival=0)
+    assert chunks(step(sched)) == [(flood, 0, 16, 0)]  # one tenant: the whole budget
+    queued = [shared(sched, 8, share_a, arrival=1 + i) for i in range(2)]
+    first, second = shared(sched, 5, share_b, arrival=3), shared(sched, 2, share_b, arrival=4)
+    # b comes back level with a (16) and has fewer sequences in flight: b's step
+    assert chunks(step(sched)) == [(first, 0, 5, 1), (second, 0, 2, 1)]
+    assert sched.fair.value(share_b) > sched.fair.value(share_a)  # b passed a within its step
+    assert chunks(step(sched)) == [(flood, 16, 8, 1)]  # then a's chunk, at the contended cap
+    assert all(seq in sched.waiting for seq in queued)
+    drain(sched, max_steps=100)
+    assert_all_free(sched)
