@@ -5,6 +5,7 @@ family and scheduling path) and test_owned_model_window.py (sliding windows)."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
@@ -95,6 +96,31 @@ def test_scaled_rope_matches_transformers(random_model, tmp_path):
     assert scale == 1.0 and not torch.equal(inv_freq, _owned(random_model("tiny-llama")).ropes[None][0])
     ids = _prompt(model.args.vocab_size)
     torch.testing.assert_close(_logits(model, ids), _hf_logits(path, ids), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_chunks_mask_is_what_sdpa_makes_of_it_converted_once_a_step(dtype):
+    """PrefillSegment.sdpa_mask: 0 or -inf in q's dtype, SDPA's output the same bit for bit as with the
+    bool mask, built at the step's first layer and reused by the others (a windowed layer's apart)."""
+    positions, key_pos = torch.arange(5, 12), torch.arange(12)[None, :]
+    causal = key_pos <= positions[:, None]
+    window = causal & (key_pos > positions[:, None] - 4)
+    seg = PrefillSegment(0, 7, torch.arange(12), causal, window)
+    additive = seg.sdpa_mask(False, dtype)
+    assert additive.dtype == dtype and additive is seg.sdpa_mask(False, dtype)
+    assert seg.sdpa_mask(True, dtype) is not additive
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (
+        torch.randn(1, heads, n, 16, generator=generator).to(dtype) for heads, n in ((4, 7), (2, 12), (2, 12))
+    )
+    for is_windowed, mask in ((False, causal), (True, window)):
+        assert torch.equal(
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
+            F.scaled_dot_product_attention(
+                q, k, v, attn_mask=seg.sdpa_mask(is_windowed, dtype), enable_gqa=True
+            ),
+        )
+    assert PrefillSegment(0, 7, None, None).sdpa_mask(True, dtype) is None  # causal: SDPA's is_causal
 
 
 @pytest.mark.parametrize("preset", FAMILIES)
