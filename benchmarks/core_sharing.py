@@ -213,8 +213,8 @@ def plot(result: dict, path: Path) -> None:
     axes[0].legend(fontsize=8)
     loaded = result["runs"][0]
     fig.suptitle(
-        f"{Path(result['model']).name} ({loaded['dtype']}, {loaded['linear_kernel']}): step times while another"
-        " process shares the cores",
+        f"{Path(result['model']).name} ({loaded['dtype']}, {loaded['linear_kernel']}): "
+        "step times while another process shares the cores",
         fontsize=10,
     )
     plots.save(fig, path)

@@ -7,11 +7,11 @@ a time) and at batch 32 (32 requests at once, where drafts are off by default: a
     python benchmarks/speculative.py --num-speculative-tokens 6 --tag k6
 
 Each prompt is the --prompt-tokens tokens that end with a `def` line of a held-out file; each request
-generates up to --max-tokens tokens, greedily (or seeded, at --temperature). Both engines load the same linear kernel (the plain one's
-load-time choice). Rounds alternate which side runs first (this VM's speed drifts within minutes); the
-ratio is the median over rounds of speculative / plain tokens per second in the same round. The texts
-must be identical: the run fails otherwise. Writes benchmarks/results/speculative[-TAG].json and .png.
-Target (#39): >= 1.8x at batch 1 with a draft model; at batch 32 no slower.
+generates up to --max-tokens tokens, greedily (or seeded, at --temperature). Both engines load the same linear
+kernel (the plain one's load-time choice). Rounds alternate which side runs first (this VM's speed drifts
+within minutes); the ratio is the median over rounds of speculative / plain tokens per second in the same
+round. The texts must be identical: the run fails otherwise. Writes benchmarks/results/speculative[-TAG].json
+and .png. Target (#39): >= 1.8x at batch 1 with a draft model; at batch 32 no slower.
 """
 
 import argparse

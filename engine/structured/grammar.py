@@ -90,9 +90,9 @@ class Grammar:
 
     def lookahead(self, tokens: tuple[int, ...]) -> list["Grammar"]:
         """Matchers after tokens[:1], tokens[:2], ..., as far as the grammar takes them and goes on after
-        them (a speculative draft's positions, engine/core/speculative.py). None for a JSON constraint:
-        its closer plans its path when a mask is computed, so a mask at a later position depends on the
-        masks before it, not only on the tokens."""
+        them (a speculative draft's positions, engine/core/speculative.py). None (an empty list) for a JSON
+        constraint: its closer plans its path when a mask is computed, so a mask at a later position
+        depends on the masks before it, not only on the tokens."""
         if self.closer is not None:
             return []
         chain, matcher = [], self.matcher

@@ -251,7 +251,7 @@ class Int8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def _many_rows(self, kernel: cpu_kernel.Int8LinearKernel, x: torch.Tensor) -> torch.Tensor:
-        """A CPU product past the direct kernel's rows (calibrate_kernel_rows times it against that kernel)."""
+        """A CPU product past the direct kernel's rows (calibrate_kernel_rows times it against it)."""
         return self._int8_product(x) if self.int8_activations else self._gemm_by_slices(kernel, x)
 
     def pack(self) -> bool:
