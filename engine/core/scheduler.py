@@ -139,8 +139,8 @@ class Scheduler:
         return (priority, seq.arrival_time, seq.seq_id)
 
     def _fair_key(self, seq: Sequence) -> tuple[float, float, int, float, int]:
-        """`_key`, with the tenant's virtual token counter first within a band and, on a tie (a tenant back
-        from idle starts level with the least served), the tenant with fewer sequences in flight first."""
+        """`_key`, with the tenant's virtual token counter first within a band and, on a tie, the tenant
+        with fewer sequences in flight first."""
         band, arrival, seq_id = self._key(seq)
         if seq.share is None:
             return (band, 0.0, 0, arrival, seq_id)

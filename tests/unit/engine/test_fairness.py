@@ -12,23 +12,31 @@ from tests.unit.engine.test_scheduler import add, assert_all_free, chunks, drain
 A, B = FairShare("a"), FairShare("b")
 
 
-def test_counter_charges_cost_over_weight_and_lifts_a_returning_tenant():
+def test_counter_charges_cost_over_weight_and_lifts_a_returning_tenant_to_a_steps_head_start():
     vtc = VirtualTokenCounter()
-    heavy = FairShare("heavy", weight=2.0, prefill_cost=1.0, decode_cost=4.0)
+    heavy = FairShare("heavy", weight=2.0, prefill_cost=1.0, decode_cost=4.0, contended_prefill_tokens=8)
+    light = FairShare("a", contended_prefill_tokens=4)
     vtc.join(heavy)
     vtc.charge(heavy, 10, is_prefill=True)  # 10 x 1 / 2
     vtc.charge(heavy, 3, is_prefill=False)  # 3 x 4 / 2
     assert vtc.value(heavy) == 11.0
-    vtc.join(A)  # new while heavy is active: starts at heavy's 11, not at 0 with 11 to spend at once
-    assert vtc.value(A) == 11.0
-    vtc.charge(A, 5, is_prefill=True)
+    vtc.join(
+        light
+    )  # new while heavy is active: one step (4 tokens) behind heavy's 11, not at 0 with 11 to spend
+    assert vtc.value(light) == 7.0
+    vtc.charge(light, 5, is_prefill=True)
     vtc.leave(heavy)
-    vtc.charge(A, 100, is_prefill=True)  # a's counter runs on while heavy is idle
+    vtc.charge(light, 100, is_prefill=True)  # a's counter runs on while heavy is idle
     vtc.join(heavy)
-    assert vtc.value(heavy) == 116.0  # lifted to the least-served active tenant
+    assert vtc.value(heavy) == 108.0  # lifted to the least served (112) less a step of its own (8 x 1 / 2)
+    vtc.join(heavy)  # a second sequence of an active tenant: no lift
+    vtc.leave(light)
+    vtc.leave(heavy)
+    vtc.join(light)  # back while heavy is active, its own counter past heavy's: kept
+    assert vtc.value(light) == 112.0
     assert vtc.value(None) == 0.0
     vtc.leave(heavy)
-    vtc.leave(A)
+    vtc.leave(light)
     assert not vtc.active
 
 
@@ -65,8 +73,8 @@ def test_a_long_prompt_runs_short_chunks_while_another_tenant_contends():
     long = shared(sched, 30, capped, arrival=0)
     assert chunks(step(sched)) == [(long, 0, 16, 0)]  # alone: the whole budget
     short = shared(sched, 3, FairShare("b", contended_prefill_tokens=4), arrival=1)
-    assert chunks(step(sched)) == [(long, 16, 4, 0)]  # a tie (b joins at a's counter): a's chunk, short
-    assert chunks(step(sched)) == [(short, 0, 3, 1)]
+    assert chunks(step(sched)) == [(short, 0, 3, 1)]  # b joins a step (4) behind a's 16: b's prompt first
+    assert chunks(step(sched)) == [(long, 16, 4, 0)]  # then a's chunk, short
     assert chunks(step(sched)) == [(long, 20, 4, 0)]  # b is done, yet may come back: short chunks
     clock.advance(CONTENTION_WINDOW_S + 1)
     assert chunks(step(sched)) == [(long, 24, 6, 1)]  # b gone quiet: the rest at once (6 > 4)
@@ -90,8 +98,7 @@ def test_a_short_request_of_another_tenant_goes_before_a_flood(policy):
     flood = [shared(sched, 6, A, arrival=i / 100) for i in range(4)]  # hybrid's aging: in one band
     assert chunks(step(sched)) == [(flood[0], 0, 6, 1)]
     late = shared(sched, 2, B, arrival=0.1)
-    # b comes back level with a (6): a tie, which goes to the tenant with fewer sequences in flight
-    assert sched.fair.value(B) == sched.fair.value(A) == 6
+    assert sched.fair.value(B) == 0 < sched.fair.value(A) == 6  # a step of b's own (256) behind a's, at most
     order = []
     for out in drain(sched):
         order += [item.seq for item in out.scheduled if item.start == 0]
@@ -114,11 +121,10 @@ def test_a_running_prefill_waits_its_next_chunk_for_a_less_served_tenant():
     long = shared(sched, 12, A, arrival=0)
     assert chunks(step(sched)) == [(long, 0, 4, 0)]
     short = shared(sched, 3, B, arrival=1)
-    assert sched.fair.value(B) == sched.fair.value(A) == 4  # b joins at a's counter: a tie, a's chunk first
-    assert chunks(step(sched)) == [(long, 4, 4, 0)]
-    # now b is the less served: b's prompt goes alone (its step as short as its prompt), a's chunk next
+    assert sched.fair.value(B) < sched.fair.value(A) == 4  # b joins behind a's counter
+    # b is the less served: b's prompt goes alone (its step as short as its prompt), a's chunk next
     assert chunks(step(sched)) == [(short, 0, 3, 1)]
-    assert chunks(step(sched)) == [(long, 8, 4, 1)]  # b finished (max_tokens 1): a alone again
+    assert chunks(step(sched)) == [(long, 4, 4, 0)]  # b finished (max_tokens 1): a alone again
     drain(sched)
     assert_all_free(sched)
 
@@ -236,19 +242,23 @@ def test_a_tenants_step_takes_its_other_queued_prompts_though_it_passes_the_floo
     beside it, still joins b's step. a's prompts and chunks cannot join a step whose prompt tokens are b's,
     so holding b's second one back would only leave the cap's room empty and b's prompt a step behind a's
     next chunk (seen in benchmarks/fairness.py: a chat turn's first token a whole flood chunk later)."""
-    sched = make_fair_scheduler(max_num_seqs=8, max_num_batched_tokens=16)
+    sched = make_fair_scheduler(max_num_seqs=8, max_num_batched_tokens=8)
     share_a, share_b = (
-        FairShare("a", contended_prefill_tokens=8),
-        FairShare("b", contended_prefill_tokens=8),
+        FairShare("a", contended_prefill_tokens=4),
+        FairShare("b", contended_prefill_tokens=4),
     )
-    flood = shared(sched, 24, share_a, arrival=0)
-    assert chunks(step(sched)) == [(flood, 0, 16, 0)]  # one tenant: the whole budget
-    queued = [shared(sched, 8, share_a, arrival=1 + i) for i in range(2)]
-    first, second = shared(sched, 5, share_b, arrival=3), shared(sched, 2, share_b, arrival=4)
-    # b comes back level with a (16) and has fewer sequences in flight: b's step
-    assert chunks(step(sched)) == [(first, 0, 5, 1), (second, 0, 2, 1)]
+    flood = shared(sched, 16, share_a, arrival=0)
+    assert chunks(step(sched)) == [(flood, 0, 8, 0)]  # one tenant: the whole budget
+    earlier = shared(sched, 4, share_b, arrival=1, max_tokens=2)  # b joins a step (4) behind a's 8
+    assert chunks(step(sched)) == [(earlier, 0, 4, 1)]
+    assert chunks(step(sched)) == [(flood, 8, 4, 0), (earlier, 4, 1, 1)]  # a's chunk, b's decode (x 2)
+    assert earlier.is_finished and (sched.fair.value(share_b), sched.fair.value(share_a)) == (10.0, 12.0)
+    queued = [shared(sched, 4, share_a, arrival=2 + i) for i in range(2)]
+    first, second = shared(sched, 3, share_b, arrival=4), shared(sched, 1, share_b, arrival=5)
+    # b, back with its own 10 (past the 8 a lift would give), is the less served: b's step
+    assert chunks(step(sched)) == [(first, 0, 3, 1), (second, 0, 1, 1)]
     assert sched.fair.value(share_b) > sched.fair.value(share_a)  # b passed a within its step
-    assert chunks(step(sched)) == [(flood, 16, 8, 1)]  # then a's chunk, at the contended cap
+    assert chunks(step(sched)) == [(flood, 12, 4, 1)]  # then a's chunk, at the contended cap
     assert all(seq in sched.waiting for seq in queued)
     drain(sched, max_steps=100)
     assert_all_free(sched)
