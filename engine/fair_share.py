@@ -14,7 +14,7 @@ class FairShare:
     decode_cost: float = 2.0  # counter units per generated token (a decode row costs more per token)
     # prompt tokens one step computes at most while another tenant has requests in flight: that tenant's
     # next prompt waits for a short step, not for a whole budget's (the least of the active tenants' holds)
-    contended_prefill_tokens: int = 256
+    contended_prefill_tokens: int = 192
 
     def __post_init__(self) -> None:
         if not self.tenant:

@@ -98,7 +98,7 @@ def test_a_short_request_of_another_tenant_goes_before_a_flood(policy):
     flood = [shared(sched, 6, A, arrival=i / 100) for i in range(4)]  # hybrid's aging: in one band
     assert chunks(step(sched)) == [(flood[0], 0, 6, 1)]
     late = shared(sched, 2, B, arrival=0.1)
-    assert sched.fair.value(B) == 0 < sched.fair.value(A) == 6  # a step of b's own (256) behind a's, at most
+    assert sched.fair.value(B) == 0 < sched.fair.value(A) == 6  # a step of b's own (192) behind a's, at most
     order = []
     for out in drain(sched):
         order += [item.seq for item in out.scheduled if item.start == 0]
