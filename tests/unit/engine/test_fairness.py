@@ -20,9 +20,8 @@ def test_counter_charges_cost_over_weight_and_lifts_a_returning_tenant_to_a_step
     vtc.charge(heavy, 10, is_prefill=True)  # 10 x 1 / 2
     vtc.charge(heavy, 3, is_prefill=False)  # 3 x 4 / 2
     assert vtc.value(heavy) == 11.0
-    vtc.join(
-        light
-    )  # new while heavy is active: one step (4 tokens) behind heavy's 11, not at 0 with 11 to spend
+    # new while heavy is active: one step (4 tokens) behind heavy's 11, not at 0 with 11 to spend at once
+    vtc.join(light)
     assert vtc.value(light) == 7.0
     vtc.charge(light, 5, is_prefill=True)
     vtc.leave(heavy)
