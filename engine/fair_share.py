@@ -12,9 +12,10 @@ class FairShare:
     weight: float = 1.0  # a tenant of weight 2 is served twice the tokens of one of weight 1
     prefill_cost: float = 1.0  # counter units per prompt token computed
     decode_cost: float = 2.0  # counter units per generated token (a decode row costs more per token)
-    # prompt tokens one step computes at most while another tenant has requests in flight: that tenant's
-    # next prompt waits for a short step, not for a whole budget's (the least of the active tenants' holds)
-    contended_prefill_tokens: int = 192
+    # a prompt's chunk in one step at most while another tenant has requests in flight (a prompt within
+    # twice it runs whole): that tenant's next prompt waits for a short step, not for a whole budget's
+    # (the least of the active tenants' holds)
+    contended_prefill_tokens: int = 128
 
     def __post_init__(self) -> None:
         if not self.tenant:

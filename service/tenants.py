@@ -3,7 +3,7 @@
     [fairness]                  # optional: what the scheduler's virtual token counter charges
     prefill_cost = 1.0          #   per prompt token computed
     decode_cost = 2.0           #   per generated token
-    contended_prefill_tokens = 192  # prompt tokens a step computes while two tenants or more have work
+    contended_prefill_tokens = 128  # a prompt chunk while two tenants or more have work (whole: up to 2x)
 
     [tenants.default]           # optional: requests whose key names no tenant (or that carry none)
     weight = 1.0

@@ -12,12 +12,14 @@ flood instead of each waiting one (benchmarks/fairness.py, 30 s runs: the light 
 token under a flood 99 ms lifted level, 66-70 ms in three runs lifted a step behind). The scheduler breaks
 a tie for the tenant with fewer sequences in flight.
 
-While more than one tenant has had sequences in flight within the last CONTENTION_WINDOW_S, a step
-computes at most `contended_prefill_tokens` prompt tokens (the least among those tenants' shares), all of
-one tenant (the first the scheduler gives prompt tokens to, the least served): a tenant's next prompt
-then waits for a short step, never for a whole budget of another tenant's long prompt, and its own step
-carries no other tenant's prompt tokens beside it, only decodes. (A tenant between two requests counts:
-its next one is what the cap is for.)"""
+While more than one tenant has had sequences in flight within the last CONTENTION_WINDOW_S, a step's
+prompt tokens are all of one tenant (the first the scheduler gives prompt tokens to, the least served),
+its chunks of a prompt (a started one, or one too long to run whole) at most `contended_prefill_tokens`
+(the least among those tenants' shares) and its prompt tokens at most twice that: a tenant's next prompt
+then waits for a short step, never for a whole budget of another tenant's long prompt, a short prompt is
+not split (its second part would wait for the other tenant's chunk), and a tenant's own step carries no
+other tenant's prompt tokens beside it, only decodes. (A tenant between two requests counts: its next one
+is what the cap is for.)"""
 
 import time
 from collections import Counter

@@ -17,7 +17,8 @@ aged priority rounded down), the queue is served least-served tenant first by a 
 and a running sequence's next prefill chunk waits while a less-served tenant's sequence is queued: it
 runs in a step that admits none of them (a step of the less-served tenant's prompt alone is as short as
 that prompt, and that tenant's other queued prompts fill the rest of its cap), so one tenant's long
-prompts cannot hold the token budget, nor lengthen another's first step, step after step.
+prompts cannot hold the token budget, nor lengthen another's first step, step after step. While tenants
+contend, chunks keep to the contended cap and a prompt within twice it runs whole (engine/core/fairness.py).
 """
 
 import itertools
@@ -72,6 +73,8 @@ class _Budget:
     prefill_tokens: int
     one_tenant: bool = False  # tenants contend: the step's prompt tokens are one tenant's (the first's)
     prefill_tenant: str | None = None  # ... that tenant, once a prompt of it is scheduled
+    # ... and its chunks (of a started prompt, or of one too long to run whole) take at most this many
+    chunk_tokens: int | None = None
     drafts: bool = False  # decoding sequences may run drafts this step
 
     def takes_prefill_of(self, seq: Sequence) -> bool:
@@ -158,9 +161,11 @@ class Scheduler:
     # --- schedule --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         contended = self.fair.prefill_cap()
-        budget = _Budget(
-            self.config.max_num_batched_tokens, self._prefill_cap(contended), contended is not None
-        )
+        budget = _Budget(self.config.max_num_batched_tokens, self._prefill_cap())
+        if contended is not None:  # short steps, each of one tenant's prompt tokens
+            budget.one_tenant = True
+            budget.chunk_tokens = min(contended, budget.prefill_tokens)
+            budget.prefill_tokens = min(2 * contended, budget.prefill_tokens)
         if self.proposer is not None:
             limit = self.config.speculative_config.disable_by_batch_size
             budget.drafts = limit is None or len(self.running) <= limit
@@ -185,12 +190,10 @@ class Scheduler:
         self.num_preemptions += len(preempted)
         return SchedulerOutput(scheduled, self.block_manager.take_copies(), preempted)
 
-    def _prefill_cap(self, contended: int | None) -> int:
+    def _prefill_cap(self) -> int:
         if self.config.scheduler_policy != "hybrid":
-            cap = self.config.max_num_batched_tokens
-        else:
-            cap = self.config.max_prefill_tokens or max(1, self.config.max_num_batched_tokens // 2)
-        return cap if contended is None else min(cap, contended)
+            return self.config.max_num_batched_tokens
+        return self.config.max_prefill_tokens or max(1, self.config.max_num_batched_tokens // 2)
 
     def _num_new_tokens(self, seq: Sequence, budget: _Budget) -> int:
         num_new = min(seq.num_uncomputed_tokens, budget.tokens)
@@ -200,7 +203,14 @@ class Scheduler:
             num_new = min(num_new, seq.num_prompt_tokens - seq.num_computed_tokens)  # replayed ones apart
         if not seq.is_prefill:
             return num_new
-        return min(num_new, budget.prefill_tokens) if budget.takes_prefill_of(seq) else 0
+        if not budget.takes_prefill_of(seq):
+            return 0
+        num_new = min(num_new, budget.prefill_tokens)
+        if budget.chunk_tokens is not None and (
+            seq.num_computed_tokens or num_new < seq.num_uncomputed_tokens
+        ):
+            num_new = min(num_new, budget.chunk_tokens)
+        return num_new
 
     def _schedule(self, seq: Sequence, num_new: int, budget: _Budget, scheduled: list[ScheduledSeq]) -> None:
         start = seq.num_computed_tokens
@@ -211,6 +221,8 @@ class Scheduler:
         budget.tokens -= num_new
         if seq.is_prefill:
             budget.prefill_tokens -= num_new
+            if budget.chunk_tokens is not None:
+                budget.chunk_tokens = max(0, budget.chunk_tokens - num_new)
             if budget.one_tenant and seq.share is not None:
                 budget.prefill_tenant = seq.share.tenant
         self.fair.charge(seq.share, num_new, seq.is_prefill)
@@ -324,7 +336,7 @@ class Scheduler:
             )
             if first_deferred is not None and first_deferred < self._fair_key(seq):
                 return
-            if budget.tokens == 0 or budget.prefill_tokens == 0:  # this step's budget: room next step
+            if not self._num_new_tokens(seq, budget):  # not within this step's budget: room next step
                 return
             if not self._has_seats_for(seq) or not self._admit(seq, budget):
                 self.is_full = True

@@ -65,6 +65,20 @@ def test_contention_caps_a_steps_prefill_while_two_tenants_have_had_work_lately(
     assert vtc.prefill_cap() == 64
 
 
+def test_while_tenants_contend_a_prompt_within_twice_the_cap_runs_whole_a_longer_one_in_chunks():
+    """A light tenant's chat is not split (its second part would wait for the other tenant's chunk between
+    them); a long prompt's chunks, and every chunk of a started one, keep to the cap: the step that a newly
+    arrived prompt waits for stays short."""
+    sched = make_fair_scheduler(max_num_batched_tokens=32, max_num_seqs=8)
+    long = shared(sched, 12, FairShare("a", contended_prefill_tokens=4), arrival=0)
+    chat = shared(sched, 7, FairShare("b", contended_prefill_tokens=4), arrival=1)
+    assert chunks(step(sched)) == [(long, 0, 4, 0)]  # a tie, to the earlier: 12 > 2 x 4, a chunk of 4
+    assert chunks(step(sched)) == [(chat, 0, 7, 1)]  # b, whole (7 <= 2 x 4)
+    assert chunks(step(sched)) == [(long, 4, 4, 0)]  # started: chunks of 4, though the rest (8) would fit
+    assert chunks(step(sched)) == [(long, 8, 4, 1)]
+    assert_all_free(sched)
+
+
 def test_a_long_prompt_runs_short_chunks_while_another_tenant_contends():
     clock = FakeClock(0.0)
     sched = make_fair_scheduler(clock=clock, max_num_batched_tokens=16)
@@ -97,7 +111,7 @@ def test_a_short_request_of_another_tenant_goes_before_a_flood(policy):
     flood = [shared(sched, 6, A, arrival=i / 100) for i in range(4)]  # hybrid's aging: in one band
     assert chunks(step(sched)) == [(flood[0], 0, 6, 1)]
     late = shared(sched, 2, B, arrival=0.1)
-    assert sched.fair.value(B) == 0 < sched.fair.value(A) == 6  # a step of b's own (192) behind a's, at most
+    assert sched.fair.value(B) == 0 < sched.fair.value(A) == 6  # a step of b's own (128) behind a's, at most
     order = []
     for out in drain(sched):
         order += [item.seq for item in out.scheduled if item.start == 0]
@@ -257,7 +271,8 @@ def test_a_tenants_step_takes_its_other_queued_prompts_though_it_passes_the_floo
     # b, back with its own 10 (past the 8 a lift would give), is the less served: b's step
     assert chunks(step(sched)) == [(first, 0, 3, 1), (second, 0, 1, 1)]
     assert sched.fair.value(share_b) > sched.fair.value(share_a)  # b passed a within its step
-    assert chunks(step(sched)) == [(flood, 12, 4, 1)]  # then a's chunk, at the contended cap
-    assert all(seq in sched.waiting for seq in queued)
+    # then a's chunk, at the contended cap, and a's next prompt whole in the rest of twice the cap
+    assert chunks(step(sched)) == [(flood, 12, 4, 1), (queued[0], 0, 4, 1)]
+    assert queued[1] in sched.waiting
     drain(sched, max_steps=100)
     assert_all_free(sched)
