@@ -206,9 +206,9 @@ class Scheduler:
         if not budget.takes_prefill_of(seq):
             return 0
         num_new = min(num_new, budget.prefill_tokens)
-        if budget.chunk_tokens is not None and (
-            seq.num_computed_tokens or num_new < seq.num_uncomputed_tokens
-        ):
+        # a chunk: of a prompt too long to run whole, or of one begun in an earlier step (not a cached prefix)
+        started = seq.first_scheduled_time is not None
+        if budget.chunk_tokens is not None and (started or num_new < seq.num_uncomputed_tokens):
             num_new = min(num_new, budget.chunk_tokens)
         return num_new
 

@@ -79,6 +79,27 @@ def test_while_tenants_contend_a_prompt_within_twice_the_cap_runs_whole_a_longer
     assert_all_free(sched)
 
 
+def test_a_prompt_that_fits_whole_past_its_cached_prefix_is_not_taken_for_a_chunk():
+    """b's step: a first prompt past the cap spends the chunk room; a second prompt whose first block is
+    cached fits whole in what is left, and runs (its cached tokens are not a chunk computed before)."""
+    clock = FakeClock(0.0)
+    sched = make_fair_scheduler(
+        clock=clock, enable_prefix_caching=True, max_num_seqs=8, max_num_batched_tokens=32
+    )
+    share_a, share_b = FairShare("a", contended_prefill_tokens=6), FairShare("b", contended_prefill_tokens=6)
+    flood = shared(sched, 12, share_a, arrival=0, max_tokens=2)
+    assert chunks(step(sched)) == [(flood, 0, 12, 1)]  # one tenant: whole
+    earlier = add(sched, list(range(50, 58)), arrival=1, share=share_b, max_tokens=1)
+    assert [c for c in chunks(step(sched)) if c[0] is earlier] == [
+        (earlier, 0, 8, 1)
+    ]  # its blocks stay cached
+    assert flood.is_finished and earlier.is_finished
+    first = add(sched, list(range(60, 67)), arrival=2, share=share_b, max_tokens=1)
+    second = add(sched, [50, 51, 52, 53, 99], arrival=3, share=share_b, max_tokens=1)  # 4 tokens cached
+    assert chunks(step(sched)) == [(first, 0, 7, 1), (second, 4, 1, 1)]  # 7 > 6 spends the chunk room
+    assert_all_free(sched)
+
+
 def test_a_long_prompt_runs_short_chunks_while_another_tenant_contends():
     clock = FakeClock(0.0)
     sched = make_fair_scheduler(clock=clock, max_num_batched_tokens=16)
