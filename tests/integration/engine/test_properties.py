@@ -177,6 +177,7 @@ def test_scheduler_finishes_every_request_and_frees_every_block(requests, policy
         if not pending and not sched.has_unfinished:
             break
         out = sched.schedule()
+        assert all(item.num_new_tokens >= 1 for item in out.scheduled)  # nothing scheduled to compute nothing
         sampled = {
             item.seq.seq_id: [SampledToken(t) for t in item.draft[: (item.seq.seq_id + num_steps) % 4]]
             + [SampledToken(7)] * item.num_samples

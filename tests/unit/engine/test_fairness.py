@@ -100,6 +100,23 @@ def test_a_prompt_that_fits_whole_past_its_cached_prefix_is_not_taken_for_a_chun
     assert_all_free(sched)
 
 
+@pytest.mark.parametrize("other_share", [None, FairShare("d")])
+def test_within_a_band_a_waiting_tenant_does_not_preempt_what_the_queue_would_take_back_first(other_share):
+    """priority policy, seats for 4: c's request (2 seats) is older by id than the other's (3 seats), so by
+    the policy's own order it preempted the other, which the queue (by counters) then admitted again ahead
+    of it: 1,000 preemptions and c never ran (found by the property test). Within a band only the queue's
+    order counts: c waits for the seats."""
+    sched = make_fair_scheduler(scheduler_policy="priority", max_num_seqs=4, max_num_batched_tokens=4)
+    share_c = FairShare("c", 0.5, 2.0, 1.0, contended_prefill_tokens=2)
+    light = add(sched, [1], priority=2, share=share_c, n=2, max_tokens=1)
+    other = add(sched, [2, 3, 4, 5], priority=2, share=other_share, n=3, max_tokens=1)
+    urgent = add(sched, [6], arrival=0.5, priority=0, share=FairShare("a"), max_tokens=1)
+    drain(sched, max_steps=30)
+    assert all(seq.is_finished for seq in (light, other, urgent))
+    assert other.num_preemptions <= 1
+    assert_all_free(sched)
+
+
 def test_a_long_prompt_runs_short_chunks_while_another_tenant_contends():
     clock = FakeClock(0.0)
     sched = make_fair_scheduler(clock=clock, max_num_batched_tokens=16)
