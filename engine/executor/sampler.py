@@ -183,10 +183,9 @@ class Sampler:
         """One token per draw (row, seed): argmax(p / E) with E ~ Exp(1) per token is a draw from p (the
         exponential race), E from the draw's seed (SampleRow.seed). A race, unlike an inverse CDF, keeps
         its token when p moves in its last bits (another batch's rounding): a stream continued on a
-        rebuilt engine draws what it would have. On CPU the
-        noise is a hash of the seed and the token id (cpu_kernel.race: all draws at once, ~1.5 ms for 64
-        rows of 49,152 tokens); elsewhere, a generator seeded by it (torch's exponential_, a row at a time:
-        ~1 ms a row on CPU)."""
+        rebuilt engine draws what it would have. On CPU the noise is a hash of the seed and the token id
+        (cpu_kernel.race: all draws at once, ~1.5 ms for 64 rows of 49,152 tokens); elsewhere, a generator
+        seeded by it (torch's exponential_, a row at a time: ~1 ms a row on CPU)."""
         if not draws:
             return []
         rows, seeds = [i for i, _ in draws], [seed for _, seed in draws]
