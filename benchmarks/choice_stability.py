@@ -1,5 +1,7 @@
 """Is the load-time linear-kernel choice (`--linear-kernel auto`, engine/executor/layers/onednn_linear.py's
-`choose`) the same on every start, and is it the faster kernel by whole-run throughput? (issue 39)
+`choose`) the same on every start, and is it the faster kernel by whole-run throughput? (issue 39) Each
+start's step-thread choice (engine/executor/step_threads.py: the largest step run on one thread) is counted
+too.
 
     python benchmarks/choice_stability.py                          # SmolLM-135M shape, fp32, 10 starts
     python benchmarks/choice_stability.py --model benchmarks/models/qwen2-1.5b --dtype bfloat16 --starts 5
@@ -32,7 +34,9 @@ import json, sys
 from engine import LLM
 runner = LLM(sys.argv[1], dtype=sys.argv[2], num_threads=int(sys.argv[3]), max_num_seqs=32,
              max_num_batched_tokens=2048).engine.model_runner  # offline.py's batch
-print(json.dumps({"chosen": runner.linear_kernel, "choice": runner.linear_choice.to_dict()}))
+threads = runner.step_threads
+print(json.dumps({"chosen": runner.linear_kernel, "choice": runner.linear_choice.to_dict(),
+                  "single_thread_upto": threads.single_thread_upto if threads else 0}))
 """
 
 
@@ -107,6 +111,7 @@ def main() -> None:
         "threads": args.threads,
         "starts": starts,
         "choices": dict(counts),
+        "single_thread_upto": dict(collections.Counter(s["single_thread_upto"] for s in starts)),
         "offline_tokens_per_s": tok_s,
         "faster": faster,
         "targets_met": {
@@ -125,8 +130,8 @@ def main() -> None:
     right.set_title("offline tok/s, kernel forced")
     plots.save(fig, RESULTS_DIR / f"{name}.png")
     print(
-        f"choice over {args.starts} starts: {dict(counts)}; offline tok/s {tok_s}: faster {faster} "
-        f"-> {RESULTS_DIR / name}.json"
+        f"choice over {args.starts} starts: {dict(counts)}; offline tok/s {tok_s}: faster {faster}; "
+        f"single_thread_upto {result['single_thread_upto']} -> {RESULTS_DIR / name}.json"
     )
 
 

@@ -13,6 +13,7 @@ PREEMPTION_MODES = ("recompute", "swap")
 QUANTIZATIONS = ("int8", "w8a8", "awq", "gptq")
 ATTENTION_BACKENDS = ("auto", "torch", "flex")
 LINEAR_KERNELS = ("auto", "aten", "onednn")
+STEP_THREADS = ("auto", "all")
 MODEL_IMPLS = ("auto", "own", "generic")  # vLLM's --model-impl: auto | vllm | transformers
 # sizes a config may ask for: the warm-up visits every row count up to them, and the CPU KV pool holds
 # max_num_seqs sequences (10^9 hung a load, its thread burning a core after the client left)
@@ -117,6 +118,9 @@ class EngineConfig:
     # CPU float linear layers (engine/executor/layers/onednn_linear.py): aten; onednn; auto, the faster one, measured at load
     # (aten under tensor parallelism and with compile)
     linear_kernel: str = "auto"
+    # CPU threads a step runs on (engine/executor/step_threads.py): auto, one for steps of few tokens where
+    # one thread ran the model's steps faster at load, all for the rest; all: every step on all
+    step_threads: str = "auto"
     compile: bool = False  # torch.compile each layer's dense halves at load (artifacts cached on disk)
     # which forward runs the model: own (engine/executor/models/llama.py and kin), generic (HF's modules on our
     # paged attention, engine/executor/models/generic.py), auto: own where there is one
@@ -210,6 +214,10 @@ class EngineConfig:
         _check(
             self.linear_kernel in LINEAR_KERNELS,
             f"linear_kernel must be one of {LINEAR_KERNELS}, got {self.linear_kernel!r}",
+        )
+        _check(
+            self.step_threads in STEP_THREADS,
+            f"step_threads must be one of {STEP_THREADS}, got {self.step_threads!r}",
         )
         _check(
             self.model_impl in MODEL_IMPLS,

@@ -225,5 +225,6 @@ class HealthState:
             "attention_backend": engine.attention_backend,
             "linear_kernel": engine.linear_kernel,
             "linear_choice": engine.linear_choice,
+            "step_threads": engine.step_threads,
             "tensor_parallel_pids": list(engine.rank_pids),
         }

@@ -396,6 +396,11 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
         "at load which is faster (engine/executor/layers/onednn_linear.py)",
     )
     g.add_argument(
+        "--step-threads",
+        help="auto (default) | all: CPU threads a step runs on; auto runs steps of few tokens on one thread "
+        "where one ran the model's steps faster when timed at load (engine/executor/step_threads.py)",
+    )
+    g.add_argument(
         "--model-impl",
         help="auto (default: the own forward where there is one) | own | generic "
         "(HF's modules on pagedserve's paged attention: any decoder-only model)",
@@ -469,6 +474,7 @@ def engine_options(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str
         "quantization",
         "attention_backend",
         "linear_kernel",
+        "step_threads",
         "compile",
         "model_impl",
         "tensor_parallel_size",

@@ -242,9 +242,9 @@ class EngineCollector(Collector):
         )
         config = GaugeMetricFamily(
             f"{PREFIX}engine_config_info",
-            "How the engine runs the model: the dtype, "
-            "linear kernel and attention backend chosen at load (always 1)",
-            labels=["model_name", "dtype", "linear_kernel", "attention_backend"],
+            "How the engine runs the model: the dtype, linear kernel, attention backend and the largest "
+            "step run on one CPU thread (0: none) chosen at load (always 1)",
+            labels=["model_name", "dtype", "linear_kernel", "attention_backend", "single_thread_upto"],
         )
         per_position = CounterMetricFamily(
             f"{PREFIX}spec_decode_num_accepted_tokens_per_pos",
@@ -252,7 +252,10 @@ class EngineCollector(Collector):
             labels=["model_name", "position"],
         )
         for name, engine in list(self.engines().items()):
-            config.add_metric([name, engine.dtype, engine.linear_kernel, engine.attention_backend], 1)
+            upto = engine.step_threads["single_thread_upto"] if engine.step_threads else 0
+            config.add_metric(
+                [name, engine.dtype, engine.linear_kernel, engine.attention_backend, str(upto)], 1
+            )
             stats = engine.stats()
             for position, count in enumerate(stats.spec_accepted_per_position):
                 per_position.add_metric([name, str(position)], count)

@@ -118,6 +118,7 @@ class FakeLoop:
     attention_backend: str = "torch"
     linear_kernel: str = "aten"
     linear_choice: dict | None = None
+    step_threads: dict | None = None
     rank_pids: tuple[int, ...] = ()
 
     @property

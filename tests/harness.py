@@ -186,6 +186,13 @@ NUM_NEW = 10
 MAX_MODEL_LEN = 128
 
 
+def rss_mib() -> float:
+    """This process's resident memory."""
+    from resilience.probes import read_kib_field
+
+    return read_kib_field(Path("/proc/self/status").read_text(), "VmRSS") / 2**20
+
+
 def hf_greedy(model, prompts: list[list[int]], num_new: int = NUM_NEW) -> list[list[int]]:
     """HF transformers' greedy continuation of each prompt, exactly num_new tokens (EOS not stopping it)."""
     import torch

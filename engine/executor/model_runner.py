@@ -14,6 +14,7 @@ from engine.config import EngineConfig
 from engine.core.block_manager import BlockCopies
 from engine.core.scheduler import ScheduledSeq, SchedulerOutput
 from engine.core.sequence import SampledToken
+from engine.executor import step_threads
 from engine.executor.attention import select_backend
 from engine.executor.attention.base import StepAttention, StepBatch
 from engine.executor.layers import onednn_linear, quantization
@@ -26,6 +27,7 @@ from engine.executor.sampler import PromptRow, Sampler, SampleRow
 from engine.executor.worker import Worker
 
 logger = logging.getLogger(__name__)
+TIMED_CONTEXT = 128  # tokens each decode row of a step timed at load reads (engine/executor/step_threads.py)
 
 
 @dataclass
@@ -117,6 +119,7 @@ class ModelRunner:
             self.layout.total_bytes / 2**20,
             self.layout.max_model_len,
         )
+        self.step_threads = self._choose_step_threads(config.step_threads)
         if self.ranks is not None:
             self.ranks.wait_ready()
             logger.info("tensor parallel over %d ranks (worker pids %s)", self.tp.size, self.ranks.pids)
@@ -174,6 +177,51 @@ class ModelRunner:
         logger.info("linear layers: %s (%s)", chosen, choice.to_dict() if choice else "asked for")
         return choice, chosen
 
+    def _choose_step_threads(self, requested: str) -> step_threads.ThreadChoice | None:
+        """On CPU with several threads: how many threads a step runs on, by its tokens, timed on whole
+        forward steps (engine/executor/step_threads.py); None: every step on all (as asked, on CUDA,
+        under tensor parallelism and with compile)."""
+        if (
+            self.device.type != "cpu"
+            or requested == "all"
+            or torch.get_num_threads() == 1
+            or self.tp is not None
+            or self.config.compile
+        ):
+            return None
+        started = time.perf_counter()
+        max_tokens = min(self.config.max_num_batched_tokens, self.layout.max_model_len)
+        shape = (type(self.model).__name__, self.model.args, self.dtype, self.linear_kernel, self.quant)
+        sizes = (self.config.max_num_seqs, self.layout.block_size, self.layout.num_blocks)
+        choice = step_threads.choose(self._timed_step, max_tokens, (*shape, *sizes))
+        upto = choice.single_thread_upto
+        if upto and self.row_counts is not None:  # oneDNN's memory for one thread's counts, taken now too
+            torch.set_num_threads(1)
+            try:
+                self.model.warm_up_rows(upto, min(upto, self.config.max_num_seqs))
+            finally:
+                torch.set_num_threads(choice.threads)
+        logger.info(
+            "steps of up to %d tokens on one thread, larger ones on %d (chosen in %.2f s: %s)",
+            upto,
+            choice.threads,
+            time.perf_counter() - started,
+            choice.to_dict(),
+        )
+        return choice
+
+    def _timed_step(self, tokens: int) -> None:
+        """A forward step of `tokens` tokens on the pool's first blocks (nothing is in it yet): that many
+        decode rows reading TIMED_CONTEXT tokens each, where max_num_seqs and the pool allow, else one
+        prompt chunk."""
+        bs, context = self.layout.block_size, min(TIMED_CONTEXT, self.layout.max_model_len - 1)
+        per_row = -(-(context + 1) // bs)
+        if tokens <= self.config.max_num_seqs and tokens * per_row <= self.layout.num_blocks:
+            rows = [_RowSeq(list(range(i * per_row, (i + 1) * per_row)), context, [0]) for i in range(tokens)]
+        else:
+            rows = [_RowSeq(list(range(-(-tokens // bs))), 0, [0] * tokens)]
+        self.run_rows(BlockCopies([], [], []), [ScheduledSeq(r, r.start, len(r.token_ids), 0) for r in rows])
+
     def _bound_row_counts(self) -> list[int] | None:
         """Where the model's products run through oneDNN on CPU (aten's for bf16 and fp16, the packed
         ones, w8a8's int8 ones), which keeps memory for every row count it has run: pad each step to a
@@ -223,6 +271,10 @@ class ModelRunner:
             row for item in output.scheduled for row in _replayed(item)
         ]  # the same rows on every rank
         batch = self._prepare(scheduled)
+        if self.step_threads is not None:
+            threads = self.step_threads.for_tokens(len(batch.input_ids))
+            if threads != torch.get_num_threads():
+                torch.set_num_threads(threads)
         if self.ranks is None:
             try:
                 hidden = self.model(batch.input_ids, batch.positions, batch.metadata)
@@ -271,7 +323,7 @@ class ModelRunner:
         for i, item in enumerate(decodes + prefills):
             seq, start, end = item.seq, item.start, item.start + item.num_new_tokens
             row = len(ids)
-            if self.lora is not None and seq.lora_id:  # (a tensor-parallel rank's _RowSeq has none)
+            if self.lora is not None and seq.lora_id:
                 lora_rows.setdefault(seq.lora_id, []).extend(range(row, row + end - start))
             ids.extend(item.token_id_at(p) for p in range(start, end))
             positions.extend(range(start, end))
@@ -318,12 +370,14 @@ def _replayed(item: ScheduledSeq) -> list[ScheduledSeq]:
 # --- a tensor-parallel worker rank (engine/executor/parallel.py spawns it) ---------------------------
 @dataclass
 class _RowSeq:
-    """What the model runner's batch preparation reads of a sequence, on a worker."""
+    """What the model runner's batch preparation reads of a sequence, on a worker (or in a step timed
+    at load)."""
 
     block_table: list[int]
     start: int
     token_ids: list[int]
     wants_prompt_logprobs = False  # rank 0 scores the prompt
+    lora_id = None  # a rank serves no adapters (nor a step timed at load)
 
     def token_id_at(self, position: int) -> int:
         return self.token_ids[position - self.start]

@@ -83,6 +83,7 @@ class EngineInfo:
     attention_backend: str
     linear_kernel: str
     linear_choice: dict | None
+    step_threads: dict | None
     chat_template: str | None
     memory_bytes: tuple[int, int]  # (weights, KV block pool), every rank's under tensor parallelism
     rank_pids: tuple[int, ...] = ()  # the processes of tensor-parallel ranks 1..N-1 (rank 0 runs the loop)
@@ -101,6 +102,7 @@ class EngineInfo:
             runner.attention.name,
             runner.linear_kernel,
             runner.linear_choice.to_dict() if runner.linear_choice else None,
+            runner.step_threads.to_dict() if runner.step_threads else None,
             engine.chat_template,
             (int(runner.weight_bytes) * ranks, int(runner.layout.total_bytes) * ranks),
             tuple(pid for pid in runner.ranks.pids if pid is not None) if runner.ranks is not None else (),
@@ -150,6 +152,7 @@ class EngineFrontend:
         self.attention_backend = info.attention_backend
         self.linear_kernel = info.linear_kernel
         self.linear_choice = info.linear_choice
+        self.step_threads = info.step_threads
         self.rank_pids = info.rank_pids
         self.faults = transport.faults
         self._num_adds_sent = 0  # AddRequests handed to the loop

@@ -133,10 +133,10 @@ class Threads:
         self, kernel: int, ints: tuple[int, ...], work: int, f: float = 0.0, num_threads: int | None = None
     ) -> int:
         """Kernel `kernel` (an index of thread_pool.c's table) with its integer and pointer arguments `ints`
-        and float argument `f` over every range; 0, or the first error code a range returned."""
-        code = self._pool_run(
-            kernel, (_i64 * len(ints))(*ints), len(ints), f, work, num_threads or self.num_threads
-        )
+        and float argument `f` over every range (on num_threads, by default on as many as torch runs on
+        in this step's thread, at most the pool's); 0, or the first error code a range returned."""
+        num_threads = num_threads or min(self.num_threads, torch.get_num_threads())
+        code = self._pool_run(kernel, (_i64 * len(ints))(*ints), len(ints), f, work, num_threads)
         if code in (-2, -3):  # KERNELS and thread_pool.c's table disagree: a bug, never a result
             raise RuntimeError(
                 f"thread_pool.c refused kernel {kernel} with {len(ints)} arguments (code {code})"

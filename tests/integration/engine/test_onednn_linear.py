@@ -3,8 +3,6 @@ timing the model's own layers. The products against F.linear, the choice's timin
 layers (and nothing else), the engine's choice, and the bounded row counts that keep oneDNN's memory
 flat; greedy parity with HF on both kernels is in test_equivalence.py."""
 
-from pathlib import Path
-
 import pytest
 import torch
 from torch import nn
@@ -24,7 +22,7 @@ from engine.executor.layers.onednn_linear import (
 from engine.executor.layers.quantization import Int8Linear
 from engine.executor.loader import validate_model_dir
 from engine.executor.models import load_model
-from resilience.probes import read_kib_field
+from tests.harness import rss_mib
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -50,10 +48,6 @@ def test_row_counts_are_bounded_with_little_padding():
     assert len(set(buckets[:2048])) == EXACT_ROWS + STEPS_PER_OCTAVE * 7  # (16, 32], ..., (1024, 2048]
 
 
-def _rss_mib() -> float:
-    return read_kib_field(Path("/proc/self/status").read_text(), "VmRSS") / 2**20
-
-
 @pytest.mark.parametrize(
     ("dtype", "kernel"), [("bfloat16", "aten"), ("float32", "onednn"), ("float32", "aten")]
 )
@@ -77,11 +71,11 @@ def test_steps_of_every_size_keep_memory_flat_after_load(random_model, dtype, ke
     llm.generate(
         [{"prompt_token_ids": [5] * 3}], params, use_tqdm=False
     )  # the step path's own first-call costs
-    before = _rss_mib()
+    before = rss_mib()
     for length in range(20, 320, 2):  # one prompt a step, no two alike (no prefix hits): 150 step sizes
         prompt = [(31 * length + i) % 200 + 4 for i in range(length)]
         llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
-    assert _rss_mib() - before < 40  # measured: +4 MiB bounded, +400 MiB unbounded (bf16, AVX512-BF16 EPYC)
+    assert rss_mib() - before < 40  # measured: +4 MiB bounded, +400 MiB unbounded (bf16, AVX512-BF16 EPYC)
 
 
 def test_choose_times_both_kernels_on_the_models_own_layers_and_leaves_them_as_they_were(random_model):

@@ -139,11 +139,15 @@ async def test_engine_config_info_says_what_each_engine_chose_at_load(start):
             "dtype": "float32",
             "linear_kernel": runner.linear_kernel,
             "attention_backend": runner.attention.name,
+            "single_thread_upto": str(runner.step_threads.single_thread_upto if runner.step_threads else 0),
         }
         assert samples[("pagedserve:engine_config_info", tuple(sorted(labels.items())))] == 1
         assert engine.linear_choice == (runner.linear_choice.to_dict() if runner.linear_choice else None)
+        assert engine.step_threads == (runner.step_threads.to_dict() if runner.step_threads else None)
     ready = await (await h.client.get("/health/ready")).json()
     assert {e["linear_kernel"] for e in ready["engines"].values()} <= {"aten", "onednn"}
+    for name, report in ready["engines"].items():
+        assert report["step_threads"] == h.engines[name].step_threads
     assert sum(key[0] == "pagedserve:engine_config_info" for key in samples) == 2
 
 

@@ -82,6 +82,7 @@ def test_starts_loading_then_ready(clock):
                 "attention_backend": "torch",
                 "linear_kernel": "aten",
                 "linear_choice": None,
+                "step_threads": None,
                 "tensor_parallel_pids": [],
             }
         },
