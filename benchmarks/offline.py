@@ -113,6 +113,7 @@ def run_pagedserve(args, requests: list[Request], dtype: str, model_impl: str = 
         seed=args.seed,
         kv_cache_memory=int(args.kv_cache_gib * 2**30) if args.kv_cache_gib else None,
         linear_kernel=args.linear_kernel,
+        step_threads=args.step_threads,
         compile=args.compile,
     )
     engine = llm.engine
@@ -489,6 +490,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--linear-kernel", default="auto", help="pagedserve's CPU linear layers: auto | aten | onednn"
     )
     p.add_argument(
+        "--step-threads", default="auto", help="pagedserve's CPU threads a step runs on: auto | all"
+    )
+    p.add_argument(
         "--compile", action="store_true", help="pagedserve's --compile (compiled at load, outside tok/s)"
     )
     p.add_argument("--peer-kv-cache-gib", type=int, default=2, help="vLLM's KV pool (VLLM_CPU_KVCACHE_SPACE)")
@@ -635,7 +639,12 @@ def main() -> None:
             max_num_batched_tokens=args.max_num_batched_tokens,
             prompt_ids="uniform over the vocabulary, special ids 0-3 excluded",
         ),
-        pagedserve_options=dict(linear_kernel=args.linear_kernel, compile=args.compile, threads=args.threads),
+        pagedserve_options=dict(
+            linear_kernel=args.linear_kernel,
+            step_threads=args.step_threads,
+            compile=args.compile,
+            threads=args.threads,
+        ),
         systems=figures,
         best_dtype=best_dtype,
         ratios=ratios,
