@@ -25,9 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-MARGIN = (
-    0.05  # one thread must be this much faster at a step size to take its steps (and all to end the search)
-)
+# one thread must be this much faster at a step size to take its steps (and all threads to end the search)
+MARGIN = 0.05
 ROUNDS = 5  # timings of each thread count at each step size, the two taking turns
 MAX_TOKENS = 1024  # the largest step timed
 MAX_SECONDS = 3.0  # no larger step is timed once the timings took this long
