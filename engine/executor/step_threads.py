@@ -10,7 +10,9 @@ and only a 512-token one ran as fast on two (28.7 and 28.2); the SmolLM-135M sha
 ahead at every size, 1.3-1.45x). One thread also leaves the other core to the server's event loop.
 
 `choose` times a forward step of 1, 2, 4, ... tokens on one thread and on all, taking turns, until all
-threads are MARGIN faster (or MAX_TOKENS, or MAX_SECONDS of timing): steps of up to the last count where
+threads are MARGIN faster (or MAX_TOKENS, or MAX_SECONDS of timing, or a step of MAX_STEP_SECONDS on all
+threads, which a hundred wake-ups would not slow by a tenth: a large model's steps are not timed at all,
+where twelve steps of each size would add tens of seconds to its load): steps of up to the last count where
 one thread was MARGIN faster run on one thread (`single_thread_upto`; none in between ran slower there),
 larger ones on all. EngineConfig.step_threads "all" keeps every step on all threads. A reload of the same
 model shape takes the first load's choice: oneDNN keeps memory for every row count and thread count its
@@ -30,6 +32,7 @@ MARGIN = 0.05
 ROUNDS = 5  # timings of each thread count at each step size, the two taking turns
 MAX_TOKENS = 1024  # the largest step timed
 MAX_SECONDS = 3.0  # no larger step is timed once the timings took this long
+MAX_STEP_SECONDS = 0.1  # nor once a step on all threads takes this long
 
 
 @dataclass(frozen=True)
@@ -74,14 +77,14 @@ def _time(run_step: Callable[[int], None], max_tokens: int) -> ThreadChoice:
     upto, tokens, began = 0, 1, time.perf_counter()
     try:
         while tokens <= min(max_tokens, MAX_TOKENS):
+            # a round that warms up (oneDNN makes its primitives per thread count), then the timed ones
+            warm_up = {n: _seconds(run_step, tokens, n) for n in (threads, 1)}
+            if warm_up[threads] > MAX_STEP_SECONDS:
+                break
             samples: dict[int, list[float]] = {1: [], threads: []}
-            for turn in range(ROUNDS + 1):  # the first round warms up (oneDNN's primitives per thread count)
-                for n in (1, threads) if turn % 2 else (threads, 1):
-                    torch.set_num_threads(n)
-                    started = time.perf_counter()
-                    run_step(tokens)
-                    if turn:
-                        samples[n].append(time.perf_counter() - started)
+            for turn in range(ROUNDS):
+                for n in (1, threads) if turn % 2 == 0 else (threads, 1):
+                    samples[n].append(_seconds(run_step, tokens, n))
             for n, values in samples.items():
                 seconds[n][tokens] = statistics.median(values)
             one, all_ = seconds[1][tokens], seconds[threads][tokens]
@@ -95,3 +98,10 @@ def _time(run_step: Callable[[int], None], max_tokens: int) -> ThreadChoice:
     finally:
         torch.set_num_threads(threads)
     return ThreadChoice(threads, upto, seconds)
+
+
+def _seconds(run_step: Callable[[int], None], tokens: int, threads: int) -> float:
+    torch.set_num_threads(threads)
+    started = time.perf_counter()
+    run_step(tokens)
+    return time.perf_counter() - started

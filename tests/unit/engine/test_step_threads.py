@@ -61,6 +61,14 @@ def test_the_search_stops_at_max_tokens_and_after_max_seconds(monkeypatch):
     assert choose(step(faster_alone, []), max_tokens=1024, key=()).single_thread_upto == 1
 
 
+def test_a_size_whose_step_is_long_on_all_threads_is_not_timed(monkeypatch):
+    monkeypatch.setattr(step_threads, "MAX_STEP_SECONDS", 0.01)
+    calls: list[tuple[int, int]] = []
+    choice = choose(step({1: (2, 3), 2: (2, 20)}, calls), max_tokens=1024, key=())
+    assert choice.single_thread_upto == 1 and set(choice.seconds[1]) == {1}
+    assert calls[-2:] == [(2, 2), (2, 1)]  # the warm-up of 2 tokens, and no round after it
+
+
 def test_a_model_shape_is_timed_once_in_a_process():
     calls: list[tuple[int, int]] = []
     first = choose(step({1: (6, 2)}, calls), max_tokens=64, key=("llama", 384))
