@@ -40,9 +40,8 @@ class EngineClient(Protocol):
     attention_backend: str  # "torch" or "flex": what --attention-backend (auto: by device) resolved to
     linear_kernel: str  # "onednn", "aten" or "int8": what --linear-kernel (auto: timed at load) resolved to
     linear_choice: dict | None  # with auto on CPU: what was timed to choose (onednn_linear.LinearChoice)
-    step_threads: (
-        dict | None
-    )  # on CPU: steps run on one thread up to a size timed at load (step_threads.ThreadChoice)
+    # on CPU: steps run on one thread up to a size timed at load (engine/executor/step_threads.ThreadChoice)
+    step_threads: dict | None
     rank_pids: tuple[
         int, ...
     ]  # processes of tensor-parallel ranks 1..N-1 (an SRE's to watch, a chaos test's to kill)
