@@ -1,10 +1,13 @@
-"""Speculative decoding (n-gram prompt lookup) against plain decoding on the same engine settings,
-offline, taking turns: greedy continuations of held-out code (the shipped models' validation files:
-every 20th file of this machine's Python standard library, models/train.py), at batch 1 (one request at
-a time) and at batch 32 (32 requests at once, where drafts are off by default: above 16 running).
+"""Speculative decoding (n-gram prompt lookup, or a draft model) against plain decoding on the same engine
+settings, offline, taking turns: greedy continuations of held-out code (the shipped models' validation
+files: every 20th file of this machine's Python standard library, models/train.py), at batch 1 (one request
+at a time) and at batch 32 (32 requests at once, where drafts are off by default: above 16 running for
+n-gram drafts, above 4 for a draft model's).
 
     python benchmarks/speculative.py                       # the shipped primary, 4 draft tokens
     python benchmarks/speculative.py --num-speculative-tokens 6 --tag k6
+    python benchmarks/speculative.py --draft models/pagedserve-coder-tiny --num-speculative-tokens 3 \
+        --tag draft-model
 
 Each prompt is the --prompt-tokens tokens that end with a `def` line of a held-out file; each request
 generates up to --max-tokens tokens, greedily (or seeded, at --temperature). Both engines load the same linear
@@ -36,6 +39,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, default=ROOT / "models" / "pagedserve-coder-small")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--draft", type=Path, help="a draft model's directory (method draft_model; else ngram)")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--prompt-lookup-max", type=int, default=3)
     p.add_argument("--prompt-lookup-min", type=int, default=1)
@@ -93,16 +97,16 @@ def main() -> None:
     options = dict(dtype=args.dtype, max_model_len=args.prompt_tokens + args.max_tokens + 8, max_num_seqs=64)
     plain = LLM(str(args.model), **options)
     kernel = plain.engine.model_runner.linear_kernel
-    spec = {
-        "method": "ngram",
-        "num_speculative_tokens": args.num_speculative_tokens,
-        "prompt_lookup_max": args.prompt_lookup_max,
-        "prompt_lookup_min": args.prompt_lookup_min,
-    }
+    method = "ngram" if args.draft is None else "draft_model"
+    spec = {"method": method, "num_speculative_tokens": args.num_speculative_tokens}
+    if args.draft is None:
+        spec.update(prompt_lookup_max=args.prompt_lookup_max, prompt_lookup_min=args.prompt_lookup_min)
+    else:
+        spec["model"] = str(args.draft)
     if args.disable_by_batch_size is not None:
         spec["disable_by_batch_size"] = args.disable_by_batch_size
     speculative = LLM(str(args.model), linear_kernel=kernel, speculative_config=spec, **options)
-    llms = {"plain": plain, "ngram": speculative}
+    llms = {"plain": plain, method: speculative}
     prompts = held_out_prompts(plain.engine.tokenizer, max(args.prompts, args.batch), args.prompt_tokens)
     params = SamplingParams(temperature=args.temperature, seed=0, max_tokens=args.max_tokens)
     for llm in llms.values():  # warm-up: every shape once
@@ -123,11 +127,11 @@ def main() -> None:
                 if texts[shape].setdefault(name, tokens) != tokens:
                     raise SystemExit(f"{name} gave other tokens in round {r} at {shape}")
             print(shape, {name: round(v[-1], 1) for name, v in tok_s[shape].items()}, flush=True)
-    identical = {shape: texts[shape]["plain"] == texts[shape]["ngram"] for shape in shapes}
+    identical = {shape: texts[shape]["plain"] == texts[shape][method] for shape in shapes}
     after = speculative.engine.stats()
-    drafts = after.spec_num_drafts - counts["ngram"].spec_num_drafts
-    draft_tokens = after.spec_num_draft_tokens - counts["ngram"].spec_num_draft_tokens
-    accepted = after.spec_num_accepted_tokens - counts["ngram"].spec_num_accepted_tokens
+    drafts = after.spec_num_drafts - counts[method].spec_num_drafts
+    draft_tokens = after.spec_num_draft_tokens - counts[method].spec_num_draft_tokens
+    accepted = after.spec_num_accepted_tokens - counts[method].spec_num_accepted_tokens
     result = {
         "model": str(args.model.relative_to(ROOT) if args.model.is_relative_to(ROOT) else args.model),
         "dtype": args.dtype,
@@ -140,7 +144,7 @@ def main() -> None:
         "rounds": args.rounds,
         "tok_s": {shape: {n: [round(v, 2) for v in s] for n, s in by.items()} for shape, by in tok_s.items()},
         "ratio_median": {
-            shape: round(statistics.median(s / p for s, p in zip(by["ngram"], by["plain"], strict=True)), 3)
+            shape: round(statistics.median(s / p for s, p in zip(by[method], by["plain"], strict=True)), 3)
             for shape, by in tok_s.items()
         },
         "identical_tokens": identical,
@@ -171,7 +175,9 @@ def plot(result: dict, path: Path) -> None:
         ax.set_xticks(range(len(by)), list(by))
         ax.set_title(f"{shape.replace('_', ' ')}: x{result['ratio_median'][shape]}")
         ax.set_ylabel("tokens / s")
-    fig.suptitle(f"n-gram speculative decoding, {Path(result['model']).name} {result['dtype']}")
+    spec = result["speculative_config"]
+    drafts = "n-gram" if spec["method"] == "ngram" else f"{Path(spec['model']).name}'s"
+    fig.suptitle(f"speculative decoding with {drafts} drafts, {Path(result['model']).name} {result['dtype']}")
     plots.save(fig, path)
 
 

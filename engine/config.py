@@ -42,7 +42,11 @@ def set_openmp_defaults(environ: MutableMapping[str, str] = os.environ) -> None:
     environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+# disable_by_batch_size "auto" by method: a drafted step's extra rows stop paying above these batch sizes
+# (benchmarks/speculative.py on the shipped primary, docs/serving.md#speculative-decoding): n-gram drafts
+# are free to make, a draft model's cost a forward per token for every row
+BATCH_LIMITS = {"ngram": 16, "draft_model": 4}
 
 
 @dataclass(frozen=True)
@@ -50,22 +54,37 @@ class SpeculativeConfig:
     """Speculative decoding (engine/core/speculative.py), as vLLM's --speculative-config names it: each
     decoding sequence gets up to `num_speculative_tokens` draft tokens, checked in the same step as its
     next token. "ngram" (prompt lookup) drafts the tokens that followed the last earlier occurrence of the
-    sequence's last n tokens, n from `prompt_lookup_max` down to `prompt_lookup_min`. No drafts in a step
-    that starts with more than `disable_by_batch_size` running sequences (None: drafts at any size), where
-    a step's extra rows stop being nearly free (docs/serving.md#speculative-decoding)."""
+    sequence's last n tokens, n from `prompt_lookup_max` down to `prompt_lookup_min`; "draft_model" (the
+    method when `model` is given) the greedy tokens of the smaller model of the same vocabulary at `model`
+    (engine/executor/draft_model.py). No drafts in a step that starts with more than
+    `disable_by_batch_size` running sequences ("auto": the method's BATCH_LIMITS; None: drafts at any
+    size), where a step's extra rows stop being nearly free (docs/serving.md#speculative-decoding)."""
 
-    method: str = "ngram"
+    method: str | None = None  # None: "draft_model" where `model` is given, else "ngram" (vLLM's inference)
+    model: str | None = None  # the draft model's directory (draft_model)
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 3
     prompt_lookup_min: int = 1
-    disable_by_batch_size: int | None = 16
+    disable_by_batch_size: int | str | None = "auto"
 
     def __post_init__(self) -> None:
+        if self.method is None:
+            object.__setattr__(self, "method", "draft_model" if self.model is not None else "ngram")
         _check(
             self.method in SPECULATIVE_METHODS,
-            f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r} "
-            "(a draft model is not served yet)",
+            f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}",
         )
+        if self.method == "draft_model":
+            _check(
+                isinstance(self.model, str) and bool(self.model),
+                f"speculative method 'draft_model' needs the draft model's directory as `model`, "
+                f"got {self.model!r}",
+            )
+        else:
+            _check(
+                self.model is None,
+                f"speculative `model` names a draft model, for method 'draft_model', not {self.method!r}",
+            )
         for name, low, high in (
             ("num_speculative_tokens", 1, 16),
             ("prompt_lookup_max", 1, 64),
@@ -81,6 +100,8 @@ class SpeculativeConfig:
             f"speculative prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max "
             f"({self.prompt_lookup_max})",
         )
+        if self.disable_by_batch_size == "auto":
+            object.__setattr__(self, "disable_by_batch_size", BATCH_LIMITS[self.method])
         limit = self.disable_by_batch_size
         _check(
             limit is None or (isinstance(limit, int) and not isinstance(limit, bool) and limit >= 1),

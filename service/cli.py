@@ -429,8 +429,9 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
         type=_json_object,
         help='speculative decoding, as vLLM takes it: JSON such as \'{"method": "ngram", '
         '"num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1, '
-        '"disable_by_batch_size": 16}\' (n-gram prompt lookup; the same tokens as without it, greedy or '
-        "sampled: docs/serving.md#speculative-decoding)",
+        '"disable_by_batch_size": 16}\' (n-gram prompt lookup) or \'{"model": "DIR", '
+        '"num_speculative_tokens": 3}\' (a draft model of the same tokenizer); the same tokens as without '
+        "it, greedy or sampled: docs/serving.md#speculative-decoding",
     )
     g.add_argument(
         "--compile",
@@ -609,6 +610,7 @@ def _env_number(env: Mapping[str, str], name: str, kind: type) -> Any:
 def check_model_dirs(config: ServerConfig) -> None:
     """Fail before the port opens when a model directory is missing, incomplete, or not one this engine
     serves (architecture, RoPE type, checkpoint quantization)."""
+    from engine.executor.draft_model import draft_path
     from engine.executor.layers.quantization import resolve
     from engine.executor.loader import check_backend_options, validate_model_dir
 
@@ -616,6 +618,8 @@ def check_model_dirs(config: ServerConfig) -> None:
         try:
             engine = spec.engine
             files = validate_model_dir(engine.model, engine.files_root)
+            if engine.speculative_config is not None and engine.speculative_config.method == "draft_model":
+                validate_model_dir(draft_path(engine), engine.files_root)
             check_backend_options(
                 files, engine.tensor_parallel_size, engine.quantization, engine.compile, engine.model_impl
             )

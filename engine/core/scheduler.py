@@ -31,7 +31,7 @@ from engine.config import EngineConfig
 from engine.core.block_manager import BlockCopies, BlockManager
 from engine.core.fairness import VirtualTokenCounter
 from engine.core.sequence import Detokenizer, Grammar, SampledToken, Sequence, SequenceStatus
-from engine.core.speculative import NgramProposer
+from engine.core.speculative import NgramProposer, Proposer
 from engine.errors import EngineOverloadedError
 
 
@@ -96,7 +96,10 @@ class Scheduler:
         self.is_full = False  # the last step left a queued sequence out for lack of seats or KV blocks
         self.fair = VirtualTokenCounter(clock)
         spec = config.speculative_config
-        self.proposer = NgramProposer(spec) if spec is not None else None
+        # a draft model's proposer is the engine's to make (it runs a model): LLMEngine sets it
+        self.proposer: Proposer | None = (
+            NgramProposer(spec) if spec is not None and spec.method == "ngram" else None
+        )
         # speculative decoding's counts, as vLLM's spec_decode metrics name them
         self.num_drafts = 0  # drafts run
         self.num_draft_tokens = 0  # their tokens
@@ -169,6 +172,9 @@ class Scheduler:
         if self.proposer is not None:
             limit = self.config.speculative_config.disable_by_batch_size
             budget.drafts = limit is None or len(self.running) <= limit
+            self.proposer.prepare(
+                [s for s in self.running if not s.is_prefill] if budget.drafts else [], self.running
+            )
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
         if self.config.scheduler_policy != "fcfs":
@@ -481,6 +487,8 @@ class Scheduler:
                 queue.remove(seq)
                 self.fair.leave(seq.share)
         self.block_manager.free(seq)
+        if self.proposer is not None:
+            self.proposer.release(seq)
 
     def abort_seq(self, seq: Sequence) -> None:
         """Idempotent: frees everything the sequence holds wherever it is."""

@@ -1,7 +1,9 @@
-"""Speculative decoding's drafts: n-gram prompt lookup. Pure Python, no torch.
+"""Speculative decoding's drafts: what a proposer is, and n-gram prompt lookup. Pure Python, no torch.
 
-A decoding sequence's draft is the run of tokens that followed the last earlier occurrence of its last n
-tokens (n from prompt_lookup_max down to prompt_lookup_min), in its prompt or its output. The scheduler
+An n-gram draft is the run of tokens that followed the last earlier occurrence of the sequence's last n
+tokens (n from prompt_lookup_max down to prompt_lookup_min), in its prompt or its output; a draft model's
+(engine/executor/draft_model.py) is that model's greedy continuation. Either is one token sequence fixed
+by the sequence's tokens, checked the same way. The scheduler
 runs the draft in the same step as the sequence's next token (positions after it, as decode rows each);
 the sampler draws every position's token exactly as it would have without a draft (greedy, or the
 seeded draw of that position; under a grammar, masked by a matcher that took the draft's tokens before
@@ -13,9 +15,24 @@ it, and the token that replaces a rejected one is drawn from the target's distri
 """
 
 from array import array
+from typing import Protocol
 
 from engine.config import SpeculativeConfig
 from engine.core.sequence import Grammar, Sequence
+
+
+class Proposer(Protocol):
+    def prepare(self, seqs: list[Sequence], running: list[Sequence]) -> None:
+        """Before the scheduler plans a step: `seqs` are the decoding sequences that may draft in it
+        (none where the step drafts nothing), `running` every running sequence (a proposer forgets the
+        others)."""
+
+    def propose(self, seq: Sequence, limit: int) -> tuple[tuple[int, ...], list[Grammar]]:
+        """Up to min(limit, num_speculative_tokens) tokens that may follow seq's tokens (() for none)
+        and, under a grammar, its matcher after each of them (along_grammar)."""
+
+    def release(self, seq: Sequence) -> None:
+        """seq is finished: what the proposer holds for it goes back."""
 
 
 class NgramProposer:
@@ -23,18 +40,26 @@ class NgramProposer:
         self.num_tokens = config.num_speculative_tokens
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
 
+    def prepare(self, seqs: list[Sequence], running: list[Sequence]) -> None:
+        """Nothing to do ahead: a lookup is per sequence, in `propose`."""
+
+    def release(self, seq: Sequence) -> None:
+        """Nothing held."""
+
     def propose(self, seq: Sequence, limit: int) -> tuple[tuple[int, ...], list[Grammar]]:
-        """Up to min(limit, num_speculative_tokens) tokens that may follow seq's tokens (() without a
-        match) and, under a grammar, its matcher after each of them: the draft stops where the grammar
-        refuses a token or ends, and has none for a JSON constraint (Grammar.lookahead)."""
         limit = min(limit, self.num_tokens)
         if limit <= 0:
             return (), []
-        draft = lookup(seq.token_ids, self.min_n, self.max_n, limit)
-        if seq.grammar is None or not draft:
-            return draft, []
-        grammars = seq.grammar.lookahead(draft)
-        return draft[: len(grammars)], grammars
+        return along_grammar(seq, lookup(seq.token_ids, self.min_n, self.max_n, limit))
+
+
+def along_grammar(seq: Sequence, draft: tuple[int, ...]) -> tuple[tuple[int, ...], list[Grammar]]:
+    """The draft, and under a grammar its matcher after each token: the draft stops where the grammar
+    refuses a token or ends, and has none for a JSON constraint (Grammar.lookahead)."""
+    if seq.grammar is None or not draft:
+        return draft, []
+    grammars = seq.grammar.lookahead(draft)
+    return draft[: len(grammars)], grammars
 
 
 def lookup(tokens: list[int], min_n: int, max_n: int, limit: int) -> tuple[int, ...]:

@@ -119,7 +119,7 @@ class ModelRunner:
             self.layout.total_bytes / 2**20,
             self.layout.max_model_len,
         )
-        self.step_threads = self._choose_step_threads(config.step_threads)
+        self.step_threads = self.choose_step_threads(config.step_threads)
         if self.ranks is not None:
             self.ranks.wait_ready()
             logger.info("tensor parallel over %d ranks (worker pids %s)", self.tp.size, self.ranks.pids)
@@ -177,7 +177,7 @@ class ModelRunner:
         logger.info("linear layers: %s (%s)", chosen, choice.to_dict() if choice else "asked for")
         return choice, chosen
 
-    def _choose_step_threads(self, requested: str) -> step_threads.ThreadChoice | None:
+    def choose_step_threads(self, requested: str) -> step_threads.ThreadChoice | None:
         """On CPU with several threads: how many threads a step runs on, by its tokens, timed on whole
         forward steps (engine/executor/step_threads.py); None: every step on all (as asked, on CUDA,
         under tensor parallelism and with compile)."""
@@ -271,10 +271,7 @@ class ModelRunner:
             row for item in output.scheduled for row in _replayed(item)
         ]  # the same rows on every rank
         batch = self._prepare(scheduled)
-        if self.step_threads is not None:
-            threads = self.step_threads.for_tokens(len(batch.input_ids))
-            if threads != torch.get_num_threads():
-                torch.set_num_threads(threads)
+        self._set_step_threads(len(batch.input_ids))
         if self.ranks is None:
             try:
                 hidden = self.model(batch.input_ids, batch.positions, batch.metadata)
@@ -293,6 +290,22 @@ class ModelRunner:
             return {}
         logits = self.model.compute_logits(hidden[batch.sample_indices]).float()
         return self.sampler(logits, batch.rows)
+
+    @torch.inference_mode()
+    def greedy(self, scheduled: list[ScheduledSeq]) -> dict[int, int]:
+        """A draft model's step (engine/executor/draft_model.py): one forward over `scheduled`, each item
+        sampling; seq_id -> the most likely token after the item's last position."""
+        batch = self._prepare(scheduled)
+        self._set_step_threads(len(batch.input_ids))
+        hidden = self.model(batch.input_ids, batch.positions, batch.metadata)
+        tokens = self.model.compute_logits(hidden[batch.sample_indices]).argmax(-1).tolist()
+        return {row.seq.seq_id: token for row, token in zip(batch.rows, tokens, strict=True)}
+
+    def _set_step_threads(self, num_tokens: int) -> None:
+        if self.step_threads is not None:
+            threads = self.step_threads.for_tokens(num_tokens)
+            if threads != torch.get_num_threads():
+                torch.set_num_threads(threads)
 
     @torch.inference_mode()
     def run_rows(self, copies: BlockCopies, scheduled: list[ScheduledSeq]) -> None:

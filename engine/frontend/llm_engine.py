@@ -25,6 +25,7 @@ from engine.errors import (
     RequestFailedError,
     RequestRejectedError,
 )
+from engine.executor.draft_model import DraftModelProposer
 from engine.executor.loader import validate_model_dir
 from engine.executor.lora import LoraBank, LoraError
 from engine.executor.model_runner import ModelRunner
@@ -83,6 +84,12 @@ class LLMEngine:
         self.sampling_defaults = files.sampling_defaults
         self.chat_template = config.chat_template or files.chat_template
         self.tokenizer = AutoTokenizer.from_pretrained(files.path, local_files_only=True)
+        spec = config.speculative_config
+        draft_proposer = (
+            DraftModelProposer(config, self.tokenizer.get_vocab())
+            if spec is not None and spec.method == "draft_model"
+            else None
+        )
         self.model_runner = ModelRunner(config, files)
         layout = self.model_runner.layout
         self.max_model_len = layout.max_model_len
@@ -93,6 +100,9 @@ class LLMEngine:
         self.scheduler.make_detokenizer = self._detokenizer
         self.eos_token_ids = _eos_token_ids(self.model_runner.model, self.tokenizer)
         self.vocab_size = self.model_runner.model.config.vocab_size
+        if draft_proposer is not None:
+            draft_proposer.check_target(self.vocab_size)
+            self.scheduler.proposer = draft_proposer
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.requests: dict[str, _Request] = {}
         self._rng = random.Random(config.seed)

@@ -1,13 +1,14 @@
 """The CPU kernels in engine/kernels/csrc (decode attention, the int8 linear layer and w8a8's activations,
-LoRA deltas, sampling's race, RMSNorm, RoPE, SiLU * up): built on first use, called via ctypes.
+LoRA deltas, sampling's race, RMSNorm, RoPE, SiLU * up, a draft model's whole step): built on first use,
+called via ctypes.
 
 The C sources are compiled with the system compiler (`cc`, or $CC) for this machine's CPU into one
 library in $PAGEDSERVE_KERNEL_CACHE (default ~/.cache/pagedserve/kernels), named by a hash of the
 sources, the flags and the CPU's feature flags, so a copy never runs on a CPU it was not built for.
 Building takes about a second. Without a compiler, or with PAGEDSERVE_CPU_KERNEL=0, `load()`,
-`int8_linear()`, `int8_rows()`, `lora_rows()`, `race()`, `rms_norm()`, `rope()` and `silu_mul()` return None
-and the engine keeps its pure-torch paths (same results up to float rounding, slower; sampling's race
-draws its own numbers there, torch's).
+`int8_linear()`, `int8_rows()`, `lora_rows()`, `race()`, `rms_norm()`, `rope()`, `silu_mul()` and
+`draft_step()` return None and the engine keeps its pure-torch paths (same results up to float rounding,
+slower; sampling's race draws its own numbers there, torch's).
 """
 
 import ctypes
@@ -38,6 +39,7 @@ SOURCES = tuple(
         "rope.c",
         "silu_mul.c",
         "thread_pool.c",
+        "draft_step.c",
     )
 )
 HEADERS = (CSRC / "kernel_math.h",)
@@ -546,6 +548,30 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return t.zero_()  # the first touch: where the advice took, pages come in huge
 
 
+class DraftStepKernel:
+    """draft_step_f32 (engine/kernels/csrc/draft_step.c): a whole float32 decode step of a small Llama-family
+    model, on the calling thread (engine/executor/draft_model.py's FusedDraftStep binds a model to it)."""
+
+    DIMS = 11  # the C side's D_NUM
+    WEIGHTS = 7  # its W_NUM: pointers a layer
+
+    def __init__(self, library: ctypes.CDLL, threads: Threads) -> None:
+        self._step = library.draft_step_f32
+        self._step.argtypes = [_ptr, ctypes.c_float, ctypes.c_float, ctypes.c_float, *[_ptr] * 12]
+        self._step.restype = ctypes.c_int
+
+    def __call__(
+        self, dims: tuple[int, ...], floats: tuple[float, float, float], pointers: tuple[int, ...]
+    ) -> None:
+        """dims: the C side's D_NUM sizes; floats: (RMSNorm's eps, the attention scale, RoPE's cos/sin scale);
+        pointers: the 12 that follow them in draft_step_f32, every index in them checked by the caller."""
+        if len(dims) != self.DIMS or len(pointers) != 12:
+            raise ValueError(f"draft_step_f32 takes {self.DIMS} sizes and 12 pointers")
+        code = self._step((_i64 * self.DIMS)(*dims), *floats, *pointers)
+        if code:
+            raise RuntimeError(f"draft_step_f32 failed ({code})")
+
+
 @cache
 def _kernel(kind: type, num_threads: int):
     """One `kind` of kernel for this machine (one per kind and thread count), or None (no compiler, a failed
@@ -592,3 +618,8 @@ def rope(num_threads: int) -> RopeKernel | None:
 def silu_mul(num_threads: int) -> SiluMulKernel | None:
     """The SiLU * up kernel for this machine, or None."""
     return _kernel(SiluMulKernel, num_threads)
+
+
+def draft_step() -> DraftStepKernel | None:
+    """The draft model's one-call step for this machine, or None."""
+    return _kernel(DraftStepKernel, 1)

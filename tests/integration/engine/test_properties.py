@@ -218,15 +218,19 @@ def assert_held_blocks_are_running_blocks(bm: BlockManager, running: list[Sequen
     params=[
         ("fcfs", "recompute", 1, None),
         ("priority", "swap", 3, "ngram"),
-        ("hybrid", "recompute", 1, "ngram"),
+        ("hybrid", "recompute", 1, "draft_model"),
     ],
     ids=lambda p: "-".join(map(str, filter(None, p))),
 )
 def engine(request, random_model):
     policy, mode, stream_interval, speculative = request.param
+    model = random_model("tiny-llama")
+    spec = {"method": speculative, "num_speculative_tokens": 3}
+    if speculative == "draft_model":  # the model drafts for itself: whole drafts kept, at every place
+        spec["model"] = model
     return LLMEngine(
         EngineConfig(
-            model=random_model("tiny-llama"),
+            model=model,
             dtype="float32",
             block_size=4,
             max_num_seqs=4,
@@ -237,7 +241,7 @@ def engine(request, random_model):
             preemption_mode=mode,
             swap_space=0.001,
             stream_interval=stream_interval,
-            speculative_config={"method": speculative, "num_speculative_tokens": 3} if speculative else None,
+            speculative_config=spec if speculative else None,
         )
     )
 
@@ -309,6 +313,30 @@ def test_engine_serves_every_mix_to_the_end_and_returns_every_block(engine, requ
                     assert params.max_tokens < len(shortest), (request_id, choice)
                 for token_id in choice["token_ids"]:
                     grammar.accept(token_id)
+
+
+@settings(max_examples=20, **COMMON)
+@given(requests=st.lists(engine_request, min_size=1, max_size=6))
+def test_a_draft_models_blocks_are_its_running_sequences_blocks(engine, requests):
+    """Between steps the draft model's pool holds exactly the blocks of the running sequences it drafts
+    for (finished, aborted and preempted ones gave theirs back), and nothing once all are done."""
+    proposer = engine.scheduler.proposer
+    if not hasattr(proposer, "blocks"):
+        pytest.skip("no draft model")
+    for request_id, params, prompt, priority, _, abort_after in requests_with_ids(requests):
+        engine.add_request(request_id, [t % engine.vocab_size for t in prompt], params, priority=priority)
+        if abort_after is not None and abort_after % 2:
+            engine.abort_request(request_id)
+    for _ in range(1000):
+        if not engine.has_unfinished_requests:
+            break
+        engine.step()
+        running = {seq.seq_id for seq in engine.scheduler.running}
+        assert proposer.states.keys() <= running
+        held = {b.block_id for b in proposer.blocks.blocks if b.ref_count}
+        assert held == {block_id for state in proposer.states.values() for block_id in state.block_table}
+    assert not engine.has_unfinished_requests
+    assert not proposer.states and proposer.blocks.num_free_blocks == proposer.blocks.num_blocks
 
 
 def requests_with_ids(requests):

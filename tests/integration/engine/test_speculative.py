@@ -1,18 +1,30 @@
-"""Speculative decoding (n-gram drafts) on real engines: greedy tokens identical to HF transformers under
-chunked prefill, preemption and n > 1, and on the shipped trained model every kind of request (seeded
-sampling, logprobs, stop strings, penalties, structured output) gets exactly the tokens it gets without
-drafts, in fewer steps. Every block comes back."""
+"""Speculative decoding (n-gram drafts, and a draft model's) on real engines: greedy tokens identical to HF
+transformers under chunked prefill, preemption and n > 1, and on the shipped trained models every kind of
+request (seeded sampling, logprobs, stop strings, penalties, structured output) gets exactly the tokens it
+gets without drafts, in fewer steps. Every block comes back, the draft model's too."""
 
+import itertools
 import json
 import re
+import shutil
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
+from engine.errors import ModelValidationError
 from engine.sampling_params import StructuredOutputs
-from tests.harness import MAX_MODEL_LEN, NUM_NEW, SCENARIOS, TINY, check_parity, hf_greedy, parity_prompts
+from tests.harness import (
+    MAX_MODEL_LEN,
+    NUM_NEW,
+    SCENARIOS,
+    SMALL,
+    TINY,
+    check_parity,
+    hf_greedy,
+    parity_prompts,
+)
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
 
@@ -43,6 +55,44 @@ def test_greedy_with_drafts_matches_transformers(reference, scenario):
         assert stats.num_preemptions > 0
 
 
+@pytest.mark.parametrize(
+    "scenario, draft",
+    [
+        ("chunked_prefill", "itself"),
+        ("preempt_recompute", "tiny-qwen2"),
+        ("preempt_swap", "itself"),
+        ("block_size_8", "tiny-qwen2"),
+    ],
+)
+def test_greedy_with_a_draft_model_matches_transformers(reference, random_model, scenario, draft):
+    """The draft: the model itself (nearly every draft token kept: whole drafts, then the token after
+    them) or another random model of the same tokenizer (nearly every one rejected)."""
+    path, prompts, expected = reference
+    draft_path = path if draft == "itself" else random_model(draft)
+    spec = {"model": draft_path, "num_speculative_tokens": 3, "disable_by_batch_size": 32}
+    llm = LLM(
+        path,
+        dtype="float32",
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=32,
+        speculative_config=spec,
+        **SCENARIOS[scenario],
+    )
+    check_parity(llm, prompts, expected, n=2 if scenario == "block_size_8" else 1)
+    stats = llm.engine.stats()
+    assert stats.spec_num_drafts > 0
+    if draft == "itself":
+        assert stats.spec_num_accepted_tokens > 0.8 * stats.spec_num_draft_tokens
+    if scenario.startswith("preempt"):
+        assert stats.num_preemptions > 0
+    assert_draft_pool_free(llm)
+
+
+def assert_draft_pool_free(llm) -> None:
+    proposer = llm.engine.scheduler.proposer
+    assert not proposer.states and proposer.blocks.num_free_blocks == proposer.blocks.num_blocks
+
+
 PROMPTS = [
     "def fibonacci(n):\n",
     "for i in range(10):\n    print(i)\nfor j in range(10):\n",
@@ -63,26 +113,38 @@ PARAMS = [
 ]
 
 
-def _generate(spec: dict | None) -> tuple[list, object]:
+def _generate(spec: dict | None, model=TINY, before=lambda llm: None) -> tuple[list, object]:
+    config = json.loads((model / "config.json").read_text())
+    kv_heads, head_dim = config["num_key_value_heads"], config["head_dim"]
     llm = LLM(
-        str(TINY),
+        str(model),
         dtype="float32",
         linear_kernel="aten",
         block_size=4,
         max_model_len=96,
         max_num_seqs=8,
-        kv_cache_memory=24 * 2 * 4 * 4 * 2 * 48 * 4,  # 24 blocks (4 layers, 2 KV heads of 48): it preempts
+        # 24 blocks of 4 tokens (K and V, every layer, 4-byte values): it preempts
+        kv_cache_memory=24 * 2 * config["num_hidden_layers"] * 4 * kv_heads * head_dim * 4,
         speculative_config=spec,
     )
+    before(llm)
     outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
-    return outs, llm.engine
+    return outs, llm
 
 
-def test_drafts_change_no_token_of_any_request_and_save_steps():
-    base, base_engine = _generate(None)
-    drafted, engine = _generate({**NGRAM, "num_speculative_tokens": 4, "disable_by_batch_size": 8})
+@pytest.mark.parametrize(
+    "model, spec",
+    [
+        (TINY, {**NGRAM, "num_speculative_tokens": 4, "disable_by_batch_size": 8}),
+        (SMALL, {"model": str(TINY), "num_speculative_tokens": 3, "disable_by_batch_size": 8}),
+    ],
+    ids=["ngram", "draft_model"],
+)
+def test_drafts_change_no_token_of_any_request_and_save_steps(model, spec):
+    base, base_llm = _generate(None, model)
+    drafted, llm = _generate(spec, model)
     for one, other in zip(base, drafted, strict=True):
         # inter-token latency: one observation per token after the first, a kept draft's tokens included
         assert sum(n for _, n in one.token_intervals) == sum(n for _, n in other.token_intervals)
@@ -91,11 +153,52 @@ def test_drafts_change_no_token_of_any_request_and_save_steps():
             assert (a.logprobs is None) == (b.logprobs is None)
             for x, y in zip(a.logprobs or [], b.logprobs or [], strict=True):
                 assert x == pytest.approx(y, abs=1e-4)
-    stats = engine.stats()
+    stats, base_stats = llm.engine.stats(), base_llm.engine.stats()
     assert stats.spec_num_accepted_tokens > 0
-    assert stats.num_generation_tokens == base_engine.stats().num_generation_tokens
-    assert engine.num_steps < base_engine.num_steps
-    assert stats.num_preemptions > 0 and base_engine.stats().num_preemptions > 0
+    assert stats.num_generation_tokens == base_stats.num_generation_tokens
+    assert llm.engine.num_steps < base_llm.engine.num_steps
+    assert stats.num_preemptions > 0 and base_stats.num_preemptions > 0
+    if spec.get("model"):
+        assert_draft_pool_free(llm)
+
+
+def test_a_failing_draft_model_costs_drafts_not_requests(monkeypatch):
+    """A draft model that raises: the steps run without drafts, every request gets its tokens, and the draft
+    blocks of the failed steps come back."""
+    base, _ = _generate(None, SMALL)
+
+    def break_draft_model(llm) -> None:
+        runner, calls = llm.engine.scheduler.proposer.runner, itertools.count(1)
+        real = runner.greedy
+
+        def flaky(scheduled):
+            if next(calls) % 3 == 0:
+                raise RuntimeError("draft model fault")
+            return real(scheduled)
+
+        monkeypatch.setattr(runner, "greedy", flaky)
+
+    drafted, llm = _generate({"model": str(TINY), "num_speculative_tokens": 3}, SMALL, break_draft_model)
+    assert [[c.token_ids for c in o.outputs] for o in drafted] == [
+        [c.token_ids for c in o.outputs] for o in base
+    ]
+    proposer = llm.engine.scheduler.proposer
+    assert proposer.num_failed_steps > 0 and llm.engine.stats().spec_num_accepted_tokens > 0
+    assert_draft_pool_free(llm)
+
+
+def test_a_draft_model_of_another_tokenizer_is_refused(tmp_path):
+    """The shipped tiny model with two tokens' ids swapped in its tokenizer: the same vocabulary size, other
+    tokens."""
+    draft = tmp_path / "other-tokenizer"
+    shutil.copytree(TINY, draft)
+    spec = json.loads((draft / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[300:302]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (draft / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(ModelValidationError, match="share the model's tokenizer"):
+        LLM(str(SMALL), dtype="float32", speculative_config={"model": str(draft)})
 
 
 def test_a_grammar_row_drafts_and_keeps_its_tokens_inside_the_grammar():
@@ -109,11 +212,16 @@ def test_a_grammar_row_drafts_and_keeps_its_tokens_inside_the_grammar():
         SamplingParams(temperature=0, max_tokens=24, structured_outputs=StructuredOutputs(json_object=True)),
     ]
     outs = {}
-    for spec in (None, {**NGRAM, "num_speculative_tokens": 4}):
+    for name, spec in (
+        ("none", None),
+        ("ngram", {**NGRAM, "num_speculative_tokens": 4}),
+        ("draft_model", {"model": str(TINY), "num_speculative_tokens": 4}),
+    ):
         llm = LLM(str(TINY), dtype="float32", linear_kernel="aten", speculative_config=spec)
-        outs[spec is None] = [o.outputs[0] for o in llm.generate([prompt, prompt], params, use_tqdm=False)]
-    assert [o.token_ids for o in outs[True]] == [o.token_ids for o in outs[False]]
-    assert re.fullmatch("(x = 1\n){1,6}", outs[False][0].text)
-    json.loads(outs[False][1].text)
-    stats = llm.engine.stats()
-    assert stats.spec_num_accepted_tokens > 0  # the regex row's drafts (the JSON row has none)
+        outs[name] = [o.outputs[0] for o in llm.generate([prompt, prompt], params, use_tqdm=False)]
+        if spec is not None:
+            assert llm.engine.stats().spec_num_accepted_tokens > 0  # the regex row's (the JSON row has none)
+    for name in ("ngram", "draft_model"):
+        assert [o.token_ids for o in outs[name]] == [o.token_ids for o in outs["none"]]
+    assert re.fullmatch("(x = 1\n){1,6}", outs["none"][0].text)
+    json.loads(outs["none"][1].text)

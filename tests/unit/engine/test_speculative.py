@@ -243,8 +243,17 @@ def test_a_drafts_rows_draw_what_the_positions_would_draw_one_step_at_a_time(pen
 # --- the config ---------------------------------------------------------------------------------------
 def test_the_speculative_config_is_checked():
     assert EngineConfig(model="x", speculative_config=NGRAM).speculative_config == SpeculativeConfig(**NGRAM)
+    # vLLM's inference: a config with a model drafts with it
+    assert SpeculativeConfig(model="/m/tiny").method == "draft_model"
+    assert SpeculativeConfig().method == "ngram"
+    # where drafts stop paying: the method's own limit unless one is given (None: at any batch size)
+    assert SpeculativeConfig().disable_by_batch_size == 16
+    assert SpeculativeConfig(model="/m/tiny").disable_by_batch_size == 4
+    assert SpeculativeConfig(model="/m/tiny", disable_by_batch_size=None).disable_by_batch_size is None
     for bad, message in (
-        ({"method": "draft_model"}, "a draft model is not served yet"),
+        ({"method": "draft_model"}, "needs the draft model's directory"),
+        ({"method": "ngram", "model": "/m/tiny"}, "for method 'draft_model'"),
+        ({"method": "eagle"}, "must be one of"),
         ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "must not exceed"),
         ({"disable_by_batch_size": 0}, "disable_by_batch_size"),

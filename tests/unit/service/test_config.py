@@ -237,7 +237,10 @@ def test_speculative_config_is_vllms_json_and_checked_by_the_engine(capsys):
         engine.speculative_config.num_speculative_tokens,
         engine.speculative_config.prompt_lookup_max,
     ) == (2, 4)
-    with pytest.raises(ConfigError, match="a draft model is not served yet"):
+    draft = '{"model": "/m/tiny", "num_speculative_tokens": 3}'
+    engine = _config(["--model", "/m/a", "--speculative-config", draft]).models[0].engine
+    assert (engine.speculative_config.method, engine.speculative_config.model) == ("draft_model", "/m/tiny")
+    with pytest.raises(ConfigError, match="must be one of"):
         _config(["--model", "/m/a", "--speculative-config", '{"method": "eagle"}'])
     for bad in ("{method: ngram}", "[1, 2]"):
         with pytest.raises(SystemExit):

@@ -1,0 +1,86 @@
+"""The draft model's one-call step (engine/kernels/csrc/draft_step.c through draft_model.FusedDraftStep)
+against the torch forward of the same model: each token it picks is the torch forward's most likely one
+(or ties it within float rounding), the K/V it writes is what the torch forward reads on (steps of either
+kind take turns on one sequence), and it binds only the models it computes."""
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.core.block_manager import BlockManager
+from engine.core.scheduler import ScheduledSeq
+from engine.core.sequence import Sequence
+from engine.executor.draft_model import FusedDraftStep, _DraftSeq
+from tests.harness import TINY
+
+pytestmark = pytest.mark.skipif(
+    __import__("engine.kernels.cpu", fromlist=["draft_step"]).draft_step() is None, reason="no C kernels"
+)
+
+
+def _logits(runner, rows: list[ScheduledSeq]) -> torch.Tensor:
+    with torch.inference_mode():
+        batch = runner._prepare(rows)
+        hidden = runner.model(batch.input_ids, batch.positions, batch.metadata)
+        return runner.model.compute_logits(hidden[batch.sample_indices]).float()
+
+
+@pytest.mark.parametrize("model", ["shipped-tiny", "tiny-llama", "tiny-qwen2"])
+def test_the_one_call_step_picks_the_torch_forwards_token_and_writes_its_kv(random_model, model):
+    path = str(TINY) if model == "shipped-tiny" else random_model(model)
+    runner = LLM(
+        path, dtype="float32", linear_kernel="aten", block_size=4, max_model_len=128
+    ).engine.model_runner
+    fused = FusedDraftStep.of(runner)
+    assert fused is not None
+    blocks = BlockManager(runner.layout.num_blocks, runner.layout.block_size, enable_prefix_caching=False)
+    vocab = runner.model.config.vocab_size
+    prompts = [[(31 * i + 7 * j) % (vocab - 10) + 5 for j in range(9 + 5 * i)] for i in range(3)]
+    # two copies of each sequence: one stepped by the kernel and torch in turn, one by torch alone
+    pairs = []
+    for prompt in prompts:
+        states = [_DraftSeq(Sequence("s", list(prompt), SamplingParams(max_tokens=64))) for _ in range(2)]
+        for state in states:
+            blocks.allocate(state, 40 + len(prompt))
+            runner.greedy([ScheduledSeq(state, 0, len(prompt) - 1, 0)])
+            state.num_computed_tokens = len(prompt) - 1
+        pairs.append(states)
+    for step in range(12):
+        if (
+            step % 3 == 2
+        ):  # two tokens to read: two rows of a sequence in one call, the second reads the first's K/V
+            for state in (s for pair in pairs for s in pair):
+                state.seq.output_token_ids.append(11)
+        mixed = [row for a, _ in pairs for row in _unread(a)]
+        alone = [row for _, b in pairs for row in _unread(b)]
+        reference = _logits(runner, alone)  # the sampled rows', in order
+        picked = fused(mixed) if step % 2 == 0 else runner.greedy(mixed)
+        for (a, b), logits in zip(pairs, reference, strict=True):
+            token = picked[a.seq_id]
+            assert logits[token] >= logits.max() - 1e-3 * logits.abs().max(), (
+                step,
+                token,
+                int(logits.argmax()),
+            )
+            for state in (a, b):  # both go on with the torch forward's token
+                state.num_computed_tokens = state.seq.num_tokens
+                state.seq.output_token_ids.append(int(logits.argmax()))
+
+
+def _unread(state: _DraftSeq) -> list[ScheduledSeq]:
+    """One decode row per token not read yet, the last sampled."""
+    last = state.seq.num_tokens - 1
+    return [ScheduledSeq(state, p, 1, int(p == last)) for p in range(state.num_computed_tokens, last + 1)]
+
+
+def test_it_binds_only_models_it_computes(random_model):
+    def runner(preset: str, **options):
+        path = random_model(preset)
+        return LLM(
+            path, max_model_len=64, **{"dtype": "float32", "linear_kernel": "aten", **options}
+        ).engine.model_runner
+
+    assert FusedDraftStep.of(runner("tiny-llama")) is not None
+    assert FusedDraftStep.of(runner("tiny-llama", dtype="bfloat16")) is None  # float32 only
+    assert FusedDraftStep.of(runner("tiny-qwen3")) is None  # q/k norms
+    assert FusedDraftStep.of(runner("tiny-gemma2")) is None  # Gemma's norms, soft-capping
