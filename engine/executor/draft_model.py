@@ -167,11 +167,6 @@ class DraftModelProposer:
         if state is not None:
             self.blocks.free(state)
 
-    def _greedy(self, rows: list[ScheduledSeq]) -> dict[int, int]:
-        if self.fused is not None and all(row.num_new_tokens == 1 for row in rows):
-            return self.fused(rows)
-        return self.runner.greedy(rows)
-
     def propose(self, seq: Sequence, limit: int) -> tuple[tuple[int, ...], list[Grammar]]:
         return along_grammar(seq, self.drafts.get(seq.seq_id, ())[: max(limit, 0)])
 
@@ -203,25 +198,32 @@ class DraftModelProposer:
         return work
 
     def _draft(self, work: list[tuple[_DraftSeq, int, int]]) -> None:
-        # one forward over what each has not read, its first draft token sampled where it is all read
+        """Each state's draft: one forward over what it has not read, its first draft token sampled where it
+        is all read, then one decode forward per further token (all in one call where the one-call step
+        takes the rows)."""
         first = [row for state, n, limit in work for row in _rows(state, n, int(limit > 0))]
-        tokens = self._greedy(first)
+        limits = {state.seq_id: limit for state, _, limit in work if limit > 0}
+        if self.fused is not None and all(row.num_new_tokens == 1 for row in first):
+            drafts = self.fused(first, limits)
+        else:  # a chunk to read: the torch forward, its first tokens, then one decode forward per token
+            drafts = {seq_id: [token] for seq_id, token in self.runner.greedy(first).items()}
+            active = [state for state, _, limit in work if limit > 0]
+            for step in range(1, max(limits.values(), default=0)):
+                rows = [
+                    ScheduledSeq(state, state.seq.num_tokens - 1 + step, 1, 1)
+                    for state in active
+                    if limits[state.seq_id] > step
+                ]
+                for row in rows:
+                    row.seq.fed = drafts[row.seq.seq_id]  # the token at the row's position is the last one
+                for seq_id, token in self.runner.greedy(rows).items():
+                    drafts[seq_id].append(token)
         for state, n, _ in work:
-            state.num_computed_tokens += n
             state.fed_from = state.seq.num_tokens
-            if state.seq_id in tokens:
-                state.fed.append(tokens[state.seq_id])
-        # then one decode forward per further token
-        active = [(state, limit) for state, _, limit in work if limit > 0]
-        for step in range(1, max((limit for _, limit in active), default=0)):
-            rows = [
-                ScheduledSeq(state, state.num_tokens - 1, 1, 1) for state, limit in active if limit > step
-            ]
-            tokens = self._greedy(rows)
-            for row in rows:
-                row.seq.num_computed_tokens += 1
-                row.seq.fed.append(tokens[row.seq.seq_id])
-        self.drafts = {state.seq_id: tuple(state.fed) for state, _ in active}
+            state.fed = list(drafts.get(state.seq_id, ()))
+            # read: what it had not, then every draft token but the last
+            state.num_computed_tokens += n + max(len(state.fed) - 1, 0)
+        self.drafts = {seq_id: tuple(tokens) for seq_id, tokens in drafts.items()}
 
 
 class FusedDraftStep:
@@ -295,16 +297,19 @@ class FusedDraftStep:
         self.model = model  # the weights and caches the pointers point into stay alive with it
         self.scratch = torch.empty(0)
 
-    def __call__(self, rows: list[ScheduledSeq]) -> dict[int, int]:
-        """ModelRunner.greedy for rows of one token each."""
+    def __call__(self, rows: list[ScheduledSeq], limits: dict[int, int]) -> dict[int, list[int]]:
+        """The drafts of the sequences whose last row samples, `limits[seq_id]` greedy tokens each: one
+        forward over `rows` (one token each), then one per further token, all in the one call."""
         a, bs, n = self.args, self.block_size, len(rows)
+        counts = [limits[row.seq.seq_id] if row.num_samples else 0 for row in rows]
         tables = [row.seq.block_table for row in rows]
         max_blocks = max(map(len, tables))
         positions = [row.start for row in rows]
         tokens = [row.token_id_at(row.start) for row in rows]
-        # the kernel reads raw memory: every index within its sizes
+        # the kernel reads raw memory: every index within its sizes (the last position fed: start + count - 1)
         if not all(0 <= t < a.vocab_size for t in tokens) or not all(
-            p // bs < len(table) for p, table in zip(positions, tables, strict=True)
+            (p + max(c - 1, 0)) // bs < len(table)
+            for p, c, table in zip(positions, counts, tables, strict=True)
         ):
             raise ValueError("a draft row's token or position is outside the draft model's sizes")
         per_row = (
@@ -313,7 +318,8 @@ class FusedDraftStep:
             + 3 * a.intermediate_size
             + a.vocab_size
         )
-        size = n * per_row + max(positions) + 1  # draft_step.c's scratch
+        steps = max(counts)
+        size = n * per_row + max(positions) + steps + 1  # draft_step.c's scratch
         if self.scratch.numel() < size:
             self.scratch = torch.empty(size)
         dims = (
@@ -335,9 +341,9 @@ class FusedDraftStep:
             (ctypes.c_int64 * (n * max_blocks))(
                 *[b for t in tables for b in t + [0] * (max_blocks - len(t))]
             ),
-            (ctypes.c_uint8 * n)(*[row.num_samples > 0 for row in rows]),
+            (ctypes.c_int64 * n)(*counts),
         )
-        out = (ctypes.c_int64 * n)()
+        out = (ctypes.c_int64 * (n * steps))()
         pointers = (
             *map(ctypes.addressof, arrays),
             self.inv_freq.data_ptr(),
@@ -350,7 +356,11 @@ class FusedDraftStep:
             ctypes.addressof(out),
         )
         self.kernel(dims, self.floats, pointers)
-        return {row.seq.seq_id: token for row, token in zip(rows, out, strict=True) if row.num_samples}
+        return {
+            row.seq.seq_id: out[i * steps : i * steps + count]
+            for i, (row, count) in enumerate(zip(rows, counts, strict=True))
+            if count
+        }
 
 
 def draft_path(config: EngineConfig) -> Path:
@@ -391,13 +401,17 @@ def _load_fastest(
             error = exc
             continue
         fused = FusedDraftStep.of(runner)
-        for name, step in ((f"{dtype}/{runner.linear_kernel}", None), (f"{dtype}/one call", fused)):
-            if name.endswith("one call") and step is None:
-                continue
-            seconds[name] = _step_seconds(runner, step or runner.greedy)
+        steps = {f"{dtype}/{runner.linear_kernel}": (runner.greedy, None)}
+        if fused is not None:
+            steps[f"{dtype}/one call"] = (
+                lambda rows, fused=fused: fused(rows, {rows[0].seq.seq_id: 1}),
+                fused,
+            )
+        for name, (step, one_call) in steps.items():
+            seconds[name] = _step_seconds(runner, step)
             if best is None or seconds[name] < seconds[best[0]]:
-                best = (name, runner, step)
-        del runner, fused
+                best = (name, runner, one_call)
+        del runner, fused, steps
     if best is None:
         raise error
     name, runner, fused = best
@@ -405,7 +419,7 @@ def _load_fastest(
     return runner, fused, {"chosen": name, "step_ms": {k: round(v * 1e3, 3) for k, v in seconds.items()}}
 
 
-def _step_seconds(runner: ModelRunner, greedy: Callable[[list[ScheduledSeq]], dict[int, int]]) -> float:
+def _step_seconds(runner: ModelRunner, greedy: Callable[[list[ScheduledSeq]], object]) -> float:
     """A one-row draft step (`greedy`: the runner's, or the one-call one) reading TIMED_CONTEXT tokens, on
     the runner's empty pool: the median of TIMING_STEPS, on one thread or on all, whichever is faster (the
     step threads choose later)."""

@@ -176,22 +176,24 @@ static void attend(const float *q, const float *k_head, const float *v_head, con
     }
 }
 
-/* dims: D_NUM sizes (above); weights: W_NUM pointers a layer (the norms and W_QKV_BIAS float32, the bias
- * possibly NULL; the products' bfloat16); caches: K then V a layer, [kv_heads, slots, head_dim] float32 each;
- * tables: [rows, max_blocks]; embed float32, lm_head bfloat16; scratch: at least
- * rows * (2 * hidden + (2 * heads + 2 * kv_heads) * head_dim + 3 * inter + vocab) + the longest context
- * floats. Writes out[r] for each row r with sample[r]. The caller checks every index (tokens, tables,
- * positions) against the sizes: this reads and writes raw memory. */
-int draft_step_f32(const int64_t *dims, float eps, float scale, float rope_scale, const int64_t *tokens,
-                   const int64_t *positions, const int64_t *tables, const uint8_t *sample,
-                   const float *inv_freq, const void *const *weights, float *const *caches,
-                   const float *embed, const float *final_norm, const uint16_t *lm_head, float *scratch,
-                   int64_t *out)
+struct model {
+    const int64_t *dims;
+    float eps, scale, rope_scale;
+    const float *inv_freq, *embed, *final_norm;
+    const void *const *weights;
+    float *const *caches;
+    const uint16_t *lm_head;
+};
+
+/* One forward over `rows` one-token rows (row r: tokens[r] at positions[r], its sequence's block table
+ * tables[r]); best[r]: the most likely next token of each row with sample[r] */
+static void forward(const struct model *m, int64_t rows, const int64_t *tokens, const int64_t *positions,
+                    const int64_t *const *tables, const uint8_t *sample, float *scratch, int64_t *best)
 {
+    const int64_t *dims = m->dims;
     const int64_t layers = dims[D_LAYERS], hidden = dims[D_HIDDEN], heads = dims[D_HEADS];
     const int64_t kv_heads = dims[D_KV_HEADS], head_dim = dims[D_HEAD_DIM], inter = dims[D_INTER];
-    const int64_t vocab = dims[D_VOCAB], bs = dims[D_BLOCK], max_blocks = dims[D_MAX_BLOCKS];
-    const int64_t slots = dims[D_SLOTS], rows = dims[D_ROWS];
+    const int64_t vocab = dims[D_VOCAB], bs = dims[D_BLOCK], slots = dims[D_SLOTS];
     const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
     const int64_t group = heads / kv_heads;
     float *x = scratch, *h = x + rows * hidden, *qkv = h + rows * hidden, *attn = qkv + rows * qkv_size;
@@ -202,16 +204,16 @@ int draft_step_f32(const int64_t *dims, float eps, float scale, float rope_scale
     float *logits = scores + context;
 
     for (int64_t r = 0; r < rows; ++r)
-        memcpy(x + r * hidden, embed + tokens[r] * hidden, hidden * sizeof(float));
+        memcpy(x + r * hidden, m->embed + tokens[r] * hidden, hidden * sizeof(float));
     for (int64_t l = 0; l < layers; ++l) {
-        const void *const *w = weights + l * W_NUM;
-        float *k_cache = caches[2 * l], *v_cache = caches[2 * l + 1];
-        rms_norm(x, w[W_IN_NORM], h, rows, hidden, eps);
+        const void *const *w = m->weights + l * W_NUM;
+        float *k_cache = m->caches[2 * l], *v_cache = m->caches[2 * l + 1];
+        rms_norm(x, w[W_IN_NORM], h, rows, hidden, m->eps);
         linear(h, w[W_QKV], (const float *)w[W_QKV_BIAS], qkv, rows, hidden, qkv_size, 0);
         for (int64_t r = 0; r < rows; ++r) { /* RoPE on q and k, then the row's K/V into the pool */
             float *qr = qkv + r * qkv_size;
-            const int64_t pos = positions[r], slot = tables[r * max_blocks + pos / bs] * bs + pos % bs;
-            rope(qr, heads + kv_heads, head_dim, pos, inv_freq, rope_scale);
+            const int64_t pos = positions[r], slot = tables[r][pos / bs] * bs + pos % bs;
+            rope(qr, heads + kv_heads, head_dim, pos, m->inv_freq, m->rope_scale);
             for (int64_t kh = 0; kh < kv_heads; ++kh) {
                 const int64_t at = (kh * slots + slot) * head_dim, bytes = head_dim * sizeof(float);
                 memcpy(k_cache + at, qr + q_size + kh * head_dim, bytes);
@@ -222,11 +224,11 @@ int draft_step_f32(const int64_t *dims, float eps, float scale, float rope_scale
             for (int64_t hq = 0; hq < heads; ++hq) {
                 const int64_t kh = hq / group;
                 attend(qkv + r * qkv_size + hq * head_dim, k_cache + kh * slots * head_dim,
-                       v_cache + kh * slots * head_dim, tables + r * max_blocks, bs, positions[r] + 1,
-                       head_dim, scale, scores, attn + r * q_size + hq * head_dim);
+                       v_cache + kh * slots * head_dim, tables[r], bs, positions[r] + 1, head_dim, m->scale,
+                       scores, attn + r * q_size + hq * head_dim);
             }
         linear(attn, w[W_O], NULL, x, rows, q_size, hidden, 1);
-        rms_norm(x, w[W_POST_NORM], h, rows, hidden, eps);
+        rms_norm(x, w[W_POST_NORM], h, rows, hidden, m->eps);
         linear(h, w[W_GATE_UP], NULL, gate_up, rows, hidden, 2 * inter, 0);
         for (int64_t r = 0; r < rows; ++r)
             for (int64_t i = 0; i < inter; ++i) {
@@ -237,15 +239,60 @@ int draft_step_f32(const int64_t *dims, float eps, float scale, float rope_scale
     }
     int64_t sampled = 0; /* the sampled rows' final norms side by side, then their logits in one product */
     for (int64_t r = 0; r < rows; ++r)
-        if (sample[r]) rms_norm(x + r * hidden, final_norm, h + sampled++ * hidden, 1, hidden, eps);
-    linear(h, lm_head, NULL, logits, sampled, hidden, vocab, 0);
+        if (sample[r]) rms_norm(x + r * hidden, m->final_norm, h + sampled++ * hidden, 1, hidden, m->eps);
+    linear(h, m->lm_head, NULL, logits, sampled, hidden, vocab, 0);
     for (int64_t r = 0, i = 0; r < rows; ++r) {
         if (!sample[r]) continue;
         const float *row = logits + i++ * vocab;
-        int64_t best = 0;
+        int64_t top = 0;
         for (int64_t t = 1; t < vocab; ++t)
-            if (row[t] > row[best]) best = t;
-        out[r] = best;
+            if (row[t] > row[top]) top = t;
+        best[r] = top;
+    }
+}
+
+/* Greedy drafts: one forward over the rows, then each row with num_draft[r] > 1 goes on alone, its last
+ * token fed back at the next position, until it has num_draft[r] tokens: out[r * steps + s], steps =
+ * max(num_draft). dims: D_NUM sizes (above); weights: W_NUM pointers a layer (the norms and W_QKV_BIAS
+ * float32, the bias possibly NULL; the products' bfloat16); caches: K then V a layer, [kv_heads, slots,
+ * head_dim] float32 each; tables: [rows, max_blocks], blocks for every position fed; embed float32, lm_head
+ * bfloat16; scratch: at least rows * (2 * hidden + (2 * heads + 2 * kv_heads) * head_dim + 3 * inter +
+ * vocab) + the longest context (the last position fed, plus one) floats. The caller checks every index
+ * (tokens, tables, positions) against the sizes: this reads and writes raw memory. */
+int draft_step_f32(const int64_t *dims, float eps, float scale, float rope_scale, const int64_t *tokens,
+                   const int64_t *positions, const int64_t *tables, const int64_t *num_draft,
+                   const float *inv_freq, const void *const *weights, float *const *caches,
+                   const float *embed, const float *final_norm, const uint16_t *lm_head, float *scratch,
+                   int64_t *out)
+{
+    const struct model m = {dims, eps, scale, rope_scale, inv_freq, embed, final_norm, weights, caches, lm_head};
+    const int64_t rows = dims[D_ROWS], max_blocks = dims[D_MAX_BLOCKS];
+    if (rows <= 0) return 0;
+    int64_t steps = 0;
+    for (int64_t r = 0; r < rows; ++r)
+        if (num_draft[r] > steps) steps = num_draft[r];
+    /* this step's rows: all of them first, then those still drafting (compacted); row_of: their row */
+    int64_t tok[rows], pos[rows], best[rows], row_of[rows];
+    const int64_t *tab[rows];
+    uint8_t sample[rows];
+    for (int64_t r = 0; r < rows; ++r) {
+        tok[r] = tokens[r], pos[r] = positions[r], tab[r] = tables + r * max_blocks, row_of[r] = r;
+        sample[r] = num_draft[r] > 0;
+    }
+    int64_t n = rows;
+    for (int64_t s = 0; s < steps; ++s) {
+        forward(&m, n, tok, pos, tab, sample, scratch, best);
+        int64_t next = 0;
+        for (int64_t i = 0; i < n; ++i) {
+            const int64_t r = row_of[i];
+            if (!sample[i]) continue;
+            out[r * steps + s] = best[i];
+            if (num_draft[r] > s + 1) {
+                tok[next] = best[i], pos[next] = pos[i] + 1, tab[next] = tab[i], row_of[next] = r;
+                sample[next++] = 1;
+            }
+        }
+        n = next;
     }
     return 0;
 }

@@ -54,7 +54,12 @@ def test_the_one_call_step_picks_the_torch_forwards_token_and_writes_its_kv(rand
         mixed = [row for a, _ in pairs for row in _unread(a)]
         alone = [row for _, b in pairs for row in _unread(b)]
         reference = _logits(runner, alone)  # the sampled rows', in order
-        picked = fused(mixed) if step % 2 == 0 else runner.greedy(mixed)
+        if step % 2 == 0:
+            picked = {
+                seq_id: tokens[0] for seq_id, tokens in fused(mixed, {a.seq_id: 1 for a, _ in pairs}).items()
+            }
+        else:
+            picked = runner.greedy(mixed)
         for (a, b), logits in zip(pairs, reference, strict=True):
             token = picked[a.seq_id]
             assert logits[token] >= logits.max() - 1e-3 * logits.abs().max(), (
@@ -84,3 +89,48 @@ def test_it_binds_only_models_it_computes(random_model):
     assert FusedDraftStep.of(runner("tiny-llama", dtype="bfloat16")) is None  # float32 only
     assert FusedDraftStep.of(runner("tiny-qwen3")) is None  # q/k norms
     assert FusedDraftStep.of(runner("tiny-gemma2")) is None  # Gemma's norms, soft-capping
+
+
+@pytest.mark.parametrize("model", ["shipped-tiny", "tiny-qwen2"])
+def test_a_drafts_tokens_in_one_call_are_the_torch_forwards_each_given_the_ones_before(random_model, model):
+    """Sequences drafting 1-4 tokens in one call, one of them reading two tokens first: each drafted token is
+    the torch forward's most likely one after the context and the drafted tokens before it."""
+    path = str(TINY) if model == "shipped-tiny" else random_model(model)
+    runner = LLM(
+        path, dtype="float32", linear_kernel="aten", block_size=4, max_model_len=128
+    ).engine.model_runner
+    fused = FusedDraftStep.of(runner)
+    blocks = BlockManager(runner.layout.num_blocks, runner.layout.block_size, enable_prefix_caching=False)
+    vocab = runner.model.config.vocab_size
+    states, rows, limits = [], [], {}
+    for i, limit in enumerate((4, 1, 3, 2)):
+        tokens = [(13 * i + 5 * j) % (vocab - 10) + 5 for j in range(11 + 3 * i)]
+        unread = 2 if i == 2 else 1
+        state = _DraftSeq(Sequence("s", tokens, SamplingParams(max_tokens=64)))
+        blocks.allocate(state, len(tokens) + limit)
+        runner.greedy([ScheduledSeq(state, 0, len(tokens) - unread, 0)])
+        state.num_computed_tokens = len(tokens) - unread
+        rows += _unread(state)
+        states.append(state)
+        limits[state.seq_id] = limit
+    drafts = fused(rows, limits)
+    assert {seq_id: len(tokens) for seq_id, tokens in drafts.items()} == limits
+    for state in states:  # a copy of each context, teacher-forced through torch with the drafted tokens
+        context = state.seq.token_ids
+        check = _DraftSeq(Sequence("c", list(context), SamplingParams(max_tokens=64)))
+        blocks.allocate(check, len(context) + 4)
+        for token in drafts[state.seq_id]:
+            logits = _logits(runner, [ScheduledSeq(check, 0, check.seq.num_tokens, 1)])[0]
+            assert logits[token] >= logits.max() - 1e-3 * logits.abs().max(), (token, int(logits.argmax()))
+            check.seq.output_token_ids.append(token)
+        # the K/V it wrote, at every position it fed (all but the last draft token), is the torch forward's
+        fed = len(context) + len(drafts[state.seq_id]) - 1
+        for layer in runner.model.layers:
+            for cache in (layer.self_attn.k_cache, layer.self_attn.v_cache):
+                ours, theirs = (cache[:, _slots(s, fed, runner.layout.block_size)] for s in (state, check))
+                torch.testing.assert_close(ours, theirs, rtol=2e-2, atol=2e-2)  # bf16-read weights
+
+
+def _slots(state: _DraftSeq, num_positions: int, block_size: int) -> list[int]:
+    table = state.block_table
+    return [table[p // block_size] * block_size + p % block_size for p in range(num_positions)]
