@@ -10,11 +10,13 @@ n-gram drafts, above 4 for a draft model's).
         --tag draft-model
 
 Each prompt is the --prompt-tokens tokens that end with a `def` line of a held-out file; each request
-generates up to --max-tokens tokens, greedily (or seeded, at --temperature). Both engines load the same linear
-kernel (the plain one's load-time choice). Rounds alternate which side runs first (this VM's speed drifts
-within minutes); the ratio is the median over rounds of speculative / plain tokens per second in the same
-round. The texts must be identical: the run fails otherwise. Writes benchmarks/results/speculative[-TAG].json
-and .png. Target (#39): >= 1.8x at batch 1 with a draft model; at batch 32 no slower.
+generates up to --max-tokens tokens, greedily (or seeded, at --temperature). Both engines load the same
+linear kernel (--linear-kernel, or the plain one's load-time choice, which sets the plain engine's speed at
+batch 1: the shipped primary's float32 steps ran 266-288 tok/s on aten's products, 213-224 on oneDNN's).
+Rounds alternate which side runs first (this VM's speed drifts within minutes); the ratio is the median
+over rounds of speculative / plain tokens per second in the same round. The texts must be identical: the
+run fails otherwise. Writes benchmarks/results/speculative[-TAG].json and .png. Target (#39): >= 1.8x at
+batch 1 with a draft model; at batch 32 no slower.
 """
 
 import argparse
@@ -39,6 +41,9 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, default=ROOT / "models" / "pagedserve-coder-small")
     p.add_argument("--dtype", default="float32")
+    p.add_argument(
+        "--linear-kernel", default="auto", help="both engines' (auto: the plain one's load-time choice)"
+    )
     p.add_argument("--draft", type=Path, help="a draft model's directory (method draft_model; else ngram)")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--prompt-lookup-max", type=int, default=3)
@@ -95,7 +100,7 @@ def main() -> None:
 
     load_before = os.getloadavg()
     options = dict(dtype=args.dtype, max_model_len=args.prompt_tokens + args.max_tokens + 8, max_num_seqs=64)
-    plain = LLM(str(args.model), **options)
+    plain = LLM(str(args.model), linear_kernel=args.linear_kernel, **options)
     kernel = plain.engine.model_runner.linear_kernel
     method = "ngram" if args.draft is None else "draft_model"
     spec = {"method": method, "num_speculative_tokens": args.num_speculative_tokens}
