@@ -39,8 +39,8 @@ def add_admin_routes(app: web.Application) -> None:
 
 async def load_model(request: web.Request) -> web.Response:
     """`{"name", "path", "fallback"?, "quota_bytes"?, engine options?}` -> the model's entry once
-    ready. The path is confined to the models root; a quota without kv_cache_memory sizes the KV
-    pool as quota - weights."""
+    ready. The path (and a draft model's, speculative_config.model) is confined to the models root; a quota
+    without kv_cache_memory sizes the KV pool as quota - weights."""
     body = await read_object(request, LOAD_FIELDS)
     name = body.get("name")
     if not isinstance(name, str) or not MODEL_NAME.fullmatch(name):
@@ -53,6 +53,10 @@ async def load_model(request: web.Request) -> web.Response:
     files = await asyncio.to_thread(resolve_model_path, body.get("path"), models_root)
     weight_bytes = sum(f.stat().st_size for f in files.weight_files)  # the estimate until it is loaded
     options = {k: v for k, v in body.items() if k in ENGINE_OPTIONS}
+    draft = options.get("speculative_config")
+    if isinstance(draft, dict) and draft.get("model") is not None:  # a draft model: confined alike
+        found = await asyncio.to_thread(resolve_model_path, draft["model"], models_root, "speculative_config")
+        options["speculative_config"] = {**draft, "model": str(found.path)}
     quota = _size(body, "quota_bytes")
     if quota is not None and options.get("kv_cache_memory") is None:
         if quota <= weight_bytes:

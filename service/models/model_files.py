@@ -8,18 +8,18 @@ from service.body import JSON
 from service.errors import InvalidRequestError
 
 
-def resolve_model_path(raw: JSON, models_root: Path) -> ModelFiles:
+def resolve_model_path(raw: JSON, models_root: Path, param: str = "path") -> ModelFiles:
     """A model directory confined to `models_root`: absolute or relative to the root, symlinks
-    resolved before the check; then validated. Anything else is a 400 that says why."""
+    resolved before the check; then validated. Anything else is a 400 that says why (naming `param`)."""
     try:  # OSError: a name too long for the file system, a symlink loop, no permission (was a 500)
-        real, root = confined(raw, models_root, "model")
+        real, root = confined(raw, models_root, "model", param)
         return validate_model_dir(real, root)
     except ModelValidationError as exc:
-        raise InvalidRequestError(f"model path {raw!r}: {exc}", param="path", code="invalid_model") from exc
+        raise InvalidRequestError(f"model path {raw!r}: {exc}", param=param, code="invalid_model") from exc
     except (OSError, RuntimeError) as exc:
         raise InvalidRequestError(
             f"model path {raw[:200]!r} cannot be read: {exc.__class__.__name__}",
-            param="path",
+            param=param,
             code="invalid_model",
         ) from exc
 
@@ -27,7 +27,7 @@ def resolve_model_path(raw: JSON, models_root: Path) -> ModelFiles:
 def resolve_adapter_path(raw: JSON, models_root: Path) -> Path:
     """A LoRA adapter directory confined to `models_root`, its two files (symlinks resolved) too."""
     try:
-        real, root = confined(raw, models_root, "adapter")
+        real, root = confined(raw, models_root, "adapter", "lora_path")
         for name in ("adapter_config.json", "adapter_model.safetensors"):
             file = (real / name).resolve()
             if not file.is_file() or not file.is_relative_to(root):
@@ -46,10 +46,9 @@ def resolve_adapter_path(raw: JSON, models_root: Path) -> Path:
         ) from exc
 
 
-def confined(raw: JSON, models_root: Path, what: str) -> tuple[Path, Path]:
+def confined(raw: JSON, models_root: Path, what: str, param: str) -> tuple[Path, Path]:
     """(the directory `raw` names, symlinks resolved, the root resolved): absolute or relative to the root,
-    never outside it (400)."""
-    param = "path" if what == "model" else "lora_path"
+    never outside it (400, naming `param`)."""
     if not isinstance(raw, str) or not raw.strip() or "\x00" in raw:  # NUL: os.stat raises ValueError (a 500)
         raise InvalidRequestError(
             f"'{param}' must be a non-empty string (a directory under the models root)", param=param

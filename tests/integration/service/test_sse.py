@@ -6,10 +6,12 @@ import math
 import threading
 import time
 
+import pytest
+
 from engine.faults import Fault
 from resilience.router import ModelRouter
 from service.api.sse import DONE, SSE_HEADERS, encode_event
-from tests.harness import until
+from tests.harness import TINY, until
 
 
 def _events(raw: bytes) -> list:
@@ -101,8 +103,13 @@ async def test_a_stream_interval_streams_the_same_text_in_fewer_events(start):
     assert events[-1]["choices"][0]["finish_reason"] == "length"
 
 
-async def test_speculative_drafts_stream_their_kept_tokens_and_count_them_on_metrics(start):
-    h = await start(engine_kwargs={"speculative_config": {"method": "ngram", "num_speculative_tokens": 4}})
+@pytest.mark.parametrize(
+    "spec",
+    [{"method": "ngram", "num_speculative_tokens": 4}, {"model": str(TINY), "num_speculative_tokens": 3}],
+    ids=["ngram", "draft_model"],
+)
+async def test_speculative_drafts_stream_their_kept_tokens_and_count_them_on_metrics(start, spec):
+    h = await start(engine_kwargs={"speculative_config": spec})
     prompt = "for i in range(10):\n    print(i)\nfor j in range(10):\n"
     body = {"prompt": prompt, "max_tokens": 40, "temperature": 0, "ignore_eos": True, "logprobs": 0}
     whole = (await (await h.client.post("/v1/completions", json=body)).json())["choices"][0]

@@ -170,6 +170,29 @@ def test_bad_model_paths_are_400_with_the_reason(server, path, fragment):
     status, body = admin(server, "POST", "/admin/models/load", {"name": "bad", "path": path})
     assert status == 400 and fragment in body["error"]["message"], body
     assert "bad" not in states(server)
+    # a draft model's path is confined alike
+    draft = {"name": "bad", "path": "a", "speculative_config": {"model": path}}
+    status, body = admin(server, "POST", "/admin/models/load", draft)
+    assert status == 400 and fragment in body["error"]["message"], body
+    assert body["error"]["param"] == "speculative_config"
+    assert "bad" not in states(server)
+
+
+def test_a_model_loads_with_a_draft_model_under_the_root_and_drafts(server):
+    load(
+        server,
+        "drafted",
+        "a",
+        quota_bytes=QUOTA,
+        speculative_config={"model": "b", "num_speculative_tokens": 3},
+    )
+    status, body = complete(server, "drafted", max_tokens=32)
+    assert status == 200 and body["usage"]["completion_tokens"] == 32, body
+    metrics = call(server, "GET", "/metrics", headers=AUTH)[1].decode()
+    drafted = 'pagedserve:spec_decode_num_draft_tokens_total{model_name="drafted"} '
+    assert float(next(line for line in metrics.splitlines() if line.startswith(drafted))[len(drafted) :]) > 0
+    unload(server, "drafted")
+    assert states(server) == {"start": "ready"}
 
 
 def test_a_load_over_budget_evicts_the_least_recently_used_idle_model(server, root):
