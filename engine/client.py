@@ -42,6 +42,8 @@ class EngineClient(Protocol):
     linear_choice: dict | None  # with auto on CPU: what was timed to choose (onednn_linear.LinearChoice)
     # on CPU: steps run on one thread up to a size timed at load (engine/executor/step_threads.ThreadChoice)
     step_threads: dict | None
+    # with --speculative-config: the method and, for a draft model, what its load chose (DraftModelProposer)
+    speculative: dict | None
     rank_pids: tuple[
         int, ...
     ]  # processes of tensor-parallel ranks 1..N-1 (an SRE's to watch, a chaos test's to kill)

@@ -226,5 +226,6 @@ class HealthState:
             "linear_kernel": engine.linear_kernel,
             "linear_choice": engine.linear_choice,
             "step_threads": engine.step_threads,
+            "speculative": engine.speculative,
             "tensor_parallel_pids": list(engine.rank_pids),
         }

@@ -119,6 +119,7 @@ class FakeLoop:
     linear_kernel: str = "aten"
     linear_choice: dict | None = None
     step_threads: dict | None = None
+    speculative: dict | None = None
     rank_pids: tuple[int, ...] = ()
 
     @property

@@ -34,6 +34,9 @@ class Proposer(Protocol):
     def release(self, seq: Sequence) -> None:
         """seq is finished: what the proposer holds for it goes back."""
 
+    def describe(self) -> dict[str, object]:
+        """What it was configured and chose at load, JSON-able (/health/ready)."""
+
 
 class NgramProposer:
     def __init__(self, config: SpeculativeConfig) -> None:
@@ -45,6 +48,13 @@ class NgramProposer:
 
     def release(self, seq: Sequence) -> None:
         """Nothing held."""
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "method": "ngram",
+            "num_speculative_tokens": self.num_tokens,
+            "prompt_lookup": [self.min_n, self.max_n],
+        }
 
     def propose(self, seq: Sequence, limit: int) -> tuple[tuple[int, ...], list[Grammar]]:
         limit = min(limit, self.num_tokens)

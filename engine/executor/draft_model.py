@@ -162,6 +162,15 @@ class DraftModelProposer:
             for state, *_ in work:  # what it wrote is suspect: read those contexts again
                 self.blocks.free(self.states.pop(state.seq_id))
 
+    def describe(self) -> dict[str, object]:
+        return {
+            "method": "draft_model",
+            "model": str(self.runner.config.model),
+            "num_speculative_tokens": self.num_tokens,
+            "dtype": str(self.runner.dtype).removeprefix("torch."),
+            **self.choice,
+        }
+
     def release(self, seq: Sequence) -> None:
         state = self.states.pop(seq.seq_id, None)
         if state is not None:

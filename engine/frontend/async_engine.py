@@ -84,6 +84,7 @@ class EngineInfo:
     linear_kernel: str
     linear_choice: dict | None
     step_threads: dict | None
+    speculative: dict | None  # the proposer's describe(): its method and what it chose at load
     chat_template: str | None
     memory_bytes: tuple[int, int]  # (weights, KV block pool), every rank's under tensor parallelism
     rank_pids: tuple[int, ...] = ()  # the processes of tensor-parallel ranks 1..N-1 (rank 0 runs the loop)
@@ -103,6 +104,7 @@ class EngineInfo:
             runner.linear_kernel,
             runner.linear_choice.to_dict() if runner.linear_choice else None,
             runner.step_threads.to_dict() if runner.step_threads else None,
+            engine.scheduler.proposer.describe() if engine.scheduler.proposer is not None else None,
             engine.chat_template,
             (int(runner.weight_bytes) * ranks, int(runner.layout.total_bytes) * ranks),
             tuple(pid for pid in runner.ranks.pids if pid is not None) if runner.ranks is not None else (),
@@ -153,6 +155,7 @@ class EngineFrontend:
         self.linear_kernel = info.linear_kernel
         self.linear_choice = info.linear_choice
         self.step_threads = info.step_threads
+        self.speculative = info.speculative
         self.rank_pids = info.rank_pids
         self.faults = transport.faults
         self._num_adds_sent = 0  # AddRequests handed to the loop

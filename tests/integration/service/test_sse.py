@@ -129,6 +129,12 @@ async def test_speculative_drafts_stream_their_kept_tokens_and_count_them_on_met
     assert counts["drafts_total"] > 0 and counts["draft_tokens_total"] >= counts["accepted_tokens_total"] > 0
     first = 'pagedserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="primary",position="0"} '
     assert float(next(line for line in text.splitlines() if line.startswith(first))[len(first) :]) > 0
+    # /health/ready says how each engine drafts: the method, and a draft model's load-time choice
+    report = (await (await h.client.get("/health/ready")).json())["engines"]["primary"]["speculative"]
+    assert report["method"] == ("draft_model" if "model" in spec else "ngram")
+    assert report["num_speculative_tokens"] == spec["num_speculative_tokens"]
+    if "model" in spec:
+        assert report["chosen"] in report["step_ms"] and report["model"] == str(TINY)
 
 
 async def test_chat_stream_role_then_content(start):

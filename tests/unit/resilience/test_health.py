@@ -83,6 +83,7 @@ def test_starts_loading_then_ready(clock):
                 "linear_kernel": "aten",
                 "linear_choice": None,
                 "step_threads": None,
+                "speculative": None,
                 "tensor_parallel_pids": [],
             }
         },
