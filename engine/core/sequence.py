@@ -56,6 +56,9 @@ class Grammar(Protocol):
 
     def fork(self) -> "Grammar": ...
 
+    @property
+    def takes_drafts(self) -> bool: ...
+
     def lookahead(self, tokens: tuple[int, ...]) -> list["Grammar"]: ...
 
 

@@ -190,7 +190,7 @@ class DraftModelProposer:
                 seq.max_tokens - seq.num_output_tokens - 1,
                 self.max_model_len + 1 - seq.num_tokens,
             )
-            if limit <= 0 or budget <= 0:
+            if limit <= 0 or budget <= 0 or (seq.grammar is not None and not seq.grammar.takes_drafts):
                 continue
             state = self.states.get(seq.seq_id)
             if state is None:

@@ -88,6 +88,11 @@ class Grammar:
     def fork(self) -> "Grammar":
         return Grammar(self.matcher.deep_copy(), self.closer.fork() if self.closer is not None else None)
 
+    @property
+    def takes_drafts(self) -> bool:
+        """Whether `lookahead` can carry a draft at all (not a JSON constraint's)."""
+        return self.closer is None
+
     def lookahead(self, tokens: tuple[int, ...]) -> list["Grammar"]:
         """Matchers after tokens[:1], tokens[:2], ..., as far as the grammar takes them and goes on after
         them (a speculative draft's positions, engine/core/speculative.py). None (an empty list) for a JSON

@@ -223,5 +223,11 @@ def test_a_grammar_row_drafts_and_keeps_its_tokens_inside_the_grammar():
             assert llm.engine.stats().spec_num_accepted_tokens > 0  # the regex row's (the JSON row has none)
     for name in ("ngram", "draft_model"):
         assert [o.token_ids for o in outs[name]] == [o.token_ids for o in outs["none"]]
+    # the draft model does not even read a JSON row: its drafts would never be checked
+    llm.engine.add_request("json", llm.engine.encode(prompt), params[1])
+    for _ in range(4):
+        llm.engine.step()
+    assert not llm.engine.scheduler.proposer.states
+    llm.engine.abort_request("json")
     assert re.fullmatch("(x = 1\n){1,6}", outs["none"][0].text)
     json.loads(outs["none"][1].text)

@@ -132,6 +132,7 @@ class _Grammar:
 
     def __init__(self, bound: int, plans: bool = False) -> None:
         self.bound, self.plans = bound, plans
+        self.takes_drafts = not plans
 
     def lookahead(self, tokens):
         if self.plans:
