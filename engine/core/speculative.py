@@ -3,15 +3,14 @@
 An n-gram draft is the run of tokens that followed the last earlier occurrence of the sequence's last n
 tokens (n from prompt_lookup_max down to prompt_lookup_min), in its prompt or its output; a draft model's
 (engine/executor/draft_model.py) is that model's greedy continuation. Either is one token sequence fixed
-by the sequence's tokens, checked the same way. The scheduler
-runs the draft in the same step as the sequence's next token (positions after it, as decode rows each);
-the sampler draws every position's token exactly as it would have without a draft (greedy, or the
-seeded draw of that position; under a grammar, masked by a matcher that took the draft's tokens before
-it) and keeps the draft up to its first token that differs from the drawn one, plus the token drawn
-there. So a draft never changes the output, greedy or sampled (as far as a batch's rows do not change
-each other's arithmetic, as with any batch): a draft token is kept with the probability the target gives
-it, and the token that replaces a rejected one is drawn from the target's distribution without it
-(rejection sampling with a one-point draft).
+by the sequence's tokens, checked the same way. The scheduler runs the draft in the same step as the
+sequence's next token (positions after it, as decode rows each); the sampler draws every position's token
+exactly as it would have without a draft (greedy, or the seeded draw of that position; under a grammar,
+masked by a matcher that took the draft's tokens before it) and keeps the draft up to its first token
+that differs from the drawn one, plus the token drawn there. So a draft never changes the output, greedy
+or sampled (as far as a batch's rows do not change each other's arithmetic, as with any batch): a draft
+token is kept with the probability the target gives it, and the token that replaces a rejected one is
+drawn from the target's distribution without it (rejection sampling with a one-point draft).
 """
 
 from array import array

@@ -157,7 +157,11 @@ class DraftModelProposer:
             self._draft(work)
         except Exception:  # noqa: BLE001 - a draft is an optimization: the step goes on without drafts
             self.num_failed_steps += 1
-            logger.exception("the draft model failed a step; the step runs without drafts")
+            if self.num_failed_steps & (self.num_failed_steps - 1) == 0:  # the 1st, 2nd, 4th, ...: no flood
+                logger.exception(
+                    "the draft model failed a step (%d so far); the step runs without drafts",
+                    self.num_failed_steps,
+                )
             self.drafts = {}
             for state, *_ in work:  # what it wrote is suspect: read those contexts again
                 self.blocks.free(self.states.pop(state.seq_id))
@@ -238,7 +242,10 @@ class DraftModelProposer:
 class FusedDraftStep:
     """Decode rows of the draft model in one C call (engine/kernels/csrc/draft_step.c) where the kernel
     computes its layers: float32 on aten's products, Llama's layer (a q/k/v bias allowed) without sliding
-    windows, q/k norms, partial RoPE, experts, Gemma's norms or soft-capping. `of` is None otherwise."""
+    windows, q/k norms, partial RoPE, experts, Gemma's norms or soft-capping. `of` is None otherwise. The
+    products read a bfloat16 copy of their weights (half the bytes of a memory-bound step; exact for a
+    bfloat16 checkpoint such as the shipped models'), held beside the float32 ones that the torch forward
+    reads a context with."""
 
     @classmethod
     def of(cls, runner: ModelRunner) -> "FusedDraftStep | None":
