@@ -549,25 +549,31 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 class DraftStepKernel:
-    """draft_step_f32 (engine/kernels/csrc/draft_step.c): a whole float32 decode step of a small Llama-family
-    model, on the calling thread (engine/executor/draft_model.py's FusedDraftStep binds a model to it)."""
+    """draft_step_f32 (engine/kernels/csrc/draft_step.c): a draft model's greedy tokens, a whole float32
+    decode step of a small Llama-family model a token, in one call (engine/executor/draft_model.py's
+    FusedDraftStep binds a model to it)."""
 
     DIMS = 11  # the C side's D_NUM
     WEIGHTS = 7  # its W_NUM: pointers a layer
 
     def __init__(self, library: ctypes.CDLL, threads: Threads) -> None:
         self._step = library.draft_step_f32
-        self._step.argtypes = [_ptr, ctypes.c_float, ctypes.c_float, ctypes.c_float, *[_ptr] * 12]
+        self._step.argtypes = [_ptr, ctypes.c_float, ctypes.c_float, ctypes.c_float, *[_ptr] * 12, _i64]
         self._step.restype = ctypes.c_int
 
     def __call__(
-        self, dims: tuple[int, ...], floats: tuple[float, float, float], pointers: tuple[int, ...]
+        self,
+        dims: tuple[int, ...],
+        floats: tuple[float, float, float],
+        pointers: tuple[int, ...],
+        threads: int,
     ) -> None:
         """dims: the C side's D_NUM sizes; floats: (RMSNorm's eps, the attention scale, RoPE's cos/sin scale);
-        pointers: the 12 that follow them in draft_step_f32, every index in them checked by the caller."""
+        pointers: the 12 that follow them in draft_step_f32, every index in them checked by the caller;
+        threads: the parts the call runs in (on csrc/thread_pool.c's workers)."""
         if len(dims) != self.DIMS or len(pointers) != 12:
             raise ValueError(f"draft_step_f32 takes {self.DIMS} sizes and 12 pointers")
-        code = self._step((_i64 * self.DIMS)(*dims), *floats, *pointers)
+        code = self._step((_i64 * self.DIMS)(*dims), *floats, *pointers, threads)
         if code:
             raise RuntimeError(f"draft_step_f32 failed ({code})")
 

@@ -49,6 +49,7 @@ int lora_rows_f32(const float *, float *, const int64_t *, const int64_t *, cons
 int lora_rows_bf16(const uint16_t *, uint16_t *, const int64_t *, const int64_t *, const uint16_t *, const uint16_t *,
                    int64_t, int64_t, int64_t, int64_t, int64_t);
 int race_scores_f32(float *, const int64_t *, int64_t, int64_t, int64_t);
+int draft_part(void *, int64_t, int64_t);
 
 typedef struct {
     const int64_t *i; /* the kernel's integer and pointer arguments, in order */
@@ -78,6 +79,7 @@ static int run_kernel_as_is(int kernel, const args_t *a, int64_t b, int64_t e)
     case 14: return lora_rows_f32(P(0), P(1), P(2), P(3), P(4), P(5), i[6], i[7], i[8], b, e);
     case 15: return lora_rows_bf16(P(0), P(1), P(2), P(3), P(4), P(5), i[6], i[7], i[8], b, e);
     case 16: return race_scores_f32(P(0), P(1), i[2], b, e);
+    case 17: return draft_part(P(0), b, e); /* its parts meet at barriers: one range a thread */
     default: return -2;
     }
 }
@@ -187,7 +189,7 @@ static void init(void) { pthread_atfork(NULL, NULL, after_fork_in_child); }
  * the first error a range returned, or -2 / -3 for an unknown kernel / a wrong argument count */
 int pool_run(int kernel, const int64_t *ints, int64_t num_ints, float f, int64_t work, int64_t num_threads)
 {
-    static const int64_t arity[] = {12, 12, 8, 6, 6, 6, 6, 6, 3, 3, 4, 4, 3, 4, 9, 9, 3}; /* run_kernel's, case by case */
+    static const int64_t arity[] = {12, 12, 8, 6, 6, 6, 6, 6, 3, 3, 4, 4, 3, 4, 9, 9, 3, 1}; /* run_kernel's */
     if (kernel < 0 || kernel >= (int)(sizeof arity / sizeof arity[0])) return -2;
     if (num_ints != arity[kernel]) return -3;
     const args_t args = {ints, f};

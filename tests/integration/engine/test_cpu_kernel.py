@@ -1,8 +1,10 @@
 """The C decode-attention kernel against a float64 reference, and the engine's pure-torch path (used
 without a compiler) against transformers."""
 
+import ctypes
 import math
 import multiprocessing
+import platform
 import shutil
 from pathlib import Path
 
@@ -76,6 +78,19 @@ def test_the_build_has_the_paths_this_cpu_can_run():
         2 if {"avx512f", "avx512bw", "avx512_bf16"} <= flags else 0
     )
     assert cpu_kernel.load(1).features == expected
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the image's portable x86-64 build")
+def test_the_kernels_build_and_load_for_the_images_portable_cpu(monkeypatch, tmp_path):
+    """Dockerfile.cpu builds the library for x86-64-v3 (AVX2, no AVX-512): every source compiles and the
+    library loads there too (a helper declared only under AVX-512 once left an undefined symbol, and the
+    image would have run the pure-torch paths)."""
+    monkeypatch.setenv("PAGEDSERVE_KERNEL_CACHE", str(tmp_path))
+    flags = [f if f != "-march=native" else "-march=x86-64-v3" for f in cpu_kernel.CFLAGS]
+    monkeypatch.setattr(cpu_kernel, "CFLAGS", flags)
+    library = ctypes.CDLL(str(cpu_kernel._build(shutil.which("cc") or shutil.which("gcc"))))
+    assert library.paged_decode_features() == 0  # the portable decode kernel only
+    assert library.draft_step_f32 and library.pool_run
 
 
 def test_engine_uses_kernel_on_cpu_fp32_and_bf16(random_model):

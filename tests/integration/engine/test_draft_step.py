@@ -25,14 +25,18 @@ def _logits(runner, rows: list[ScheduledSeq]) -> torch.Tensor:
         return runner.model.compute_logits(hidden[batch.sample_indices]).float()
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("model", ["shipped-tiny", "tiny-llama", "tiny-qwen2"])
-def test_the_one_call_step_picks_the_torch_forwards_token_and_writes_its_kv(random_model, model):
+def test_the_one_call_step_picks_the_torch_forwards_token_and_writes_its_kv(random_model, model, threads):
+    """On one thread, and in two parts (each its KV head and a share of every product, meeting at
+    barriers)."""
     path = str(TINY) if model == "shipped-tiny" else random_model(model)
     runner = LLM(
         path, dtype="float32", linear_kernel="aten", block_size=4, max_model_len=128
     ).engine.model_runner
     fused = FusedDraftStep.of(runner)
     assert fused is not None
+    fused.threads = threads
     blocks = BlockManager(runner.layout.num_blocks, runner.layout.block_size, enable_prefix_caching=False)
     vocab = runner.model.config.vocab_size
     prompts = [[(31 * i + 7 * j) % (vocab - 10) + 5 for j in range(9 + 5 * i)] for i in range(3)]
@@ -91,8 +95,11 @@ def test_it_binds_only_models_it_computes(random_model):
     assert FusedDraftStep.of(runner("tiny-gemma2")) is None  # Gemma's norms, soft-capping
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("model", ["shipped-tiny", "tiny-qwen2"])
-def test_a_drafts_tokens_in_one_call_are_the_torch_forwards_each_given_the_ones_before(random_model, model):
+def test_a_drafts_tokens_in_one_call_are_the_torch_forwards_each_given_the_ones_before(
+    random_model, model, threads
+):
     """Sequences drafting 1-4 tokens in one call, one of them reading two tokens first: each drafted token is
     the torch forward's most likely one after the context and the drafted tokens before it."""
     path = str(TINY) if model == "shipped-tiny" else random_model(model)
@@ -100,6 +107,7 @@ def test_a_drafts_tokens_in_one_call_are_the_torch_forwards_each_given_the_ones_
         path, dtype="float32", linear_kernel="aten", block_size=4, max_model_len=128
     ).engine.model_runner
     fused = FusedDraftStep.of(runner)
+    fused.threads = threads
     blocks = BlockManager(runner.layout.num_blocks, runner.layout.block_size, enable_prefix_caching=False)
     vocab = runner.model.config.vocab_size
     states, rows, limits = [], [], {}
