@@ -35,18 +35,6 @@ enum { D_LAYERS, D_HIDDEN, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_VOCAB, D_
        D_ROWS, D_NUM };
 enum { W_IN_NORM, W_QKV, W_QKV_BIAS, W_O, W_POST_NORM, W_GATE_UP, W_DOWN, W_NUM };
 
-static inline float dot(const float *restrict a, const float *restrict b, int64_t n)
-{
-    float part[16] = {0};
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16)
-        for (int j = 0; j < 16; ++j) part[j] += a[i + j] * b[i + j];
-    float sum = 0.0f;
-    for (; i < n; ++i) sum += a[i] * b[i];
-    for (int j = 0; j < 16; ++j) sum += part[j];
-    return sum;
-}
-
 static inline void put(float *y, float v, int accumulate) { *y = accumulate ? *y + v : v; }
 
 #if defined(__AVX512F__)
@@ -84,18 +72,6 @@ static inline __attribute__((always_inline)) void linear_tile(const float *x, co
                 accumulate);
 }
 #endif
-
-static inline float dot_bf16(const float *restrict x, const uint16_t *restrict w, int64_t n)
-{
-    float part[16] = {0};
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16)
-        for (int j = 0; j < 16; ++j) part[j] += x[i + j] * bf16_load(w[i + j]);
-    float sum = 0.0f;
-    for (; i < n; ++i) sum += x[i] * bf16_load(w[i]);
-    for (int j = 0; j < 16; ++j) sum += part[j];
-    return sum;
-}
 
 /* y[r, o] = w[o, :] . x[r, :] (+ bias[o]) for o < count, or added to y[r, o]; rows of y ystride apart; w in
  * bfloat16 (`w`, `bias` and `y` start at the first output) */

@@ -1,5 +1,5 @@
-/* Helpers the CPU kernels share (engine/kernels/csrc/*.c): bfloat16 <-> float32 as torch converts them, and a
- * float32 e^x in plain C that the compiler vectorizes. */
+/* Helpers the CPU kernels share (engine/kernels/csrc/*.c): bfloat16 <-> float32 as torch converts them, dot
+ * products, and a float32 e^x in plain C that the compiler vectorizes. */
 #ifndef PAGEDSERVE_KERNEL_MATH_H
 #define PAGEDSERVE_KERNEL_MATH_H
 
@@ -22,6 +22,30 @@ static inline uint16_t bf16_store(float f)
 
 /* f rounded to bfloat16, as a float32: what a bfloat16 aten op's result reads back as */
 static inline float bf16_round(float f) { return bf16_load(bf16_store(f)); }
+
+/* a . b over n values (b in bfloat16 for dot_bf16), 8 partial sums: the compiler turns the inner loop into
+ * one vector multiply-add per 8 values */
+static inline float dot(const float *restrict a, const float *restrict b, int64_t n)
+{
+    float part[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; ++j) part[j] += a[i + j] * b[i + j];
+    float tail = 0.0f;
+    for (; i < n; ++i) tail += a[i] * b[i];
+    return ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7])) + tail;
+}
+
+static inline float dot_bf16(const float *restrict a, const uint16_t *restrict b, int64_t n)
+{
+    float part[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; ++j) part[j] += a[i + j] * bf16_load(b[i + j]);
+    float tail = 0.0f;
+    for (; i < n; ++i) tail += a[i] * bf16_load(b[i]);
+    return ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7])) + tail;
+}
 
 /* e^x to within a few ulp (Cephes' expf: x = n ln2 + r, a degree-6 polynomial for e^r, 2^n put in the
  * exponent bits), x clamped to [-87.33, 88.37] so 2^n stays a normal float: e^-inf gives about 1e-38,

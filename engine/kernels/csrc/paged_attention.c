@@ -18,29 +18,6 @@
 
 #include "kernel_math.h"
 
-/* 8 partial sums: the compiler turns the inner loop into one vector multiply-add per 8 values */
-static inline float dot(const float *restrict a, const float *restrict b, int64_t n)
-{
-    float part[8] = {0};
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int j = 0; j < 8; ++j) part[j] += a[i + j] * b[i + j];
-    float tail = 0.0f;
-    for (; i < n; ++i) tail += a[i] * b[i];
-    return ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7])) + tail;
-}
-
-static inline float dot_bf16(const float *restrict a, const uint16_t *restrict b, int64_t n)
-{
-    float part[8] = {0};
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int j = 0; j < 8; ++j) part[j] += a[i + j] * bf16_load(b[i + j]);
-    float tail = 0.0f;
-    for (; i < n; ++i) tail += a[i] * bf16_load(b[i]);
-    return ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7])) + tail;
-}
-
 /* ask for the next block while this one is read: blocks are scattered, so the hardware prefetcher,
  * which follows streams within a page, would otherwise start each one cold */
 static inline void prefetch_row(const char *row, int64_t bytes)
