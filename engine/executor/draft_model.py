@@ -42,6 +42,7 @@ from engine.core.scheduler import ScheduledSeq
 from engine.core.sequence import Grammar, Sequence
 from engine.core.speculative import along_grammar
 from engine.errors import ModelValidationError
+from engine.executor.layers.onednn_linear import TransposedLinear
 from engine.executor.loader import ModelFiles, validate_model_dir
 from engine.executor.model_runner import TIMED_CONTEXT, ModelRunner
 from engine.executor.models.llama import LlamaForCausalLM
@@ -273,7 +274,7 @@ class FusedDraftStep:
         ):
             return None
         linears = [m for layer in model.layers for m in (*layer.self_attn.children(), *layer.mlp.children())]
-        if any(type(m) is not nn.Linear or not m.weight.is_contiguous() for m in linears):
+        if any(type(m) not in (nn.Linear, TransposedLinear) for m in linears):
             return None  # oneDNN's reordered weights, or int8 ones
         return cls(kernel, runner)
 
@@ -287,18 +288,21 @@ class FusedDraftStep:
         self.threads = 1  # as _load_fastest times it
         self.kernel, self.args, self.block_size = kernel, model.args, layout.block_size
         self.num_slots = layout.num_blocks * layout.block_size
-        bf16 = lambda t: t.to(torch.bfloat16).contiguous()  # noqa: E731 - the products' weights, as read
+
+        def bf16(linear: nn.Module) -> torch.Tensor:  # a product's [out, in] weight, as the kernel reads it
+            return linear.weight.to(torch.bfloat16).contiguous()
+
         tensors = []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             tensors += [
                 layer.input_layernorm.weight,
-                bf16(attn.qkv_proj.weight),
+                bf16(attn.qkv_proj),
                 attn.qkv_proj.bias,
-                bf16(attn.o_proj.weight),
+                bf16(attn.o_proj),
                 layer.post_attention_layernorm.weight,
-                bf16(mlp.gate_up_proj.weight),
-                bf16(mlp.down_proj.weight),
+                bf16(mlp.gate_up_proj),
+                bf16(mlp.down_proj),
             ]
         assert len(tensors) == kernel.WEIGHTS * len(model.layers)
         self.tensors = tensors  # alive while the kernel reads them
@@ -311,11 +315,8 @@ class FusedDraftStep:
         self.inv_freq = inv_freq.float().contiguous()
         self.floats = (self.args.rms_norm_eps, model.layers[0].self_attn.scale, float(rope_scale))
         head = model.embed_tokens if model.lm_head is None else model.lm_head
-        self.embed, self.final_norm, self.lm_head = (
-            model.embed_tokens.weight,
-            model.norm.weight,
-            bf16(head.weight),
-        )
+        self.embed, self.final_norm = model.embed_tokens.weight, model.norm.weight
+        self.lm_head = head.weight.to(torch.bfloat16).contiguous()
         self.model = model  # the weights and caches the pointers point into stay alive with it
         self.scratch = torch.empty(0)
 

@@ -153,14 +153,15 @@ class ModelRunner:
         prefill chunk, onednn_linear.choose; aten under tensor parallelism and with compile)."""
         if (
             self.device.type != "cpu"
-            or requested == "aten"
             or self.quant is not None
             or self.tp is not None
             or self.config.compile
             or self.generic
         ):
             return None, "int8" if self.quant is not None else "aten"
-        if requested == "onednn":
+        if requested == "aten":
+            choice, chosen = None, "aten"
+        elif requested == "onednn":
             error = onednn_linear.reorder_error(self.dtype)
             if error is not None:
                 raise ValueError(f"linear_kernel 'onednn' cannot run {self.dtype} here: {error}")
@@ -171,9 +172,12 @@ class ModelRunner:
             )
             rows = tuple(sorted({1, self.config.max_num_seqs, prefill}))
             choice = onednn_linear.choose(self.model, self.dtype, rows)
-        chosen = choice.chosen if choice is not None else "onednn"
+        if requested != "aten":
+            chosen = choice.chosen if choice is not None else "onednn"
         if chosen == "onednn":
             onednn_linear.pack_linears(self.model.layers)
+        elif self.dtype == torch.float32:  # aten's products of a few rows at about one row's cost
+            onednn_linear.transpose_linears(self.model.layers)
         logger.info("linear layers: %s (%s)", chosen, choice.to_dict() if choice else "asked for")
         return choice, chosen
 

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from benchmarks.make_model import make_quantized_model
 from engine import LLM, SamplingParams
+from engine.executor.layers.onednn_linear import TransposedLinear
 from engine.executor.layers.quantization import (
     CALIBRATION_ROWS,
     KERNEL_MAX_ROWS,
@@ -367,12 +368,13 @@ def test_w8a8_prefills_in_int8_products_close_to_int8s(random_model):
 @needs_cc
 def test_int8_is_a_quarter_of_the_linear_bytes(random_model):
     src = random_model("tiny-llama")
-    full = LLM(src, dtype="float32", max_model_len=64, linear_kernel="aten").engine.model_runner  # nn.Linear
+    # aten's float32 products: nn.Linear's weights, held transposed
+    full = LLM(src, dtype="float32", max_model_len=64, linear_kernel="aten").engine.model_runner
     int8 = LLM(src, dtype="float32", max_model_len=64, quantization="int8").engine.model_runner
     linear = sum(
         m.weight.numel()
         for n, m in full.model.named_modules()
-        if n.startswith("layers.") and isinstance(m, torch.nn.Linear)
+        if n.startswith("layers.") and isinstance(m, torch.nn.Linear | TransposedLinear)
     )
     layers = [m for m in int8.model.modules() if isinstance(m, Int8Linear)]
     assert full.weight_bytes - int8.weight_bytes == linear * 3 - sum(m.scales.numel() for m in layers) * 4
