@@ -175,9 +175,9 @@ class ModelRunner:
         if requested != "aten":
             chosen = choice.chosen if choice is not None else "onednn"
         if chosen == "onednn":
-            onednn_linear.pack_linears(self.model.layers)
+            onednn_linear.replace_linears(self.model.layers, onednn_linear.PackedLinear)
         elif self.dtype == torch.float32:  # aten's products of a few rows at about one row's cost
-            onednn_linear.transpose_linears(self.model.layers)
+            onednn_linear.replace_linears(self.model.layers, onednn_linear.TransposedLinear)
         logger.info("linear layers: %s (%s)", chosen, choice.to_dict() if choice else "asked for")
         return choice, chosen
 

@@ -174,21 +174,13 @@ def _time_kernels(model: nn.Module, dtype: torch.dtype, row_counts: tuple[int, .
     return LinearChoice("aten" if total["aten"] * (1 + MARGIN) < total["onednn"] else "onednn", medians)
 
 
-def pack_linears(module: nn.Module) -> int:
-    """Replace every float nn.Linear under `module` by its PackedLinear; returns how many."""
+def replace_linears(module: nn.Module, kind: type[PackedLinear | TransposedLinear]) -> int:
+    """Replace every float nn.Linear under `module` by `kind` (oneDNN's reordered weight, or the transposed
+    one aten's float32 products run on); returns how many."""
     targets = [(name, child) for name, child in module.named_modules() if type(child) is nn.Linear]
     for name, linear in targets:
         parent, _, leaf = name.rpartition(".")
-        setattr(module.get_submodule(parent), leaf, PackedLinear(linear.weight, linear.bias))
-    return len(targets)
-
-
-def transpose_linears(module: nn.Module) -> int:
-    """Replace every nn.Linear under `module` by its TransposedLinear; returns how many."""
-    targets = [(name, child) for name, child in module.named_modules() if type(child) is nn.Linear]
-    for name, linear in targets:
-        parent, _, leaf = name.rpartition(".")
-        setattr(module.get_submodule(parent), leaf, TransposedLinear(linear.weight, linear.bias))
+        setattr(module.get_submodule(parent), leaf, kind(linear.weight, linear.bias))
     return len(targets)
 
 

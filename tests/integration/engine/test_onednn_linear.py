@@ -14,10 +14,11 @@ from engine.executor.layers.onednn_linear import (
     MARGIN,
     STEPS_PER_OCTAVE,
     PackedLinear,
+    TransposedLinear,
     bucket,
     choose,
-    pack_linears,
     reorder_error,
+    replace_linears,
 )
 from engine.executor.layers.quantization import Int8Linear
 from engine.executor.loader import validate_model_dir
@@ -92,13 +93,23 @@ def test_choose_times_both_kernels_on_the_models_own_layers_and_leaves_them_as_t
     assert choose(model, torch.float32, (1, 4, 48)) is choice  # once per shape in a process
 
 
-def test_pack_linears_swaps_float_linears_only():
+@pytest.mark.parametrize("kind", [PackedLinear, TransposedLinear])
+def test_replace_linears_swaps_float_linears_only_for_the_same_products(kind):
+    torch.manual_seed(0)
     block = nn.Sequential(
-        nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 4)), Int8Linear(8, 8, False, None, torch.float32)
+        nn.Linear(8, 8),
+        nn.Sequential(nn.Linear(8, 4, bias=False)),
+        Int8Linear(8, 8, False, None, torch.float32),
     )
-    assert pack_linears(block) == 2
-    assert isinstance(block[0], PackedLinear) and isinstance(block[1][0], PackedLinear)
+    x = torch.randn(5, 8)
+    expected = [block[0](x), block[1][0](x)]
+    assert replace_linears(block, kind) == 2
+    assert isinstance(block[0], kind) and isinstance(block[1][0], kind)
     assert isinstance(block[2], Int8Linear)
+    for got, want in zip([block[0](x), block[1][0](x)], expected, strict=True):
+        torch.testing.assert_close(got, want)
+    if kind is TransposedLinear:  # nn.Linear's [out, in] view, for what reads a layer's weight
+        assert block[1][0].weight.shape == (4, 8)
 
 
 def test_engine_reports_its_choice_and_forced_kernels(random_model):
