@@ -430,7 +430,7 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
         help='speculative decoding, as vLLM takes it: JSON such as \'{"method": "ngram", '
         '"num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1, '
         '"disable_by_batch_size": 16}\' (n-gram prompt lookup) or \'{"model": "DIR", '
-        '"num_speculative_tokens": 3}\' (a draft model of the same tokenizer); the same tokens as without '
+        '"num_speculative_tokens": 4}\' (a draft model of the same tokenizer); the same tokens as without '
         "it, greedy or sampled: docs/serving.md#speculative-decoding",
     )
     g.add_argument(

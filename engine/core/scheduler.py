@@ -172,9 +172,7 @@ class Scheduler:
         if self.proposer is not None:
             limit = self.config.speculative_config.disable_by_batch_size
             budget.drafts = limit is None or len(self.running) <= limit
-            self.proposer.prepare(
-                [s for s in self.running if not s.is_prefill] if budget.drafts else [], self.running
-            )
+            self.proposer.prepare(self.running, budget.drafts)
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
         if self.config.scheduler_policy != "fcfs":

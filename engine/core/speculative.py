@@ -21,10 +21,9 @@ from engine.core.sequence import Grammar, Sequence
 
 
 class Proposer(Protocol):
-    def prepare(self, seqs: list[Sequence], running: list[Sequence]) -> None:
-        """Before the scheduler plans a step: `seqs` are the decoding sequences that may draft in it
-        (none where the step drafts nothing), `running` every running sequence (a proposer forgets the
-        others)."""
+    def prepare(self, running: list[Sequence], drafting: bool) -> None:
+        """Before the scheduler plans a step: `running` every running sequence (a proposer forgets the
+        others), whose decoding ones may draft in it where `drafting`."""
 
     def propose(self, seq: Sequence, limit: int) -> tuple[tuple[int, ...], list[Grammar]]:
         """Up to min(limit, num_speculative_tokens) tokens that may follow seq's tokens (() for none)
@@ -42,7 +41,7 @@ class NgramProposer:
         self.num_tokens = config.num_speculative_tokens
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
 
-    def prepare(self, seqs: list[Sequence], running: list[Sequence]) -> None:
+    def prepare(self, running: list[Sequence], drafting: bool) -> None:
         """Nothing to do ahead: a lookup is per sequence, in `propose`."""
 
     def release(self, seq: Sequence) -> None:

@@ -146,12 +146,15 @@ class DraftModelProposer:
                 f"({vocab_size}): a draft model must share the model's tokenizer"
             )
 
-    def prepare(self, seqs: list[Sequence], running: list[Sequence]) -> None:
+    def prepare(self, running: list[Sequence], drafting: bool) -> None:
         self.drafts = {}
-        live = {seq.seq_id for seq in running}
-        for seq_id in [i for i in self.states if i not in live]:  # preempted: read again once back
-            self.blocks.free(self.states.pop(seq_id))
-        work = self._plan(seqs)
+        if self.states:
+            live = {seq.seq_id for seq in running}
+            for seq_id in [i for i in self.states if i not in live]:  # preempted: read again once back
+                self.blocks.free(self.states.pop(seq_id))
+        if not drafting:
+            return
+        work = self._plan([seq for seq in running if not seq.is_prefill])
         if not work:
             return
         try:

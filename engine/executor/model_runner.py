@@ -165,15 +165,14 @@ class ModelRunner:
             error = onednn_linear.reorder_error(self.dtype)
             if error is not None:
                 raise ValueError(f"linear_kernel 'onednn' cannot run {self.dtype} here: {error}")
-            choice = None
+            choice, chosen = None, "onednn"
         else:
             prefill = onednn_linear.bucket(
                 min(self.config.max_num_batched_tokens, onednn_linear.CHOICE_MAX_PREFILL_ROWS)
             )
             rows = tuple(sorted({1, self.config.max_num_seqs, prefill}))
             choice = onednn_linear.choose(self.model, self.dtype, rows)
-        if requested != "aten":
-            chosen = choice.chosen if choice is not None else "onednn"
+            chosen = choice.chosen
         if chosen == "onednn":
             onednn_linear.replace_linears(self.model.layers, onednn_linear.PackedLinear)
         elif self.dtype == torch.float32:  # aten's products of a few rows at about one row's cost
