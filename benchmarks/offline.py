@@ -42,10 +42,10 @@ if not __package__:  # python benchmarks/offline.py: the repository root, not be
 
 from engine.config import set_openmp_defaults  # noqa: E402
 
-# libgomp's default spin-waiting makes every parallel op on 2 threads 10-30x slower when other processes
-# share the 2 cores (measured: a 32x576x1536 linear 1.5 ms passive vs 44 ms spinning under load 7): the
-# server's setting (engine/config.py), before torch loads libgomp; export OMP_WAIT_POLICY to override.
-set_openmp_defaults()
+# OpenMP waits as LLM's users get it (engine/config.py: a bounded spin, no event loop here), before torch
+# loads libgomp; export OMP_WAIT_POLICY=PASSIVE for the server's wait (the benchmark's setting until
+# 2026-12-05: one step's parallel products then pay a wake-up each), or GOMP_SPINCOUNT for another spin.
+set_openmp_defaults(offline=True)
 
 import torch  # noqa: E402
 

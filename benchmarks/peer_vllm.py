@@ -140,7 +140,7 @@ def run_in_venv(
 ) -> PeerResponse:
     """Run `request` in benchmarks/.venv-vllm (`make bench-peers`) as a subprocess; its output goes to a log,
     whose tail a failure carries."""
-    # the parent's OMP_WAIT_POLICY goes along, so vLLM's threads share the cores as politely as ours;
+    # the parent's environment goes along (an exported OMP_WAIT_POLICY applies to both systems);
     # PYTHONSAFEPATH keeps benchmarks/ off the peer's sys.path (no sibling script may shadow a module of vLLM's)
     env = dict(
         os.environ,

@@ -1,6 +1,8 @@
 """pagedserve's paged KV-cache inference engine. No HTTP, no resilience: torch + transformers only."""
 
-from engine.config import EngineConfig, KVCacheLayout
+import sys
+
+from engine.config import EngineConfig, KVCacheLayout, set_openmp_defaults
 from engine.errors import (
     EngineDeadError,
     EngineError,
@@ -29,7 +31,10 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # torch and transformers load only when the heavy classes are asked for
+    # torch and transformers load only when the heavy classes are asked for; the offline ones with
+    # OpenMP's offline wait (engine/config.py), unless torch is loaded already (too late to matter)
+    if name in ("LLM", "LLMEngine") and "torch" not in sys.modules:
+        set_openmp_defaults(offline=True)
     if name == "LLM":
         from engine.frontend.llm import LLM
 

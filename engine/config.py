@@ -26,7 +26,11 @@ MAX_NUM_TOKENS = 1 << 20  # max_num_batched_tokens, max_num_waiting
 # on a Xeon) pays offline, one process alone on its cores (one stream 171 -> 292 tok/s; 8 LoRA adapters x 32
 # streams 0.58 -> 0.71 of the base), but not in the server, whose event loop needs the core the spinning
 # thread holds: over HTTP one stream ran 150 -> 135 tok/s, 64 streams -4%. The server waits passively;
-# docs/operations.md#cpu-threads says when to set the spin.
+# offline (LLM, LLMEngine: no event loop in the process) spins 30,000 times, a tenth of libgomp's default:
+# benchmarks/offline.py's SmolLM-135M shape in bf16 on a 2-core Xeon ran 264.9 tok/s passive (1.10
+# CPU-seconds per wall-second), 314.3 with libgomp's default (1.98), 345.4 with 30,000 (1.85).
+# docs/operations.md#cpu-threads says when to set another.
+OFFLINE_SPIN_COUNT = "30000"
 DTYPE_ALIASES = {
     "fp32": "float32",
     "bf16": "bfloat16",
@@ -36,10 +40,14 @@ DTYPE_ALIASES = {
 }
 
 
-def set_openmp_defaults(environ: MutableMapping[str, str] = os.environ) -> None:
-    """The server's OpenMP waits: PASSIVE, unless a policy is set already; call it before torch is imported
-    (in this process, or in `environ` for a child's)."""
-    environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+def set_openmp_defaults(environ: MutableMapping[str, str] = os.environ, *, offline: bool = False) -> None:
+    """OpenMP's waits where the operator set none: the server's PASSIVE, or `offline`'s bounded spin (a
+    GOMP_SPINCOUNT beside OMP_WAIT_POLICY overrides it). Call it before torch is imported (in this process,
+    or in `environ` for a child's)."""
+    if not offline:
+        environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    elif "OMP_WAIT_POLICY" not in environ:
+        environ.setdefault("GOMP_SPINCOUNT", OFFLINE_SPIN_COUNT)
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")

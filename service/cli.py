@@ -44,10 +44,11 @@ logger = logging.getLogger("service")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    # before torch loads OpenMP: long-spinning workers steal the cores the other threads (event loop,
-    # tokenizer, other replicas) need; measured 9.6 -> 57 tok/s for one stream on 2 busy cores
-    set_openmp_defaults()
     args = build_parser().parse_args(argv)
+    # before torch loads OpenMP: long-spinning workers steal the cores the other threads (event loop,
+    # tokenizer, other replicas) need; measured 9.6 -> 57 tok/s for one stream on 2 busy cores. generate and
+    # bench have no event loop: they wait as LLM does (engine/config.py)
+    set_openmp_defaults(offline=args.command in ("generate", "bench"))
     if args.command is None:
         build_parser().print_help()
         return 2

@@ -3,11 +3,15 @@ whole one does, or is refused naming what is wrong (EngineConfig's own checks:
 tests/unit/engine/test_config_and_loader.py)."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 import time
 
 import pytest
 
+from engine.config import OFFLINE_SPIN_COUNT
 from engine.errors import ModelValidationError
 from engine.executor.loader import validate_model_dir
 
@@ -265,3 +269,14 @@ def test_own_forwards_name_a_missing_tensor_as_their_checkpoint_does(
     )
     with pytest.raises(ValueError, match=f"lacks {name}$"):
         LLM(str(path), dtype="float32", max_model_len=64)
+
+
+def test_asking_for_the_offline_engine_sets_its_wait_before_torch_loads():
+    code = (
+        "import os, sys, engine; assert 'torch' not in sys.modules; engine.LLM;"
+        "assert 'torch' in sys.modules; e = os.environ;"
+        "print(e.get('GOMP_SPINCOUNT'), e.get('OMP_WAIT_POLICY'))"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == [OFFLINE_SPIN_COUNT, "None"]

@@ -3,7 +3,7 @@ tests/integration/engine/test_config_and_loader.py)."""
 
 import pytest
 
-from engine.config import EngineConfig, set_openmp_defaults
+from engine.config import OFFLINE_SPIN_COUNT, EngineConfig, set_openmp_defaults
 
 
 @pytest.mark.parametrize(
@@ -45,4 +45,18 @@ def test_config_accepts_aliases_and_auto():
 def test_openmp_defaults_leave_an_operators_policy_alone(given, want):
     environ = {"PATH": "/bin", **given}
     set_openmp_defaults(environ)
+    assert environ == {"PATH": "/bin", **want}
+
+
+@pytest.mark.parametrize(
+    ("given", "want"),
+    [
+        ({}, {"GOMP_SPINCOUNT": OFFLINE_SPIN_COUNT}),
+        ({"GOMP_SPINCOUNT": "3000"}, {"GOMP_SPINCOUNT": "3000"}),
+        ({"OMP_WAIT_POLICY": "PASSIVE"}, {"OMP_WAIT_POLICY": "PASSIVE"}),  # the server's, or an operator's
+    ],
+)
+def test_offline_openmp_defaults_spin_a_while_unless_told(given, want):
+    environ = {"PATH": "/bin", **given}
+    set_openmp_defaults(environ, offline=True)
     assert environ == {"PATH": "/bin", **want}
