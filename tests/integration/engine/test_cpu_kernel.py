@@ -40,7 +40,9 @@ def _reference(q, k_cache, v_cache, tables, lens, block_size, scale):
 
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim", "block_size"),
-    [(9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 16, 1), (6, 2, 64, 32)],
+    # AVX-512 where head_dim % 32 == 0: value tiles of up to 4 query heads (groups of 6 and 5 take two) and
+    # 64 dimensions (128 takes two, 96 one and a half)
+    [(9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 16, 1), (6, 2, 64, 32), (12, 2, 128, 16), (10, 2, 96, 16)],
 )
 @pytest.mark.parametrize("num_threads", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
