@@ -123,7 +123,8 @@ def _library() -> ctypes.CDLL | None:
 
 class Threads:
     """Runs a kernel over [0, work) split into `num_threads` ranges: the calling thread takes the first, the
-    C pool of csrc/thread_pool.c the rest; ctypes releases the GIL for the whole call, and no worker needs it."""
+    others OpenMP's team (torch's threads, where torch loaded libgomp) or else the C pool of
+    csrc/thread_pool.c; ctypes releases the GIL for the whole call, and no worker needs it."""
 
     def __init__(self, library: ctypes.CDLL, num_threads: int) -> None:
         self.num_threads = max(1, num_threads)

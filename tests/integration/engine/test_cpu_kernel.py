@@ -108,11 +108,19 @@ def test_engine_uses_kernel_on_cpu_fp32_and_bf16(random_model):
 
 
 def _run_in_child(args, queue):
-    queue.put(cpu_kernel.load(2)(*args).tolist())
+    queue.put((cpu_kernel.load(2)(*args).tolist(), cpu_kernel._library().pool_openmp()))
+
+
+def test_jobs_run_on_torchs_openmp_team():
+    """Where torch loaded libgomp, a kernel's threads are OpenMP's (torch's own), not a second pool's."""
+    with open("/proc/self/maps") as maps:
+        libgomp = "libgomp" in maps.read()
+    assert cpu_kernel._library().pool_openmp() == libgomp
 
 
 def test_kernel_works_in_a_forked_child():
-    """A child forked after the kernel's thread pool started gets a pool of its own (no hang)."""
+    """A child forked after the kernel's thread pool started gets a pool of its own, never OpenMP's team
+    (libgomp would wait for the parent's threads: a hang)."""
     kernel = cpu_kernel.load(2)
     k_cache, v_cache = torch.randn(2, 64, 16), torch.randn(2, 64, 16)
     args = (
@@ -129,10 +137,11 @@ def test_kernel_works_in_a_forked_child():
     queue = ctx.Queue()
     child = ctx.Process(target=_run_in_child, args=(args, queue))
     child.start()
-    got = queue.get(timeout=60)
+    got, child_openmp = queue.get(timeout=60)
     child.join(timeout=60)
     assert child.exitcode == 0
     torch.testing.assert_close(torch.tensor(got), expected)
+    assert child_openmp == 0
 
 
 def _pool_under_callers(queue) -> None:
