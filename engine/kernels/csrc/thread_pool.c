@@ -9,7 +9,8 @@
  * concurrent callers (two engines in one process) take turns. A forked child starts without workers.
  *
  * Where torch has loaded libgomp (its CPU build), a job runs on OpenMP's team instead (GOMP_parallel, found
- * with dlsym: no link to any OpenMP runtime): the threads torch's own products run on, so that the two pools
+ * with dlsym: no link to any OpenMP runtime; callers on several threads then run at once, each on its own
+ * thread's team): the threads torch's own products run on, so that the two pools
  * do not take turns on the cores: after a product torch's worker spins (offline, engine/config.py) where this
  * pool's worker needed the core, and after a kernel call torch's worker had to be woken. A 28-row decode step
  * of the SmolLM-135M shape took 55.5 ms on the pool (22.9 in attention, 5.1 in o_proj), 45 on the team (16.0,
