@@ -2,6 +2,7 @@
 (number of KV blocks, bytes per block) live in `KVCacheLayout`, never in the config."""
 
 import os
+import re
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -48,6 +49,16 @@ def set_openmp_defaults(environ: MutableMapping[str, str] = os.environ, *, offli
         environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     elif "OMP_WAIT_POLICY" not in environ:
         environ.setdefault("GOMP_SPINCOUNT", OFFLINE_SPIN_COUNT)
+
+
+def openmp_spins(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether libgomp's idle threads spin before they sleep, as `environ` sets it (libgomp reads it when
+    torch loads it): a GOMP_SPINCOUNT libgomp parses decides (a count with an optional k/M/G/T suffix, or
+    infinite; 0: no spin), else every OMP_WAIT_POLICY but PASSIVE spins (unset: 300,000 spins)."""
+    count = re.fullmatch(r"\s*(\d+)\s*[kmgt]?\s*|\s*infinit[ey]\s*", environ.get("GOMP_SPINCOUNT", ""), re.I)
+    if count is not None:
+        return count.group(1) is None or int(count.group(1)) > 0
+    return environ.get("OMP_WAIT_POLICY", "").strip().upper() != "PASSIVE"
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from engine.config import openmp_spins
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -59,9 +61,14 @@ KERNELS = {
     "race_scores": 16,
 }
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
-# below this many elements an elementwise kernel (RMSNorm, RoPE, SiLU * up) runs on the calling thread alone: it is done
-# before a second thread would have woken (tens of microseconds on a VM with OpenMP's threads asleep)
+# below this many elements an elementwise kernel (RMSNorm, RoPE, SiLU * up) runs on the calling thread
+# alone: where the other threads sleep between ops (OMP_WAIT_POLICY=PASSIVE, the server's; thread_pool.c's
+# own workers) it is done before a second one would have woken (~90 us on a 2-core Xeon: SiLU * up of
+# [128, 1536] bf16 took 256 us on one thread, 238 on two) ...
 PARALLEL_ELEMENTS = 1 << 20
+# ... and where OpenMP's team spins between ops (offline engines: engine/config.py) one waits microseconds:
+# [16, 1536] took 38.8 us on one thread, 22.3 on two; RMSNorm with the residual of [16, 576] 9.9 and 7.9
+SPINNING_PARALLEL_ELEMENTS = 8192
 
 
 def _cpu_flags() -> str:
@@ -128,6 +135,10 @@ class Threads:
 
     def __init__(self, library: ctypes.CDLL, num_threads: int) -> None:
         self.num_threads = max(1, num_threads)
+        # run_sized's threshold: the team's threads spin between ops (config.openmp_spins) or sleep
+        self.parallel_elements = (
+            SPINNING_PARALLEL_ELEMENTS if library.pool_openmp() and openmp_spins() else PARALLEL_ELEMENTS
+        )
         self._pool_run = library.pool_run
         self._pool_run.argtypes = [ctypes.c_int, ctypes.POINTER(_i64), _i64, ctypes.c_float, _i64, _i64]
         self._pool_run.restype = ctypes.c_int
@@ -147,8 +158,8 @@ class Threads:
         return code
 
     def run_sized(self, kernel: int, ints: tuple[int, ...], work: int, elements: int, f: float = 0.0) -> int:
-        """`run`, on this thread alone when the kernel touches under PARALLEL_ELEMENTS."""
-        return self.run(kernel, ints, work, f, None if elements >= PARALLEL_ELEMENTS else 1)
+        """`run`, on this thread alone when the kernel touches fewer than `parallel_elements`."""
+        return self.run(kernel, ints, work, f, None if elements >= self.parallel_elements else 1)
 
 
 @cache
@@ -274,7 +285,7 @@ class Int8LinearKernel:
 
 class RMSNormKernel:
     """rms_norm_f32 / _bf16: F.rms_norm over the last dimension in one pass per row, optionally after the
-    residual add (engine/kernels/csrc/rms_norm.c); rows are split over threads only past PARALLEL_ELEMENTS."""
+    residual add (engine/kernels/csrc/rms_norm.c); rows split over threads past Threads.parallel_elements."""
 
     def __init__(self, library: ctypes.CDLL, threads: Threads) -> None:
         self._kernels = KERNELS["rms_norm"]
@@ -326,7 +337,7 @@ class RMSNormKernel:
 class RopeKernel:
     """rope_f32 / _bf16: RoPE in place on the first heads of a q/k/v projection's output, bit for bit
     what engine/executor/models/llama.py's apply_rope computes (engine/kernels/csrc/rope.c); tokens are split over threads
-    only past PARALLEL_ELEMENTS."""
+    only past Threads.parallel_elements."""
 
     def __init__(self, library: ctypes.CDLL, threads: Threads) -> None:
         self._kernels = KERNELS["rope"]
@@ -364,7 +375,7 @@ class RopeKernel:
 
 class SiluMulKernel:
     """silu_mul_f32 / _bf16: F.silu(gate) * up for x = [gate | up] (the fused gate/up projection's output) in
-    one pass (engine/kernels/csrc/silu_mul.c); rows are split over threads only past PARALLEL_ELEMENTS."""
+    one pass (engine/kernels/csrc/silu_mul.c); rows split over threads past Threads.parallel_elements."""
 
     def __init__(self, library: ctypes.CDLL, threads: Threads) -> None:
         self._kernels = KERNELS["silu_mul"]
@@ -396,9 +407,9 @@ class SiluMulKernel:
 
 
 class Int8RowsKernel:
-    """w8a8's activations (engine/kernels/csrc/int8_rows.c), float32 or bfloat16, rows split over threads past
-    PARALLEL_ELEMENTS: `quantize` rounds each row of x to int8 with its own scale, `scale` multiplies an int8
-    product's float32 rows back by them."""
+    """w8a8's activations (engine/kernels/csrc/int8_rows.c), float32 or bfloat16, rows split over threads
+    past Threads.parallel_elements: `quantize` rounds each row of x to int8 with its own scale, `scale`
+    multiplies an int8 product's float32 rows back by them."""
 
     def __init__(self, library: ctypes.CDLL, threads: Threads) -> None:
         self.threads = threads
@@ -495,7 +506,8 @@ class LoraRowsKernel:
 
 class RaceKernel:
     """race_scores_f32 (engine/kernels/csrc/race.c): p[r] /= E(seeds[r], token) in place, each token's
-    exponential noise a hash of its draw's seed and its id; rows split over threads past PARALLEL_ELEMENTS."""
+    exponential noise a hash of its draw's seed and its id; rows split over threads past
+    Threads.parallel_elements."""
 
     def __init__(self, library: ctypes.CDLL, threads: Threads) -> None:
         self.threads = threads

@@ -4,8 +4,11 @@ without a compiler) against transformers."""
 import ctypes
 import math
 import multiprocessing
+import os
 import platform
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -116,6 +119,24 @@ def test_jobs_run_on_torchs_openmp_team():
     with open("/proc/self/maps") as maps:
         libgomp = "libgomp" in maps.read()
     assert cpu_kernel._library().pool_openmp() == libgomp
+
+
+@pytest.mark.parametrize(
+    ("wait", "threshold"),
+    [
+        ({"GOMP_SPINCOUNT": "30000"}, "SPINNING_PARALLEL_ELEMENTS"),
+        ({"OMP_WAIT_POLICY": "PASSIVE"}, "PARALLEL_ELEMENTS"),
+    ],
+)
+def test_small_elementwise_jobs_split_only_where_the_team_spins(wait, threshold):
+    """OpenMP's threads spinning between ops (offline), a kernel of a few thousand elements already runs
+    on two; asleep (the server), only one past a million elements pays for waking the second."""
+    code = "from engine.kernels import cpu as k; print(k._threads(2).parallel_elements == k." + threshold + ")"
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env={**env, **wait}, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.split() == ["True"]
 
 
 def test_kernel_works_in_a_forked_child():

@@ -3,7 +3,7 @@ tests/integration/engine/test_config_and_loader.py)."""
 
 import pytest
 
-from engine.config import OFFLINE_SPIN_COUNT, EngineConfig, set_openmp_defaults
+from engine.config import OFFLINE_SPIN_COUNT, EngineConfig, openmp_spins, set_openmp_defaults
 
 
 @pytest.mark.parametrize(
@@ -60,3 +60,20 @@ def test_offline_openmp_defaults_spin_a_while_unless_told(given, want):
     environ = {"PATH": "/bin", **given}
     set_openmp_defaults(environ, offline=True)
     assert environ == {"PATH": "/bin", **want}
+
+
+@pytest.mark.parametrize(
+    ("environ", "spins"),
+    [
+        ({}, True),  # libgomp's default
+        ({"OMP_WAIT_POLICY": "passive"}, False),
+        ({"OMP_WAIT_POLICY": "ACTIVE"}, True),
+        ({"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "30000"}, True),  # the count decides
+        ({"GOMP_SPINCOUNT": "0"}, False),
+        ({"GOMP_SPINCOUNT": " 30k "}, True),
+        ({"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "infinite"}, True),
+        ({"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "lots"}, False),  # libgomp ignores it
+    ],
+)
+def test_openmp_spins_reads_the_wait_as_libgomp_does(environ, spins):
+    assert openmp_spins(environ) is spins
