@@ -14,6 +14,7 @@ SAMPLE, FORWARD, ATTENTION = "pagedserve::sample", "pagedserve::forward", "paged
 GEMM = (
     "pagedserve::gemm"  # around each int8 linear layer: its C kernel is a ctypes call the profiler cannot see
 )
+KV_WRITE = "pagedserve::kv_write"  # around the CPU backend's K/V write, a ctypes call where the kernel runs
 
 
 def phase(name: str) -> AbstractContextManager:

@@ -3,7 +3,7 @@
 
     attention    paged attention: SDPA, the block gathers, the C decode kernel (a ctypes call the
                  profiler cannot see: it is the self time of the attention modules' `attend` ranges)
-    kv_write     index_copy_ of the new K/V into the block pool, inside the forward
+    kv_write     the new K/V into the block pool, inside the forward (the C kernel's write, or index_copy_)
     gemm         linear layers and the LM head (aten::linear/addmm/mm/matmul/bmm, oneDNN's linear, the int8
                  layers' C kernel), wherever they run
     elementwise  the rest of the forward: norms, RoPE, SiLU*up, residual adds, the embedding, and the
@@ -14,11 +14,10 @@
 
 Each profiled event's self time (its time minus its children's) goes to one category, decided by the
 ranges around it: the engine's phase ranges (engine/frontend/llm_engine.py, engine/executor/sampler.py), ranges this
-module opens around the model's forward and each attention module's `attend` (only while a
-profile runs), and, inside `attend`, op names: index_copy_ is kv_write, splits, views and plain
-arithmetic (mul/sub/add/cat/chunk) are elementwise, the rest is attention. A `record_function` around
-the KV write in `paged_attention` (engine/executor/attention/torch_backend.py) would replace that last rule with ranges. The self times of a
-step's events add up to the step's range, so the categories sum to the step time.
+module opens around the model's forward, each attention module's `attend` and the CPU backend's K/V write
+(only while a profile runs), and, inside `attend`, op names: index_copy_ is kv_write (the CUDA backend's
+write), splits, views and plain arithmetic (mul/sub/add/cat/chunk) are elementwise, the rest is attention.
+The self times of a step's events add up to the step's range, so the categories sum to the step time.
 """
 
 import argparse
@@ -31,7 +30,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from engine.core.phases import ATTENTION, FORWARD, GEMM, POSTPROCESS, RUN, SAMPLE, SCHEDULE, STEP
+from engine.core.phases import ATTENTION, FORWARD, GEMM, KV_WRITE, POSTPROCESS, RUN, SAMPLE, SCHEDULE, STEP
 
 if TYPE_CHECKING:
     import torch
@@ -82,6 +81,7 @@ _LABEL_SCOPES = {
     FORWARD: "forward",
     ATTENTION: "attention_module",
     GEMM: "gemm",
+    KV_WRITE: "kv_write",
 }
 SUM_TOLERANCE = 0.01  # categories vs step time, relative: events that spill past their parent by a clock tick
 
@@ -233,12 +233,13 @@ def _drive(
 @contextmanager
 def _module_ranges(model: "torch.nn.Module") -> Iterator[None]:
     """Ranges around the model's forward, each attention module's `attend` (the paged attention and its
-    KV write; the decoder layer calls it as a method, so no forward hook would see it) and each int8
-    linear layer's forward (its C kernel is invisible to the profiler otherwise), for as long as the
-    profile runs: the methods are wrapped on the instances, and the class's come back after (the model
-    code stays free of profiler calls)."""
+    KV write; the decoder layer calls it as a method, so no forward hook would see it), the CPU backend's
+    K/V write and each int8 linear layer's forward (C kernels are invisible to the profiler otherwise),
+    for as long as the profile runs: the methods are wrapped on the instances (the write in its module),
+    and the originals come back after (the model code stays free of profiler calls)."""
     from torch.profiler import record_function
 
+    from engine.executor.attention import torch_backend
     from engine.executor.layers.quantization import Int8Linear
     from engine.executor.models.llama import Attention
 
@@ -255,9 +256,12 @@ def _module_ranges(model: "torch.nn.Module") -> Iterator[None]:
     wrapped += [(m, "forward", GEMM) for m in model.modules() if isinstance(m, Int8Linear)]
     for module, name, label in wrapped:
         setattr(module, name, ranged(getattr(module, name), label))
+    write = torch_backend._write
+    torch_backend._write = ranged(write, KV_WRITE)
     try:
         yield
     finally:
+        torch_backend._write = write
         for module, name, _ in wrapped:
             delattr(module, name)
 

@@ -168,7 +168,8 @@ def _threads(num_threads: int) -> Threads:
 
 
 class DecodeKernel:
-    """paged_decode_f32 / _bf16 (by the caches' dtype), its work items (sequence x KV head) split over threads."""
+    """paged_decode_f32 / _bf16 (by the caches' dtype), its work items (sequence x KV head) split over
+    threads; `write` puts a step's new K/V rows into the pool (kv_write)."""
 
     DTYPES = (torch.float32, torch.bfloat16)
 
@@ -178,6 +179,29 @@ class DecodeKernel:
         # 0: the portable kernel only; bit 1: an AVX-512 one for head_dim % 32 == 0; bit 2: its bf16 scores
         # on AVX512-BF16 (what the compiler targeted: this machine's CPU)
         self.features = library.paged_decode_features()
+        self._kv_write = library.kv_write
+        self._kv_write.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64]
+        self._kv_write.restype = ctypes.c_int
+
+    @classmethod
+    def _rows(cls, k_cache: torch.Tensor, v_cache: torch.Tensor, *rows: torch.Tensor) -> list[torch.Tensor]:
+        """`rows` (queries or new K/V, [n, heads, head_dim]) as the kernels read them, each token's heads
+        contiguous (a copy where they are not), after checking them and the caches."""
+        if not (
+            k_cache.is_contiguous()
+            and v_cache.is_contiguous()
+            and k_cache.shape == v_cache.shape
+            and k_cache.dtype == v_cache.dtype
+            and k_cache.dtype in cls.DTYPES
+            and all(
+                r.dtype == k_cache.dtype and r.dim() == 3 and r.shape[2] == k_cache.shape[2] for r in rows
+            )
+        ):
+            raise ValueError(
+                "paged_decode reads raw memory: contiguous float32 or bfloat16 caches [num_kv_heads, "
+                "num_slots, head_dim], and rows [n, heads, head_dim] of their dtype"
+            )
+        return [r if r.stride(2) == 1 and r.stride(1) == r.shape[2] else r.contiguous() for r in rows]
 
     def __call__(
         self,
@@ -189,26 +213,20 @@ class DecodeKernel:
         block_size: int,
         scale: float,
     ) -> torch.Tensor:
-        """q [num_seqs, num_heads, head_dim]; caches [num_kv_heads, num_slots, head_dim] contiguous, float32 or
-        bfloat16 (sums in float32 either way); block_tables [num_seqs, max_blocks] and context_lens [num_seqs]
-        int64. Returns like q."""
-        if not (
-            k_cache.is_contiguous()
-            and v_cache.is_contiguous()
-            and block_tables.is_contiguous()
-            and k_cache.dtype == v_cache.dtype
-            and k_cache.dtype in self.DTYPES
-            and block_tables.dtype == context_lens.dtype == torch.int64
-        ):
-            raise ValueError(
-                "paged_decode reads raw memory: contiguous float32 or bfloat16 caches and int64 tables only"
-            )
-        q32, context_lens = q.float().contiguous(), context_lens.contiguous()
-        out = torch.empty_like(q32)
+        """q [num_seqs, num_heads, head_dim] in the caches' dtype (read in place where each row's heads are
+        contiguous: a view of the q/k/v projection's output); caches [num_kv_heads, num_slots, head_dim]
+        contiguous, float32 or bfloat16 (sums in float32 either way); block_tables [num_seqs, max_blocks] and
+        context_lens [num_seqs] int64. Returns [num_seqs, num_heads, head_dim] in q's dtype."""
+        (q,) = self._rows(k_cache, v_cache, q)
+        if not (block_tables.is_contiguous() and block_tables.dtype == context_lens.dtype == torch.int64):
+            raise ValueError("paged_decode reads raw memory: int64 block tables (contiguous) and lengths")
+        context_lens = context_lens.contiguous()
         num_seqs, num_heads, head_dim = q.shape
+        out = q.new_empty(num_seqs, num_heads, head_dim)
         num_kv_heads, num_slots, _ = k_cache.shape
         ints = (
-            q32.data_ptr(),
+            q.data_ptr(),
+            q.stride(0),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
             block_tables.data_ptr(),
@@ -223,7 +241,41 @@ class DecodeKernel:
         )
         if self.threads.run(self._kernels[k_cache.dtype], ints, num_seqs * num_kv_heads, scale):
             raise MemoryError("paged_decode: out of memory for its scratch buffer")
-        return out.to(q.dtype)
+        return out
+
+    def write(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slots: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> None:
+        """k_cache[:, slots[t]] = k[t] and v_cache[:, slots[t]] = v[t] for k, v [n, num_kv_heads, head_dim]
+        in the caches' dtype and slots [n] int64: index_copy_'s result."""
+        k, v = self._rows(k_cache, v_cache, k, v)
+        if not (slots.dtype == torch.int64 and slots.shape == (k.shape[0],) == (v.shape[0],)) or (
+            k.shape[1] != k_cache.shape[0] or v.shape[1] != k_cache.shape[0]
+        ):
+            raise ValueError("kv_write: int64 slots, one per row of k and v, and the caches' head count")
+        slots = slots.contiguous()
+        num_kv_heads, num_slots, head_dim = k_cache.shape
+        code = self._kv_write(
+            k.data_ptr(),
+            v.data_ptr(),
+            k.stride(0),
+            v.stride(0),
+            slots.data_ptr(),
+            k.shape[0],
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            num_kv_heads,
+            head_dim,
+            num_slots,
+            k_cache.element_size(),
+        )
+        if code:
+            raise IndexError(f"kv_write: a slot outside the pool's {num_slots}")
 
 
 class Int8LinearKernel:

@@ -178,8 +178,7 @@ def paged_attention(
     is_windowed: bool = False,
 ) -> torch.Tensor:
     """Write k/v [T, KVH, D] into the caches, attend q [T, H, D]; returns [T, H, D]."""
-    k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-    v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+    _write(k, v, k_cache, v_cache, meta)
     num_decodes = meta.num_decodes
     window_mask = meta.decode_window_mask if is_windowed else None
     if num_decodes and not meta.prefills:  # a decode-only step: the decodes' output is the whole output
@@ -192,6 +191,18 @@ def paged_attention(
             q, k, v, k_cache, v_cache, seg, seg.sdpa_mask(is_windowed, q.dtype), scale
         )
     return out
+
+
+def _write(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+) -> None:
+    """k/v [T, KVH, D] into the caches at the step's slots: in one C call where the decode kernel runs (two
+    index_copy_ cost ~10 us each at a decode step's size on a 2-core VM, ~50 at a 458-token chunk's)."""
+    if meta.decode_kernel is not None:
+        meta.decode_kernel.write(k, v, meta.slot_mapping, k_cache, v_cache)
+        return
+    k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+    v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
 
 
 def eager_paged_attention(
@@ -208,8 +219,7 @@ def eager_paged_attention(
 ) -> torch.Tensor:
     """paged_attention's result for models whose scores SDPA cannot compute (soft-capping, sinks): the
     scores written out, one sequence at a time, in HF's eager order."""
-    k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-    v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+    _write(k, v, k_cache, v_cache, meta)
     out = torch.empty_like(q)
     if meta.num_decodes:
         out[: meta.num_decodes] = _eager_decode(

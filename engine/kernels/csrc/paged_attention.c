@@ -10,11 +10,16 @@
  * head) work item walks its block table once for the scores and once for the values, reading each
  * block's block_size x head_dim values contiguously, with an exact two-pass softmax.
  *
+ * q is read and the output written in the caches' dtype, q's rows in place in the q/k/v projection's output
+ * (q_stride values apart), so a layer's step needs no conversions or copies around the call; kv_write
+ * puts the step's new K/V rows into the pool in one call, where index_copy_ took two.
+ *
  * Built by engine/kernels/cpu.py with the system C compiler; no torch headers, called through ctypes
  * (which releases the GIL, so callers split [work_begin, work_end) across threads). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "kernel_math.h"
 
@@ -48,25 +53,79 @@ static inline int64_t max_context_len(const int64_t *context_lens, int64_t num_k
     return max_len;
 }
 
-/* what one work item (a sequence and one KV head) reads: its context length, block table, the query rows
- * of the KV head's group, and the head's K and V pools */
+/* what one work item (a sequence and one KV head) reads: its context length, block table, the head's K and
+ * V pools; its group's query rows (the work item's first head: `head`) and output rows are at
+ * seq * q_stride + head * head_dim and (seq * num_heads + head) * head_dim */
 struct work_item {
-    int64_t seq, kv_head, len;
+    int64_t seq, head, len;
     const int64_t *table;
-    const float *qh;
     const char *kh, *vh;
 };
 
-static inline struct work_item work_item(int64_t w, const float *q, const void *k_cache, const void *v_cache,
+static inline struct work_item work_item(int64_t w, const void *k_cache, const void *v_cache,
                                          const int64_t *block_tables, const int64_t *context_lens, int64_t num_heads,
-                                         int64_t num_kv_heads, int64_t head_dim, int64_t num_slots,
-                                         int64_t max_blocks, int64_t row_bytes)
+                                         int64_t num_kv_heads, int64_t num_slots, int64_t max_blocks,
+                                         int64_t row_bytes)
 {
     const int64_t seq = w / num_kv_heads, kv_head = w % num_kv_heads, groups = num_heads / num_kv_heads;
-    return (struct work_item){seq, kv_head, context_lens[seq], block_tables + seq * max_blocks,
-                              q + (seq * num_heads + kv_head * groups) * head_dim,
+    return (struct work_item){seq, kv_head * groups, context_lens[seq], block_tables + seq * max_blocks,
                               (const char *)k_cache + kv_head * num_slots * row_bytes,
                               (const char *)v_cache + kv_head * num_slots * row_bytes};
+}
+
+/* n values at src (float32, or bfloat16 where bf16) as float32 at dst, and back */
+static inline void widen(float *restrict dst, const void *restrict src, int64_t n, const int bf16)
+{
+    if (bf16)
+        for (int64_t i = 0; i < n; ++i) dst[i] = bf16_load(((const uint16_t *)src)[i]);
+    else
+        memcpy(dst, src, sizeof(float) * (size_t)n);
+}
+
+static inline void narrow(void *restrict dst, const float *restrict src, int64_t n, const int bf16)
+{
+    if (bf16)
+        for (int64_t i = 0; i < n; ++i) ((uint16_t *)dst)[i] = bf16_store(src[i]);
+    else
+        memcpy(dst, src, sizeof(float) * (size_t)n);
+}
+
+/* the query rows of a work item's group, [groups, head_dim] float32, from q (rows q_stride values apart) */
+static inline void group_queries(float *restrict dst, const void *q, int64_t q_stride,
+                                 const struct work_item *it, int64_t groups, int64_t head_dim, const int bf16)
+{
+    const int64_t at = it->seq * q_stride + it->head * head_dim;
+    widen(dst, (const char *)q + at * (bf16 ? 2 : 4), groups * head_dim, bf16);
+}
+
+/* out[seq, head .. head + groups) = src [groups, head_dim] in the caches' dtype */
+static inline void group_output(void *out, const float *src, const struct work_item *it, int64_t num_heads,
+                                int64_t groups, int64_t head_dim, const int bf16)
+{
+    const int64_t at = (it->seq * num_heads + it->head) * head_dim;
+    narrow((char *)out + at * (bf16 ? 2 : 4), src, groups * head_dim, bf16);
+}
+
+/* The step's new K and V rows into the pool: row t of k_new and v_new ([n, num_kv_heads, head_dim], rows
+ * k_stride / v_stride values apart, a head's values contiguous) goes to slot slots[t] of every head's pool
+ * ([num_kv_heads, num_slots, head_dim] each), elem_bytes a value. -1 (nothing written) where a slot is out of
+ * range. */
+int kv_write(const void *k_new, const void *v_new, int64_t k_stride, int64_t v_stride,
+             const int64_t *slots, int64_t n, void *k_cache, void *v_cache, int64_t num_kv_heads,
+             int64_t head_dim, int64_t num_slots, int64_t elem_bytes)
+{
+    for (int64_t t = 0; t < n; ++t)
+        if (slots[t] < 0 || slots[t] >= num_slots) return -1;
+    const int64_t row = head_dim * elem_bytes;
+    for (int64_t t = 0; t < n; ++t)
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+            const int64_t to = (h * num_slots + slots[t]) * row;
+            const char *k = (const char *)k_new + t * k_stride * elem_bytes + h * row;
+            const char *v = (const char *)v_new + t * v_stride * elem_bytes + h * row;
+            memcpy((char *)k_cache + to, k, (size_t)row);
+            memcpy((char *)v_cache + to, v, (size_t)row);
+        }
+    return 0;
 }
 
 static inline void add_scaled(float *restrict acc, float p, const float *restrict v, int64_t n)
@@ -81,12 +140,13 @@ static inline void add_scaled_bf16(float *restrict acc, float p, const uint16_t 
 
 /* kv_bf16: the caches hold bfloat16 (uint16) values, else float32; a constant at each call below, so
  * the compiler builds one copy of this function per element type */
-static inline int paged_decode(const float *q,             /* [num_seqs, num_heads, head_dim] */
+static inline int paged_decode(const void *q,               /* [num_seqs, num_heads, head_dim] */
+                               int64_t q_stride,            /* values from one row of q to the next */
                                const void *k_cache,        /* [num_kv_heads, num_slots, head_dim] */
                                const void *v_cache,        /* same */
                                const int64_t *block_tables, /* [num_seqs, max_blocks] */
                                const int64_t *context_lens, /* [num_seqs], each >= 1 */
-                               float *out,                 /* [num_seqs, num_heads, head_dim] */
+                               void *out,                  /* [num_seqs, num_heads, head_dim] */
                                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t num_slots,
                                int64_t block_size, int64_t max_blocks, float scale,
                                int64_t work_begin, int64_t work_end, /* work item = seq * num_kv_heads + kv_head */
@@ -95,17 +155,19 @@ static inline int paged_decode(const float *q,             /* [num_seqs, num_hea
     const int64_t groups = num_heads / num_kv_heads; /* query heads per KV head */
     const int64_t row_bytes = head_dim * (kv_bf16 ? 2 : 4);
     const int64_t max_len = max_context_len(context_lens, num_kv_heads, work_begin, work_end);
-    /* scratch: scores [groups, max_len], running max and 1/sum [groups], accumulators [groups, head_dim] */
-    float *scratch = malloc(sizeof(float) * (size_t)(groups * (max_len + 2 + head_dim)));
+    /* scratch: scores [groups, max_len], running max and 1/sum [groups], accumulators and queries
+     * [groups, head_dim] each */
+    float *scratch = malloc(sizeof(float) * (size_t)(groups * (max_len + 2 + 2 * head_dim)));
     if (scratch == NULL) return -1;
     float *scores = scratch, *mx = scores + groups * max_len, *inv = mx + groups, *acc = inv + groups;
+    float *qh = acc + groups * head_dim;
 
     for (int64_t w = work_begin; w < work_end; ++w) {
-        const struct work_item it = work_item(w, q, k_cache, v_cache, block_tables, context_lens, num_heads,
-                                              num_kv_heads, head_dim, num_slots, max_blocks, row_bytes);
-        const int64_t seq = it.seq, kv_head = it.kv_head, len = it.len, *table = it.table;
-        const float *qh = it.qh;
+        const struct work_item it = work_item(w, k_cache, v_cache, block_tables, context_lens, num_heads,
+                                              num_kv_heads, num_slots, max_blocks, row_bytes);
+        const int64_t len = it.len, *table = it.table;
         const char *kh = it.kh, *vh = it.vh;
+        group_queries(qh, q, q_stride, &it, groups, head_dim, kv_bf16);
 
         for (int64_t g = 0; g < groups; ++g) mx[g] = -INFINITY;
         for (int64_t pos = 0; pos < len; pos += block_size) {
@@ -149,10 +211,9 @@ static inline int paged_decode(const float *q,             /* [num_seqs, num_hea
                 }
             }
         }
-        for (int64_t g = 0; g < groups; ++g) {
-            float *o = out + (seq * num_heads + kv_head * groups + g) * head_dim;
-            for (int64_t d = 0; d < head_dim; ++d) o[d] = acc[g * head_dim + d] * inv[g];
-        }
+        for (int64_t g = 0; g < groups; ++g)
+            for (int64_t d = 0; d < head_dim; ++d) acc[g * head_dim + d] *= inv[g];
+        group_output(out, acc, &it, num_heads, groups, head_dim, kv_bf16);
     }
     free(scratch);
     return 0;
@@ -246,31 +307,32 @@ static inline __attribute__((always_inline)) void values_tile(
  * registers 64 dimensions and up to 4 query heads at a time (values_tile: a value row is read once for all
  * of its group's heads; reading it once per head cost a 28-sequence, 500-token step of the SmolLM-135M
  * shape 0.73 ms a layer on two threads, against 0.63) */
-static int paged_decode_avx512(const float *q, const void *k_cache, const void *v_cache, const int64_t *block_tables,
-                               const int64_t *context_lens, float *out, int64_t num_heads, int64_t num_kv_heads,
+static int paged_decode_avx512(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                               const int64_t *block_tables, const int64_t *context_lens, void *out,
+                               int64_t num_heads, int64_t num_kv_heads,
                                int64_t head_dim, int64_t num_slots, int64_t block_size, int64_t max_blocks,
                                float scale, int64_t work_begin, int64_t work_end, const int kv_bf16)
 {
     const int64_t groups = num_heads / num_kv_heads, elem = kv_bf16 ? 2 : 4, row_bytes = head_dim * elem;
     const int64_t max_len = max_context_len(context_lens, num_kv_heads, work_begin, work_end);
-    /* scratch: scores [groups, max_len rounded up to 16], 1/sum [groups], q as bf16 [groups, head_dim] (half
-     * a float each) */
+    /* scratch: scores [groups, max_len rounded up to 16], 1/sum [groups], the queries and the output
+     * [groups, head_dim] each, q as bf16 [groups, head_dim] (half a float each) */
     const int64_t stride = (max_len + 15) / 16 * 16;
-    float *scores = malloc(sizeof(float) * (size_t)(groups * (stride + 1 + head_dim / 2)));
+    float *scores = malloc(sizeof(float) * (size_t)(groups * (stride + 1 + 2 * head_dim + head_dim / 2)));
     if (scores == NULL) return -1;
-    float *inv = scores + groups * stride;
-    uint16_t *q16 = (uint16_t *)(inv + groups);
+    float *inv = scores + groups * stride, *qh = inv + groups, *o = qh + groups * head_dim;
+    uint16_t *q16 = (uint16_t *)(o + groups * head_dim);
 #if defined(__AVX512BF16__)
     const int use_dp = kv_bf16;
 #else
     const int use_dp = 0;
 #endif
     for (int64_t w = work_begin; w < work_end; ++w) {
-        const struct work_item it = work_item(w, q, k_cache, v_cache, block_tables, context_lens, num_heads,
-                                              num_kv_heads, head_dim, num_slots, max_blocks, row_bytes);
-        const int64_t seq = it.seq, kv_head = it.kv_head, len = it.len, *table = it.table;
-        const float *qh = it.qh;
+        const struct work_item it = work_item(w, k_cache, v_cache, block_tables, context_lens, num_heads,
+                                              num_kv_heads, num_slots, max_blocks, row_bytes);
+        const int64_t len = it.len, *table = it.table;
         const char *kh = it.kh, *vh = it.vh;
+        group_queries(qh, q, q_stride, &it, groups, head_dim, kv_bf16);
         if (use_dp)
             for (int64_t j = 0; j < groups * head_dim; j += 16)
                 _mm256_storeu_si256((__m256i *)(q16 + j), _mm512_cvtepi32_epi16(_mm512_srli_epi32(
@@ -320,7 +382,6 @@ static int paged_decode_avx512(const float *q, const void *k_cache, const void *
             inv[g] = 1.0f / _mm512_reduce_add_ps(sum);
         }
         /* pass 2: values, 64 dimensions at a time, each row read once for up to 4 query heads of the group */
-        float *o = out + (seq * num_heads + kv_head * groups) * head_dim;
         for (int64_t d0 = 0; d0 < head_dim; d0 += 64)
             for (int64_t g0 = 0; g0 < groups; g0 += 4) {
                 const int gt = groups - g0 < 4 ? (int)(groups - g0) : 4;
@@ -338,6 +399,7 @@ static int paged_decode_avx512(const float *q, const void *k_cache, const void *
                 }
 #undef VALUES
             }
+        group_output(out, o, &it, num_heads, groups, head_dim, kv_bf16);
     }
     free(scores);
     return 0;
@@ -346,16 +408,16 @@ static int paged_decode_avx512(const float *q, const void *k_cache, const void *
 #define HAVE_AVX512 0
 #endif
 
-#define DECODE_ARGS const float *q, const void *k_cache, const void *v_cache, const int64_t *block_tables, \
-    const int64_t *context_lens, float *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, \
-    int64_t num_slots, int64_t block_size, int64_t max_blocks, float scale, int64_t work_begin, int64_t work_end
-#define DECODE_CALL(bf16) paged_decode(q, k_cache, v_cache, block_tables, context_lens, out, num_heads, num_kv_heads, \
-    head_dim, num_slots, block_size, max_blocks, scale, work_begin, work_end, bf16)
+#define DECODE_ARGS const void *q, int64_t q_stride, const void *k_cache, const void *v_cache, \
+    const int64_t *block_tables, const int64_t *context_lens, void *out, int64_t num_heads, \
+    int64_t num_kv_heads, int64_t head_dim, int64_t num_slots, int64_t block_size, int64_t max_blocks, \
+    float scale, int64_t work_begin, int64_t work_end
+#define DECODE_PARAMS q, q_stride, k_cache, v_cache, block_tables, context_lens, out, num_heads, \
+    num_kv_heads, head_dim, num_slots, block_size, max_blocks, scale, work_begin, work_end
+#define DECODE_CALL(bf16) paged_decode(DECODE_PARAMS, bf16)
 
 #if HAVE_AVX512
-#define DECODE(bf16) (head_dim % 32 == 0 ? paged_decode_avx512(q, k_cache, v_cache, block_tables, context_lens, out, \
-    num_heads, num_kv_heads, head_dim, num_slots, block_size, max_blocks, scale, work_begin, work_end, bf16) \
-    : DECODE_CALL(bf16))
+#define DECODE(bf16) (head_dim % 32 == 0 ? paged_decode_avx512(DECODE_PARAMS, bf16) : DECODE_CALL(bf16))
 #else
 #define DECODE(bf16) DECODE_CALL(bf16)
 #endif

@@ -75,6 +75,42 @@ def test_kernel_matches_reference(num_heads, num_kv_heads, head_dim, block_size,
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 48])  # the AVX-512 kernel and the portable one
+def test_kernel_reads_queries_in_place_in_the_projections_output(dtype, head_dim):
+    """q as the layer hands it over: a view of the q/k/v projection's output, its rows further apart than
+    its heads; and a layout the kernel copies first (heads apart, as the generic backend's transpose)."""
+    kernel = cpu_kernel.load(2)
+    gen = torch.Generator().manual_seed(3)
+    k_cache, v_cache = (torch.randn(2, 64, head_dim, generator=gen).to(dtype) for _ in range(2))
+    tables, lens = torch.tensor([[3, 1], [0, 2], [2, 0]]), torch.tensor([20, 32, 5])
+    heads = torch.randn(3, 6 + 2 * 2, head_dim, generator=gen).to(dtype)  # [T, H + 2 KVH, D]
+    q = heads[:, :6]
+    want = kernel(q.contiguous(), k_cache, v_cache, tables, lens, 16, 0.3)
+    assert torch.equal(kernel(q, k_cache, v_cache, tables, lens, 16, 0.3), want)
+    by_head = q.transpose(0, 1).contiguous().transpose(0, 1)
+    assert torch.equal(kernel(by_head, k_cache, v_cache, tables, lens, 16, 0.3), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_puts_new_rows_where_index_copy_does(dtype):
+    kernel = cpu_kernel.load(1)
+    gen = torch.Generator().manual_seed(4)
+    heads = torch.randn(5, 4 + 2 * 2, 32, generator=gen).to(dtype)
+    k, v = heads[:, 4:6], heads[:, 6:]  # views, rows 8 heads apart
+    slots = torch.tensor([7, 0, 63, 12, 8])
+    k_cache, v_cache = torch.randn(2, 64, 32, generator=gen).to(dtype), torch.zeros(2, 64, 32, dtype=dtype)
+    want_k = k_cache.clone().index_copy_(1, slots, k.transpose(0, 1))
+    want_v = v_cache.clone().index_copy_(1, slots, v.transpose(0, 1))
+    kernel.write(k, v, slots, k_cache, v_cache)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    with pytest.raises(IndexError, match="outside the pool"):
+        kernel.write(k, v, torch.tensor([1, 2, 64, 3, 4]), k_cache, v_cache)
+    assert torch.equal(k_cache, want_k)  # nothing written: the slots are checked first
+    with pytest.raises(ValueError, match="rows"):
+        kernel.write(k.float() if dtype == torch.bfloat16 else k.bfloat16(), v, slots, k_cache, v_cache)
+
+
 def test_the_build_has_the_paths_this_cpu_can_run():
     """The AVX-512 kernel (and its AVX512-BF16 scores) is built where the CPU has it, so the test above ran
     it (its head_dims are multiples of 32 but one); elsewhere only the portable one is."""
@@ -131,7 +167,9 @@ def test_jobs_run_on_torchs_openmp_team():
 def test_small_elementwise_jobs_split_only_where_the_team_spins(wait, threshold):
     """OpenMP's threads spinning between ops (offline), a kernel of a few thousand elements already runs
     on two; asleep (the server), only one past a million elements pays for waking the second."""
-    code = "from engine.kernels import cpu as k; print(k._threads(2).parallel_elements == k." + threshold + ")"
+    code = (
+        "from engine.kernels import cpu as k; print(k._threads(2).parallel_elements == k." + threshold + ")"
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
     out = subprocess.run(
         [sys.executable, "-c", code], env={**env, **wait}, capture_output=True, text=True, check=True
