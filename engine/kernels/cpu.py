@@ -59,6 +59,7 @@ KERNELS = {
     "scale_rows": {torch.float32: 12, torch.bfloat16: 13},
     "lora_rows": {torch.float32: 14, torch.bfloat16: 15},
     "race_scores": 16,
+    "head_norm": {torch.float32: 18, torch.bfloat16: 19},
 }
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 # below this many elements an elementwise kernel (RMSNorm, RoPE, SiLU * up) runs on the calling thread
@@ -384,6 +385,34 @@ class RMSNormKernel:
             self._kernels[x.dtype], ints, rows, x.numel(), eps
         )  # fails only on rows `runs` refuses
         return out if total is None else (total, out)
+
+    def heads(
+        self,
+        x: torch.Tensor,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        eps: float,
+        num_q: int,
+        num_k: int,
+    ) -> None:
+        """In place on x [T, heads, head_dim] (a q/k/v projection's output): each token's first num_q heads
+        become F.rms_norm of them by q_weight, the next num_k by k_weight (Qwen3's q_norm and k_norm)."""
+        if not (
+            self.runs(x, q_weight)
+            and x.dim() == 3
+            and k_weight.dtype == x.dtype
+            and k_weight.is_contiguous()
+            and k_weight.numel() == x.shape[2]
+            and num_q >= 0
+            and num_k >= 0
+            and num_q + num_k <= x.shape[1]
+        ):
+            raise ValueError(
+                "head_norm reads raw memory: a contiguous CPU float32 or bfloat16 x [T, heads, head_dim] and "
+                "weights of its dtype, head_dim values each"
+            )
+        ints = (x.data_ptr(), q_weight.data_ptr(), k_weight.data_ptr(), x.shape[1], num_q, num_k, x.shape[2])
+        self.threads.run_sized(KERNELS["head_norm"][x.dtype], ints, x.shape[0], x.numel(), eps)
 
 
 class RopeKernel:

@@ -314,7 +314,7 @@ class Attention(nn.Module):
             self.lora.apply(qkv, x, self.layer_idx, "qkv_proj")
         heads = qkv.view(x.shape[0], -1, self.head_dim)  # [T, H + 2 KVH, D]
         q, k, v = heads.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self._norm_heads(heads):
             return apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin), v
         if self.rotary_dim < self.head_dim:  # partial RoPE: the leading dims turn, the rest pass (HF's order)
             r = self.rotary_dim
@@ -331,6 +331,16 @@ class Attention(nn.Module):
             [self.num_heads, self.num_kv_heads], dim=1
         )
         return q, k, v
+
+    def _norm_heads(self, heads: torch.Tensor) -> bool:
+        """q_norm and k_norm in place on heads [T, H + 2 KVH, D] in one C call, where the kernel runs (the
+        norms' weights in heads' dtype: not Gemma's float32 ones); False where it does not."""
+        kernel = _cpu_kernel(cpu_kernel.rms_norm, heads)
+        q_weight, k_weight = self.q_norm.weight, self.k_norm.weight
+        if kernel is None or not kernel.runs(heads, q_weight) or k_weight.dtype != heads.dtype:
+            return False
+        kernel.heads(heads, q_weight, k_weight, self.q_norm.eps, self.num_heads, self.num_kv_heads)
+        return True
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StepAttention) -> torch.Tensor:
         return meta.attend(

@@ -61,6 +61,10 @@ int lora_rows_f32(const float *, float *, const int64_t *, const int64_t *, cons
 int lora_rows_bf16(const uint16_t *, uint16_t *, const int64_t *, const int64_t *, const uint16_t *, const uint16_t *,
                    int64_t, int64_t, int64_t, int64_t, int64_t);
 int race_scores_f32(float *, const int64_t *, int64_t, int64_t, int64_t);
+int head_norm_f32(float *, const float *, const float *, int64_t, int64_t, int64_t, int64_t, float, int64_t,
+                  int64_t);
+int head_norm_bf16(uint16_t *, const uint16_t *, const uint16_t *, int64_t, int64_t, int64_t, int64_t, float,
+                   int64_t, int64_t);
 int draft_part(void *, int64_t, int64_t);
 
 typedef struct {
@@ -96,6 +100,8 @@ static int run_kernel_as_is(int kernel, const args_t *a, int64_t b, int64_t e)
     case 15: return lora_rows_bf16(P(0), P(1), P(2), P(3), P(4), P(5), i[6], i[7], i[8], b, e);
     case 16: return race_scores_f32(P(0), P(1), i[2], b, e);
     case DRAFT_PART: return draft_part(P(0), b, e); /* its parts meet at barriers: one range a thread */
+    case 18: return head_norm_f32(P(0), P(1), P(2), i[3], i[4], i[5], i[6], a->f, b, e);
+    case 19: return head_norm_bf16(P(0), P(1), P(2), i[3], i[4], i[5], i[6], a->f, b, e);
     default: return -2;
     }
 }
@@ -254,7 +260,7 @@ int pool_openmp(void)
 int pool_run(int kernel, const int64_t *ints, int64_t num_ints, float f, int64_t work, int64_t num_threads)
 {
     /* run_kernel's */
-    static const int64_t arity[] = {13, 13, 8, 6, 6, 6, 6, 6, 3, 3, 4, 4, 3, 4, 9, 9, 3, 1};
+    static const int64_t arity[] = {13, 13, 8, 6, 6, 6, 6, 6, 3, 3, 4, 4, 3, 4, 9, 9, 3, 1, 7, 7};
     if (kernel < 0 || kernel >= (int)(sizeof arity / sizeof arity[0])) return -2;
     if (num_ints != arity[kernel]) return -3;
     const args_t args = {ints, f};

@@ -285,6 +285,32 @@ def test_rms_norm_matches_torch(dtype, rows, dim, num_threads):
     assert torch.equal(kernel(total, weight, 1e-5), normed)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("tokens", "num_q", "num_k", "head_dim"), [(1, 4, 2, 64), (33, 16, 8, 128), (600, 9, 3, 64)]
+)
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_head_norm_is_the_rms_norm_of_each_q_and_k_head(dtype, tokens, num_q, num_k, head_dim, num_threads):
+    """Qwen3's q_norm / k_norm in place on the q/k/v projection's output: each head as the row kernel
+    normalizes it (so as F.rms_norm, within its rounding), v untouched."""
+    kernel = cpu_kernel.rms_norm(num_threads)
+    torch.manual_seed(tokens)
+    heads = torch.randn(tokens, num_q + 2 * num_k, head_dim).mul(3).to(dtype)
+    q_weight, k_weight = torch.randn(head_dim).to(dtype), torch.randn(head_dim).to(dtype)
+    before = heads.clone()
+    kernel.heads(heads, q_weight, k_weight, 1e-6, num_q, num_k)
+    q, k, v = before.split([num_q, num_k, num_k], dim=1)
+    assert torch.equal(heads[:, :num_q], kernel(q.contiguous(), q_weight, 1e-6))
+    assert torch.equal(heads[:, num_q : num_q + num_k], kernel(k.contiguous(), k_weight, 1e-6))
+    assert torch.equal(heads[:, num_q + num_k :], v)
+    want = torch.nn.functional.rms_norm(q, (head_dim,), q_weight, 1e-6)
+    ulp = 2.0**-23 if dtype == torch.float32 else 2.0**-7
+    got = heads[:, :num_q].double()
+    assert ((got - want.double()).abs() <= 4 * ulp * want.double().abs() + 1e-30).all()
+    with pytest.raises(ValueError, match="head_norm"):
+        kernel.heads(heads, q_weight, k_weight.double(), 1e-6, num_q, num_k)
+
+
 def test_rms_norm_refuses_what_it_cannot_read():
     kernel = cpu_kernel.rms_norm(1)
     x, weight = torch.randn(4, 8), torch.randn(8)
