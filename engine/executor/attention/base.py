@@ -38,8 +38,10 @@ class StepAttention(Protocol):
         is_windowed: bool,
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
+        rows: int | None = None,
     ) -> torch.Tensor:
-        """Write k/v [T, KVH, D] into the layer's caches at the step's slots, attend q [T, H, D]; [T, H, D].
+        """Write k/v [T, KVH, D] into the layer's caches at the step's slots, attend q [T, H, D]; [T, H, D],
+        or [rows, H, D] with zeros past T (the padding rows a layer's dense halves carry: no copy to pad).
         `softcap`: scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2); `sinks` [H]:
         one logit per head that joins each softmax's denominator and attends to nothing (GPT-OSS). Only
         the torch backend takes them (select_backend's `needs_eager`)."""
@@ -52,6 +54,15 @@ class AttentionBackend(Protocol):
     def build(self, batch: StepBatch) -> StepAttention:
         """The metadata every attention layer of this step reads."""
         ...
+
+
+def empty_rows(like: torch.Tensor, rows: int | None) -> torch.Tensor:
+    """An uninitialised tensor of like's shape with `rows` rows (None: like's), the rows past like's zero."""
+    n = like.shape[0]
+    out = like.new_empty(n if rows is None else rows, *like.shape[1:])
+    if rows is not None and rows > n:
+        out[n:].zero_()
+    return out
 
 
 def block_slots(block_ids: list[int], block_size: int, device: torch.device) -> torch.Tensor:

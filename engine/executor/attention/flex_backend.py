@@ -22,7 +22,7 @@ from functools import cache
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from engine.executor.attention.base import StepBatch
+from engine.executor.attention.base import StepBatch, empty_rows
 
 Q_BLOCK = 128  # query rows per block of the block mask (flex's default tile)
 MIN_KV_BLOCK = 16  # the narrowest key tile a Triton dot takes: smaller KV blocks share a block of the mask
@@ -74,13 +74,15 @@ class FlexMetadata:
         is_windowed: bool,
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
+        rows: int | None = None,
     ) -> torch.Tensor:
-        """Write k/v [T, KVH, D] into the caches, attend q [T, H, D]; returns [T, H, D]."""
+        """Write k/v [T, KVH, D] into the caches, attend q [T, H, D]; returns [T, H, D] ([rows, H, D], zeros
+        past T)."""
         if softcap is not None or sinks is not None:  # select_backend never picks flex for such a model
             raise ValueError("the flex backend does not soft-cap scores or take attention sinks")
         k_cache.index_copy_(1, self.slot_mapping, k.transpose(0, 1))
         v_cache.index_copy_(1, self.slot_mapping, v.transpose(0, 1))
-        out = torch.empty_like(q)
+        out = empty_rows(q, rows)
         for call in self.calls:
             out[call.start : call.end] = call.attend(
                 q[call.start : call.end], k_cache[None], v_cache[None], scale, is_windowed

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.core.scheduler import ScheduledSeq
-from engine.executor.attention.base import StepBatch, block_slots
+from engine.executor.attention.base import StepBatch, block_slots, empty_rows
 from engine.kernels import cpu as cpu_kernel
 
 
@@ -161,10 +161,13 @@ class AttentionMetadata:
         is_windowed: bool,
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
+        rows: int | None = None,
     ) -> torch.Tensor:
         if softcap is not None or sinks is not None:
-            return eager_paged_attention(q, k, v, k_cache, v_cache, self, scale, is_windowed, softcap, sinks)
-        return paged_attention(q, k, v, k_cache, v_cache, self, scale, is_windowed)
+            return eager_paged_attention(
+                q, k, v, k_cache, v_cache, self, scale, is_windowed, softcap, sinks, rows
+            )
+        return paged_attention(q, k, v, k_cache, v_cache, self, scale, is_windowed, rows)
 
 
 def paged_attention(
@@ -176,14 +179,16 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     is_windowed: bool = False,
+    rows: int | None = None,
 ) -> torch.Tensor:
-    """Write k/v [T, KVH, D] into the caches, attend q [T, H, D]; returns [T, H, D]."""
+    """Write k/v [T, KVH, D] into the caches, attend q [T, H, D]; returns [T, H, D] ([rows, H, D], zeros
+    past T)."""
     _write(k, v, k_cache, v_cache, meta)
     num_decodes = meta.num_decodes
     window_mask = meta.decode_window_mask if is_windowed else None
     if num_decodes and not meta.prefills:  # a decode-only step: the decodes' output is the whole output
-        return _decode(q, k_cache, v_cache, meta, scale, window_mask)
-    out = torch.empty_like(q)
+        return _decode(q, k_cache, v_cache, meta, scale, window_mask, rows)
+    out = empty_rows(q, rows)
     if num_decodes:
         out[:num_decodes] = _decode(q[:num_decodes], k_cache, v_cache, meta, scale, window_mask)
     for seg in meta.prefills:
@@ -216,11 +221,12 @@ def eager_paged_attention(
     is_windowed: bool,
     softcap: float | None,
     sinks: torch.Tensor | None,
+    rows: int | None = None,
 ) -> torch.Tensor:
     """paged_attention's result for models whose scores SDPA cannot compute (soft-capping, sinks): the
     scores written out, one sequence at a time, in HF's eager order."""
     _write(k, v, k_cache, v_cache, meta)
-    out = torch.empty_like(q)
+    out = empty_rows(q, rows)
     if meta.num_decodes:
         out[: meta.num_decodes] = _eager_decode(
             q[: meta.num_decodes], k_cache, v_cache, meta, scale, is_windowed, softcap, sinks
@@ -315,11 +321,12 @@ def _decode(
     meta: AttentionMetadata,
     scale: float,
     window_mask: torch.Tensor | None,
+    rows: int | None = None,
 ) -> torch.Tensor:
-    """q [B, H, D] -> [B, H, D]."""
+    """q [B, H, D] -> [B, H, D] ([rows, H, D], zeros past B)."""
     if meta.decode_kernel is not None and window_mask is None:  # reads the blocks in place
         return meta.decode_kernel(
-            q, k_cache, v_cache, meta.decode_tables, meta.decode_lens, meta.block_size, scale
+            q, k_cache, v_cache, meta.decode_tables, meta.decode_lens, meta.block_size, scale, rows
         )
     num_decodes, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[0]
@@ -332,7 +339,8 @@ def _decode(
     q = q.view(num_decodes, num_kv_heads, -1, head_dim).transpose(0, 1)  # [KVH, B, groups, D]
     mask = window_mask if window_mask is not None else meta.decode_mask
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
-    return out.transpose(0, 1).reshape(num_decodes, num_heads, head_dim)
+    out = out.transpose(0, 1).reshape(num_decodes, num_heads, head_dim)
+    return out if rows is None or rows <= num_decodes else F.pad(out, (0, 0, 0, 0, 0, rows - num_decodes))
 
 
 def _prefill(

@@ -342,7 +342,10 @@ class Attention(nn.Module):
         kernel.heads(heads, q_weight, k_weight, self.q_norm.eps, self.num_heads, self.num_kv_heads)
         return True
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StepAttention) -> torch.Tensor:
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StepAttention, rows: int | None = None
+    ) -> torch.Tensor:
+        """[T, H, D] (`rows` rows, zeros past T, where given)."""
         return meta.attend(
             q,
             k,
@@ -352,6 +355,7 @@ class Attention(nn.Module):
             self.scale,
             self.sliding_window is not None,
             softcap=self.softcap,
+            rows=rows,
         )
 
 
@@ -567,8 +571,8 @@ class DecoderLayer(nn.Module):
         """x [rows, hidden]: the step's num_tokens tokens, then padding rows (see row_bucket) that the
         dense halves carry along and attention never sees."""
         q, k, v = self.before_attention(x, cos, sin)
-        attn = self.self_attn.attend(q[:num_tokens], k[:num_tokens], v[:num_tokens], meta)
-        return self.after_attention(x, _pad_rows(attn, x.shape[0]))
+        attn = self.self_attn.attend(q[:num_tokens], k[:num_tokens], v[:num_tokens], meta, x.shape[0])
+        return self.after_attention(x, attn)
 
     # the two dense halves of a layer around the paged attention: what --compile compiles
     def before_attention(
