@@ -152,7 +152,7 @@ def _time_kernels(model: nn.Module, dtype: torch.dtype, row_counts: tuple[int, .
         x, cos_sin, attn = inputs[rows]
         started = time.perf_counter()
         for layer in layers:
-            layer.before_attention(x, cos_sin, cos_sin)
+            layer.before_attention(x, x, cos_sin, cos_sin)
             layer.after_attention(x, attn)
         return time.perf_counter() - started
 

@@ -566,21 +566,36 @@ class DecoderLayer(nn.Module):
             )
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: StepAttention, num_tokens: int
-    ) -> torch.Tensor:
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: StepAttention,
+        num_tokens: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [rows, hidden]: the step's num_tokens tokens, then padding rows (see row_bucket) that the
-        dense halves carry along and attention never sees."""
-        q, k, v = self.before_attention(x, cos, sin)
+        dense halves carry along and attention never sees. The residual add of a layer's MLP output is
+        left to the next norm (the rms_norm kernel adds in the same pass, as vLLM's layers do): x is the
+        previous layer's MLP output and `residual` the stream it adds to (None at the first layer: x is
+        the stream); returns this layer's (MLP output, stream)."""
+        q, k, v, residual = self.before_attention(x, residual, cos, sin)
         attn = self.self_attn.attend(q[:num_tokens], k[:num_tokens], v[:num_tokens], meta, x.shape[0])
-        return self.after_attention(x, attn)
+        return self.after_attention(residual, attn)
 
     # the two dense halves of a layer around the paged attention: what --compile compiles
     def before_attention(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
-        return self.self_attn.project(self.input_layernorm(x), cos, sin)
+        """(q, k, v, the stream: x + residual)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            residual, h = self.input_layernorm(x, residual)
+        return (*self.self_attn.project(h, cos, sin), residual)
 
-    def after_attention(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    def after_attention(self, x: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the stream; (the MLP's output, the stream with attention's output added)."""
         flat = attn.flatten(1)
         attn = self.self_attn.o_proj(flat)
         lora = self.self_attn.lora
@@ -589,9 +604,9 @@ class DecoderLayer(nn.Module):
         attn = self.reduce(attn)
         if self.sandwich:  # Gemma: each half normed before its residual add, the MLP's input normed apart
             x, h = self.pre_feedforward_layernorm(self.post_attention_layernorm(attn), x)
-            return x + self.post_feedforward_layernorm(self.reduce(self.mlp(h)))
+            return self.post_feedforward_layernorm(self.reduce(self.mlp(h))), x
         x, h = self.post_attention_layernorm(x, attn)
-        return x + self.reduce(self.mlp(h))
+        return self.reduce(self.mlp(h)), x
 
     def compile_dense(self) -> None:
         """torch.compile both dense halves, shapes dynamic (T changes every step); every layer runs the
@@ -688,14 +703,18 @@ class LlamaForCausalLM(nn.Module):
         for kind, (inv_freq, scale) in self.ropes.items():
             freqs = pos * inv_freq  # [rows, D/2], float32 as HF has it
             cos_sin[kind] = tuple((f * scale).to(x.dtype)[:, None] for f in (freqs.cos(), freqs.sin()))
+        residual = None
         for layer, kind in zip(self.layers, self.layer_ropes, strict=True):
-            x = layer(x, *cos_sin[kind], meta, num_tokens)
-        return self.norm(x[:num_tokens])
+            x, residual = layer(x, residual, *cos_sin[kind], meta, num_tokens)
+        if residual is None:  # no layers
+            return self.norm(x[:num_tokens])
+        return self.norm(x[:num_tokens], residual[:num_tokens])[1]
 
     @torch.inference_mode()
     def compile_layers(self) -> None:
         """--compile: compile every layer's dense halves and compile them now, for one token and for
-        several (a single row is its own specialization), so no request waits for the compiler."""
+        several (a single row is its own specialization), the first layer's (no residual yet) and the
+        others', so no request waits for the compiler."""
         for layer in self.layers:
             layer.compile_dense()
         a = self.args
@@ -708,8 +727,8 @@ class LlamaForCausalLM(nn.Module):
             )
             cos_sin = torch.ones(num_tokens, 1, a.rotary_dim // 2, dtype=x.dtype, device=x.device)
             attn = torch.zeros(num_tokens, a.num_heads, a.head_dim, dtype=x.dtype, device=x.device)
-            for layer in self.layers:
-                layer.before_attention(x, cos_sin, cos_sin)
+            for i, layer in enumerate(self.layers):
+                layer.before_attention(x, None if i == 0 else x, cos_sin, cos_sin)
                 layer.after_attention(x, attn)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
