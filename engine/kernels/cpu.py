@@ -213,21 +213,27 @@ class DecodeKernel:
         context_lens: torch.Tensor,
         block_size: int,
         scale: float,
-        rows: int | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [num_seqs, num_heads, head_dim] in the caches' dtype (read in place where each row's heads are
         contiguous: a view of the q/k/v projection's output); caches [num_kv_heads, num_slots, head_dim]
         contiguous, float32 or bfloat16 (sums in float32 either way); block_tables [num_seqs, max_blocks] and
-        context_lens [num_seqs] int64. Returns [num_seqs, num_heads, head_dim] in q's dtype (`rows` rows,
-        zeros past num_seqs, where given)."""
+        context_lens [num_seqs] int64. Returns [num_seqs, num_heads, head_dim] in q's dtype: `out`, where
+        given (contiguous, at least num_seqs rows: its first num_seqs written)."""
         (q,) = self._rows(k_cache, v_cache, q)
         if not (block_tables.is_contiguous() and block_tables.dtype == context_lens.dtype == torch.int64):
             raise ValueError("paged_decode reads raw memory: int64 block tables (contiguous) and lengths")
         context_lens = context_lens.contiguous()
         num_seqs, num_heads, head_dim = q.shape
-        out = q.new_empty(num_seqs if rows is None else max(rows, num_seqs), num_heads, head_dim)
-        if out.shape[0] > num_seqs:
-            out[num_seqs:].zero_()
+        if out is None:
+            out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        elif not (
+            out.is_contiguous()
+            and out.dtype == q.dtype
+            and out.shape[0] >= num_seqs
+            and out.shape[1:] == q.shape[1:]
+        ):
+            raise ValueError("paged_decode writes raw memory: a contiguous out like q, at least its rows")
         num_kv_heads, num_slots, _ = k_cache.shape
         ints = (
             q.data_ptr(),

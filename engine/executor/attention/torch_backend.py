@@ -326,7 +326,14 @@ def _decode(
     """q [B, H, D] -> [B, H, D] ([rows, H, D], zeros past B)."""
     if meta.decode_kernel is not None and window_mask is None:  # reads the blocks in place
         return meta.decode_kernel(
-            q, k_cache, v_cache, meta.decode_tables, meta.decode_lens, meta.block_size, scale, rows
+            q,
+            k_cache,
+            v_cache,
+            meta.decode_tables,
+            meta.decode_lens,
+            meta.block_size,
+            scale,
+            empty_rows(q, rows),
         )
     num_decodes, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[0]

@@ -90,8 +90,9 @@ def test_kernel_reads_queries_in_place_in_the_projections_output(dtype, head_dim
     assert torch.equal(kernel(q, k_cache, v_cache, tables, lens, 16, 0.3), want)
     by_head = q.transpose(0, 1).contiguous().transpose(0, 1)
     assert torch.equal(kernel(by_head, k_cache, v_cache, tables, lens, 16, 0.3), want)
-    padded = kernel(q, k_cache, v_cache, tables, lens, 16, 0.3, rows=5)  # a layer's padding rows: zeros
-    assert padded.shape == (5, 6, head_dim) and torch.equal(padded[:3], want) and not padded[3:].any()
+    padded = torch.zeros(5, 6, head_dim, dtype=dtype)  # a layer's padding rows past the sequences'
+    assert kernel(q, k_cache, v_cache, tables, lens, 16, 0.3, padded) is padded
+    assert torch.equal(padded[:3], want) and not padded[3:].any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
