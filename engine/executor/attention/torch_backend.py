@@ -186,11 +186,9 @@ def paged_attention(
     _write(k, v, k_cache, v_cache, meta)
     num_decodes = meta.num_decodes
     window_mask = meta.decode_window_mask if is_windowed else None
-    if num_decodes and not meta.prefills:  # a decode-only step: the decodes' output is the whole output
-        return _decode(q, k_cache, v_cache, meta, scale, window_mask, rows)
     out = empty_rows(q, rows)
-    if num_decodes:
-        out[:num_decodes] = _decode(q[:num_decodes], k_cache, v_cache, meta, scale, window_mask)
+    if num_decodes:  # the decodes' rows written in place (a decode-only step: the whole output)
+        _decode(q[:num_decodes], k_cache, v_cache, meta, scale, window_mask, out[:num_decodes])
     for seg in meta.prefills:
         out[seg.start : seg.end] = _prefill(
             q, k, v, k_cache, v_cache, seg, seg.sdpa_mask(is_windowed, q.dtype), scale
@@ -321,20 +319,14 @@ def _decode(
     meta: AttentionMetadata,
     scale: float,
     window_mask: torch.Tensor | None,
-    rows: int | None = None,
-) -> torch.Tensor:
-    """q [B, H, D] -> [B, H, D] ([rows, H, D], zeros past B)."""
+    out: torch.Tensor,
+) -> None:
+    """q [B, H, D] -> out [B, H, D] (contiguous)."""
     if meta.decode_kernel is not None and window_mask is None:  # reads the blocks in place
-        return meta.decode_kernel(
-            q,
-            k_cache,
-            v_cache,
-            meta.decode_tables,
-            meta.decode_lens,
-            meta.block_size,
-            scale,
-            empty_rows(q, rows),
+        meta.decode_kernel(
+            q, k_cache, v_cache, meta.decode_tables, meta.decode_lens, meta.block_size, scale, out
         )
+        return
     num_decodes, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[0]
     block_ids = meta.decode_tables.flatten()
@@ -345,9 +337,8 @@ def _decode(
     # one query token: the query heads of a KV group become the "sequence" axis (no K/V repeat)
     q = q.view(num_decodes, num_kv_heads, -1, head_dim).transpose(0, 1)  # [KVH, B, groups, D]
     mask = window_mask if window_mask is not None else meta.decode_mask
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
-    out = out.transpose(0, 1).reshape(num_decodes, num_heads, head_dim)
-    return out if rows is None or rows <= num_decodes else F.pad(out, (0, 0, 0, 0, 0, rows - num_decodes))
+    attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    out.copy_(attended.transpose(0, 1).reshape(num_decodes, num_heads, head_dim))
 
 
 def _prefill(

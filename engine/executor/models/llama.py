@@ -326,7 +326,7 @@ class Attention(nn.Module):
         kernel = _cpu_kernel(cpu_kernel.rope, heads)
         if kernel is not None and kernel.runs(heads, cos):
             kernel(heads, self.num_heads + self.num_kv_heads, cos, sin)  # in place, what apply_rope gives
-            return heads.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+            return q, k, v  # views of heads: rotated with it
         q, k = apply_rope(heads[:, : self.num_heads + self.num_kv_heads], cos, sin).split(
             [self.num_heads, self.num_kv_heads], dim=1
         )
