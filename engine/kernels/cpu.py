@@ -214,23 +214,41 @@ class DecodeKernel:
         block_size: int,
         scale: float,
         out: torch.Tensor | None = None,
+        row_starts: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q [num_seqs, num_heads, head_dim] in the caches' dtype (read in place where each row's heads are
+        """q [num_rows, num_heads, head_dim] in the caches' dtype (read in place where each row's heads are
         contiguous: a view of the q/k/v projection's output); caches [num_kv_heads, num_slots, head_dim]
         contiguous, float32 or bfloat16 (sums in float32 either way); block_tables [num_seqs, max_blocks] and
-        context_lens [num_seqs] int64. Returns [num_seqs, num_heads, head_dim] in q's dtype: `out`, where
-        given (contiguous, at least num_seqs rows: its first num_seqs written)."""
+        context_lens [num_seqs] int64. A sequence has one query row (row_starts None: num_rows == num_seqs),
+        or rows row_starts[s] .. row_starts[s + 1] - 1 (int64 [num_seqs + 1]) at consecutive positions, the
+        last at context_lens[s] - 1: a drafted step's verifying rows, whose blocks are then read once for all
+        of them, each row's result the one it gets alone. Returns [num_rows, num_heads, head_dim] in q's
+        dtype: `out`, where given (contiguous, at least num_rows rows: its first num_rows written)."""
         (q,) = self._rows(k_cache, v_cache, q)
         if not (block_tables.is_contiguous() and block_tables.dtype == context_lens.dtype == torch.int64):
             raise ValueError("paged_decode reads raw memory: int64 block tables (contiguous) and lengths")
         context_lens = context_lens.contiguous()
-        num_seqs, num_heads, head_dim = q.shape
+        num_seqs = block_tables.shape[0]
+        num_rows, num_heads, head_dim = q.shape
+        if context_lens.shape != (num_seqs,) or (
+            (num_rows != num_seqs)
+            if row_starts is None
+            else not (
+                row_starts.dtype == torch.int64
+                and row_starts.shape == (num_seqs + 1,)
+                and row_starts.is_contiguous()
+            )
+        ):
+            raise ValueError(
+                "paged_decode reads raw memory: a length and a table per sequence, and a query row per "
+                "sequence or int64 row_starts [num_seqs + 1]"
+            )
         if out is None:
             out = torch.empty_like(q, memory_format=torch.contiguous_format)
         elif not (
             out.is_contiguous()
             and out.dtype == q.dtype
-            and out.shape[0] >= num_seqs
+            and out.shape[0] >= num_rows
             and out.shape[1:] == q.shape[1:]
         ):
             raise ValueError("paged_decode writes raw memory: a contiguous out like q, at least its rows")
@@ -242,6 +260,8 @@ class DecodeKernel:
             v_cache.data_ptr(),
             block_tables.data_ptr(),
             context_lens.data_ptr(),
+            0 if row_starts is None else row_starts.data_ptr(),
+            num_rows,
             out.data_ptr(),
             num_heads,
             num_kv_heads,
@@ -250,7 +270,10 @@ class DecodeKernel:
             block_size,
             block_tables.shape[1],
         )
-        if self.threads.run(self._kernels[k_cache.dtype], ints, num_seqs * num_kv_heads, scale):
+        code = self.threads.run(self._kernels[k_cache.dtype], ints, num_seqs * num_kv_heads, scale)
+        if code == -4:
+            raise ValueError("paged_decode: a sequence's row_starts outside q's rows or past its context")
+        if code:
             raise MemoryError("paged_decode: out of memory for its scratch buffer")
         return out
 

@@ -83,6 +83,7 @@ class TorchBackend:
             self.decode_kernel,
             [self._segment(r0, r1, item, batch.block_size) for r0, r1, item in batch.prefills],
             window_mask,
+            self._row_groups(batch.decodes) if self.decode_kernel is not None else None,
         )
 
     def _decode_context(self, decodes: list[ScheduledSeq], bs: int) -> tuple:
@@ -104,6 +105,28 @@ class TorchBackend:
         # the query sits at lens - 1 and sees keys (lens - 1 - window, lens - 1]
         window_mask = self._additive((key_pos >= lens) | (key_pos < lens - window)) if needs_window else None
         return tables, lengths, mask, window_mask
+
+    def _row_groups(self, decodes: list[ScheduledSeq]) -> tuple[torch.Tensor, ...] | None:
+        """The decode kernel's (block tables, context lengths, row_starts) with each run of one sequence's
+        rows at consecutive positions (a drafted step's verifying rows) as one entry, its blocks then read
+        once for all of them; None where no sequence has more than one row."""
+        starts = [0] + [
+            i
+            for i in range(1, len(decodes))
+            if decodes[i].seq is not decodes[i - 1].seq or decodes[i].start != decodes[i - 1].start + 1
+        ]
+        if len(starts) >= len(decodes):  # none, or one row each
+            return None
+        lasts = [decodes[end - 1] for end in [*starts[1:], len(decodes)]]
+        max_blocks = max(len(d.seq.block_table) for d in lasts)
+        long = dict(dtype=torch.long, device=self.device)
+        return (
+            torch.tensor(
+                [d.seq.block_table + [0] * (max_blocks - len(d.seq.block_table)) for d in lasts], **long
+            ),
+            torch.tensor([d.start + 1 for d in lasts], **long),
+            torch.tensor([*starts, len(decodes)], **long),
+        )
 
     def _additive(self, masked: torch.Tensor) -> torch.Tensor:
         """[num_decodes, num_keys] bool, True = hidden -> [1, num_decodes, 1, num_keys] 0 or -inf."""
@@ -149,6 +172,8 @@ class AttentionMetadata:
     )  # engine.kernels.cpu's, where it runs (CPU, float32 or bfloat16)
     prefills: list[PrefillSegment]
     decode_window_mask: torch.Tensor | None = None  # like decode_mask, for windowed layers past their window
+    # the decode kernel's (tables, lengths, row_starts) where a sequence has several rows (_row_groups)
+    decode_row_groups: tuple[torch.Tensor, ...] | None = None
 
     def attend(
         self,
@@ -323,9 +348,8 @@ def _decode(
 ) -> None:
     """q [B, H, D] -> out [B, H, D] (contiguous)."""
     if meta.decode_kernel is not None and window_mask is None:  # reads the blocks in place
-        meta.decode_kernel(
-            q, k_cache, v_cache, meta.decode_tables, meta.decode_lens, meta.block_size, scale, out
-        )
+        tables, lens, row_starts = meta.decode_row_groups or (meta.decode_tables, meta.decode_lens, None)
+        meta.decode_kernel(q, k_cache, v_cache, tables, lens, meta.block_size, scale, out, row_starts)
         return
     num_decodes, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[0]

@@ -1,5 +1,6 @@
-/* Paged decode attention on CPU, K/V in float32 or bfloat16: one query token per sequence, K/V read in
- * place from the head-major block pool ([num_kv_heads, num_slots, head_dim] per layer,
+/* Paged decode attention on CPU, K/V in float32 or bfloat16: one query token per sequence, or a few at
+ * consecutive positions (a drafted step's verifying rows: `row_starts` below), K/V read in place from the
+ * head-major block pool ([num_kv_heads, num_slots, head_dim] per layer,
  * engine/executor/attention/torch_backend.py). bfloat16 values are widened to float32 in registers (a bfloat16 is the top half
  * of a float32) and every sum is in float32: the portable path, which the compiler vectorizes.
  * Where the compiler targets AVX-512 (-march=native on such a CPU) and head_dim is a multiple of 32,
@@ -41,34 +42,56 @@ static inline const char *block_rows(const char *head, const int64_t *table, int
     return head + table[blk] * stride;
 }
 
-/* the longest context among work items [work_begin, work_end) (work item = seq * num_kv_heads + kv_head) */
-static inline int64_t max_context_len(const int64_t *context_lens, int64_t num_kv_heads, int64_t work_begin,
-                                      int64_t work_end)
+/* A sequence's query rows: one (row_starts NULL: row seq), or rows row_starts[seq] .. row_starts[seq + 1] - 1
+ * at consecutive positions, the last at context_lens[seq] - 1, each seeing the context up to itself; their
+ * K/V blocks are read once for all of them. Sets *first and *rows; -4 where the rows are not within q's
+ * num_rows or outnumber the context. */
+static inline int seq_rows(const int64_t *row_starts, int64_t num_rows, const int64_t *context_lens,
+                           int64_t seq, int64_t *first, int64_t *rows)
 {
-    int64_t max_len = 0;
-    for (int64_t w = work_begin; w < work_end; ++w) {
-        const int64_t len = context_lens[w / num_kv_heads];
-        if (len > max_len) max_len = len;
-    }
-    return max_len;
+    *first = row_starts ? row_starts[seq] : seq;
+    *rows = row_starts ? row_starts[seq + 1] - *first : 1;
+    return *first < 0 || *rows < 1 || *rows > context_lens[seq] || *first + *rows > num_rows ? -4 : 0;
 }
 
-/* what one work item (a sequence and one KV head) reads: its context length, block table, the head's K and
- * V pools; its group's query rows (the work item's first head: `head`) and output rows are at
- * seq * q_stride + head * head_dim and (seq * num_heads + head) * head_dim */
+/* the longest context and the most query rows of a sequence among work items [work_begin, work_end) (work
+ * item = seq * num_kv_heads + kv_head); -4 as seq_rows */
+static inline int work_sizes(const int64_t *context_lens, const int64_t *row_starts, int64_t num_rows,
+                             int64_t num_kv_heads, int64_t work_begin, int64_t work_end, int64_t *max_len,
+                             int64_t *max_rows)
+{
+    *max_len = 0;
+    *max_rows = 1;
+    for (int64_t w = work_begin; w < work_end; ++w) {
+        int64_t first, rows;
+        if (seq_rows(row_starts, num_rows, context_lens, w / num_kv_heads, &first, &rows)) return -4;
+        const int64_t len = context_lens[w / num_kv_heads];
+        if (len > *max_len) *max_len = len;
+        if (rows > *max_rows) *max_rows = rows;
+    }
+    return 0;
+}
+
+/* what one work item (a sequence and one KV head) reads: its longest context length, block table, the head's
+ * K and V pools; its group's query rows (the work item's first head: `head`) and output rows are at
+ * (first + r) * q_stride + head * head_dim and ((first + r) * num_heads + head) * head_dim, r < rows; row r
+ * sees len - (rows - 1 - r) positions */
 struct work_item {
-    int64_t seq, head, len;
+    int64_t first, rows, head, len;
     const int64_t *table;
     const char *kh, *vh;
 };
 
 static inline struct work_item work_item(int64_t w, const void *k_cache, const void *v_cache,
-                                         const int64_t *block_tables, const int64_t *context_lens, int64_t num_heads,
-                                         int64_t num_kv_heads, int64_t num_slots, int64_t max_blocks,
-                                         int64_t row_bytes)
+                                         const int64_t *block_tables, const int64_t *context_lens,
+                                         const int64_t *row_starts, int64_t num_heads, int64_t num_kv_heads,
+                                         int64_t num_slots, int64_t max_blocks, int64_t row_bytes)
 {
     const int64_t seq = w / num_kv_heads, kv_head = w % num_kv_heads, groups = num_heads / num_kv_heads;
-    return (struct work_item){seq, kv_head * groups, context_lens[seq], block_tables + seq * max_blocks,
+    int64_t first, rows;
+    seq_rows(row_starts, INT64_MAX, context_lens, seq, &first, &rows); /* checked by work_sizes */
+    return (struct work_item){first, rows, kv_head * groups, context_lens[seq],
+                              block_tables + seq * max_blocks,
                               (const char *)k_cache + kv_head * num_slots * row_bytes,
                               (const char *)v_cache + kv_head * num_slots * row_bytes};
 }
@@ -90,20 +113,25 @@ static inline void narrow(void *restrict dst, const float *restrict src, int64_t
         memcpy(dst, src, sizeof(float) * (size_t)n);
 }
 
-/* the query rows of a work item's group, [groups, head_dim] float32, from q (rows q_stride values apart) */
+/* a work item's query heads, [rows * groups, head_dim] float32 (row by row), from q (rows q_stride values
+ * apart) */
 static inline void group_queries(float *restrict dst, const void *q, int64_t q_stride,
                                  const struct work_item *it, int64_t groups, int64_t head_dim, const int bf16)
 {
-    const int64_t at = it->seq * q_stride + it->head * head_dim;
-    widen(dst, (const char *)q + at * (bf16 ? 2 : 4), groups * head_dim, bf16);
+    for (int64_t r = 0; r < it->rows; ++r) {
+        const int64_t at = (it->first + r) * q_stride + it->head * head_dim;
+        widen(dst + r * groups * head_dim, (const char *)q + at * (bf16 ? 2 : 4), groups * head_dim, bf16);
+    }
 }
 
-/* out[seq, head .. head + groups) = src [groups, head_dim] in the caches' dtype */
+/* out[first + r, head .. head + groups) = src [rows * groups, head_dim]'s row r, in the caches' dtype */
 static inline void group_output(void *out, const float *src, const struct work_item *it, int64_t num_heads,
                                 int64_t groups, int64_t head_dim, const int bf16)
 {
-    const int64_t at = (it->seq * num_heads + it->head) * head_dim;
-    narrow((char *)out + at * (bf16 ? 2 : 4), src, groups * head_dim, bf16);
+    for (int64_t r = 0; r < it->rows; ++r) {
+        const int64_t at = ((it->first + r) * num_heads + it->head) * head_dim;
+        narrow((char *)out + at * (bf16 ? 2 : 4), src + r * groups * head_dim, groups * head_dim, bf16);
+    }
 }
 
 /* The step's new K and V rows into the pool: row t of k_new and v_new ([n, num_kv_heads, head_dim], rows
@@ -140,13 +168,15 @@ static inline void add_scaled_bf16(float *restrict acc, float p, const uint16_t 
 
 /* kv_bf16: the caches hold bfloat16 (uint16) values, else float32; a constant at each call below, so
  * the compiler builds one copy of this function per element type */
-static inline int paged_decode(const void *q,               /* [num_seqs, num_heads, head_dim] */
+static inline int paged_decode(const void *q,               /* [num_rows, num_heads, head_dim] */
                                int64_t q_stride,            /* values from one row of q to the next */
                                const void *k_cache,        /* [num_kv_heads, num_slots, head_dim] */
                                const void *v_cache,        /* same */
                                const int64_t *block_tables, /* [num_seqs, max_blocks] */
                                const int64_t *context_lens, /* [num_seqs], each >= 1 */
-                               void *out,                  /* [num_seqs, num_heads, head_dim] */
+                               const int64_t *row_starts,   /* [num_seqs + 1] (seq_rows), or NULL */
+                               int64_t num_rows,
+                               void *out,                  /* [num_rows, num_heads, head_dim] */
                                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t num_slots,
                                int64_t block_size, int64_t max_blocks, float scale,
                                int64_t work_begin, int64_t work_end, /* work item = seq * num_kv_heads + kv_head */
@@ -154,66 +184,77 @@ static inline int paged_decode(const void *q,               /* [num_seqs, num_he
 {
     const int64_t groups = num_heads / num_kv_heads; /* query heads per KV head */
     const int64_t row_bytes = head_dim * (kv_bf16 ? 2 : 4);
-    const int64_t max_len = max_context_len(context_lens, num_kv_heads, work_begin, work_end);
-    /* scratch: scores [groups, max_len], running max and 1/sum [groups], accumulators and queries
-     * [groups, head_dim] each */
-    float *scratch = malloc(sizeof(float) * (size_t)(groups * (max_len + 2 + 2 * head_dim)));
+    int64_t max_len, max_rows;
+    if (work_sizes(context_lens, row_starts, num_rows, num_kv_heads, work_begin, work_end, &max_len,
+                   &max_rows))
+        return -4;
+    /* scratch: scores [groups, max_len], running max and 1/sum [groups], accumulators [groups, head_dim] and
+     * queries [max_rows * groups, head_dim] */
+    float *scratch = malloc(sizeof(float) * (size_t)(groups * (max_len + 2 + (1 + max_rows) * head_dim)));
     if (scratch == NULL) return -1;
     float *scores = scratch, *mx = scores + groups * max_len, *inv = mx + groups, *acc = inv + groups;
-    float *qh = acc + groups * head_dim;
+    float *queries = acc + groups * head_dim;
 
     for (int64_t w = work_begin; w < work_end; ++w) {
-        const struct work_item it = work_item(w, k_cache, v_cache, block_tables, context_lens, num_heads,
-                                              num_kv_heads, num_slots, max_blocks, row_bytes);
-        const int64_t len = it.len, *table = it.table;
-        const char *kh = it.kh, *vh = it.vh;
-        group_queries(qh, q, q_stride, &it, groups, head_dim, kv_bf16);
+        const struct work_item item = work_item(w, k_cache, v_cache, block_tables, context_lens, row_starts,
+                                                num_heads, num_kv_heads, num_slots, max_blocks, row_bytes);
+        group_queries(queries, q, q_stride, &item, groups, head_dim, kv_bf16);
+        /* row by row, each over its own context (this path reads the blocks once a row) */
+        for (int64_t r = 0; r < item.rows; ++r) {
+            struct work_item it = item;
+            it.first += r;
+            it.rows = 1;
+            it.len -= item.rows - 1 - r;
+            const int64_t len = it.len, *table = it.table;
+            const char *kh = it.kh, *vh = it.vh;
+            const float *qh = queries + r * groups * head_dim;
 
-        for (int64_t g = 0; g < groups; ++g) mx[g] = -INFINITY;
-        for (int64_t pos = 0; pos < len; pos += block_size) {
-            const char *next;
-            int64_t n;
-            const char *kb = block_rows(kh, table, pos, len, block_size, row_bytes, &next, &n);
-            for (int64_t i = 0; i < n; ++i) {
-                const char *kp = kb + i * row_bytes;
-                if (next) prefetch_row(next + i * row_bytes, row_bytes);
-                for (int64_t g = 0; g < groups; ++g) {
-                    const float *qg = qh + g * head_dim;
-                    const float s = (kv_bf16 ? dot_bf16(qg, (const uint16_t *)kp, head_dim)
-                                             : dot(qg, (const float *)kp, head_dim)) * scale;
-                    scores[g * len + pos + i] = s;
-                    if (s > mx[g]) mx[g] = s;
+            for (int64_t g = 0; g < groups; ++g) mx[g] = -INFINITY;
+            for (int64_t pos = 0; pos < len; pos += block_size) {
+                const char *next;
+                int64_t n;
+                const char *kb = block_rows(kh, table, pos, len, block_size, row_bytes, &next, &n);
+                for (int64_t i = 0; i < n; ++i) {
+                    const char *kp = kb + i * row_bytes;
+                    if (next) prefetch_row(next + i * row_bytes, row_bytes);
+                    for (int64_t g = 0; g < groups; ++g) {
+                        const float *qg = qh + g * head_dim;
+                        const float s = (kv_bf16 ? dot_bf16(qg, (const uint16_t *)kp, head_dim)
+                                                 : dot(qg, (const float *)kp, head_dim)) * scale;
+                        scores[g * len + pos + i] = s;
+                        if (s > mx[g]) mx[g] = s;
+                    }
                 }
             }
-        }
-        for (int64_t g = 0; g < groups; ++g) {
-            float *sg = scores + g * len, sum = 0.0f;
-            for (int64_t j = 0; j < len; ++j) {
-                sg[j] = expf(sg[j] - mx[g]);
-                sum += sg[j];
+            for (int64_t g = 0; g < groups; ++g) {
+                float *sg = scores + g * len, sum = 0.0f;
+                for (int64_t j = 0; j < len; ++j) {
+                    sg[j] = expf(sg[j] - mx[g]);
+                    sum += sg[j];
+                }
+                inv[g] = 1.0f / sum;
             }
-            inv[g] = 1.0f / sum;
-        }
-        for (int64_t j = 0; j < groups * head_dim; ++j) acc[j] = 0.0f;
-        for (int64_t pos = 0; pos < len; pos += block_size) {
-            const char *next;
-            int64_t n;
-            const char *vb = block_rows(vh, table, pos, len, block_size, row_bytes, &next, &n);
-            for (int64_t i = 0; i < n; ++i) {
-                const char *vp = vb + i * row_bytes;
-                if (next) prefetch_row(next + i * row_bytes, row_bytes);
-                for (int64_t g = 0; g < groups; ++g) {
-                    const float p = scores[g * len + pos + i];
-                    if (kv_bf16)
-                        add_scaled_bf16(acc + g * head_dim, p, (const uint16_t *)vp, head_dim);
-                    else
-                        add_scaled(acc + g * head_dim, p, (const float *)vp, head_dim);
+            for (int64_t j = 0; j < groups * head_dim; ++j) acc[j] = 0.0f;
+            for (int64_t pos = 0; pos < len; pos += block_size) {
+                const char *next;
+                int64_t n;
+                const char *vb = block_rows(vh, table, pos, len, block_size, row_bytes, &next, &n);
+                for (int64_t i = 0; i < n; ++i) {
+                    const char *vp = vb + i * row_bytes;
+                    if (next) prefetch_row(next + i * row_bytes, row_bytes);
+                    for (int64_t g = 0; g < groups; ++g) {
+                        const float p = scores[g * len + pos + i];
+                        if (kv_bf16)
+                            add_scaled_bf16(acc + g * head_dim, p, (const uint16_t *)vp, head_dim);
+                        else
+                            add_scaled(acc + g * head_dim, p, (const float *)vp, head_dim);
+                    }
                 }
             }
+            for (int64_t g = 0; g < groups; ++g)
+                for (int64_t d = 0; d < head_dim; ++d) acc[g * head_dim + d] *= inv[g];
+            group_output(out, acc, &it, num_heads, groups, head_dim, kv_bf16);
         }
-        for (int64_t g = 0; g < groups; ++g)
-            for (int64_t d = 0; d < head_dim; ++d) acc[g * head_dim + d] *= inv[g];
-        group_output(out, acc, &it, num_heads, groups, head_dim, kv_bf16);
     }
     free(scratch);
     return 0;
@@ -236,12 +277,15 @@ static inline __m512 sum16x16(__m512 v[16])
 {
     __m512 t[8], u[4], w[2];
     for (int i = 0; i < 8; ++i) /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] of v[2i], v[2i+1] */
-        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
     for (int i = 0; i < 4; ++i) { /* per 128-bit lane: one partial sum of each of 4 vectors */
         const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
-        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
     }
-    for (int i = 0; i < 2; ++i) /* 128-bit lanes paired across vectors: [u0 L0+L1, u0 L2+L3, u1 L0+L1, u1 L2+L3] */
+    /* 128-bit lanes paired across vectors: [u0 L0+L1, u0 L2+L3, u1 L0+L1, u1 L2+L3] */
+    for (int i = 0; i < 2; ++i)
         w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
                              _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
     return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
@@ -306,35 +350,42 @@ static inline __attribute__((always_inline)) void values_tile(
  * item, which is exact when the engine runs in bf16), softmax with a vector exp, values accumulated in
  * registers 64 dimensions and up to 4 query heads at a time (values_tile: a value row is read once for all
  * of its group's heads; reading it once per head cost a 28-sequence, 500-token step of the SmolLM-135M
- * shape 0.73 ms a layer on two threads, against 0.63) */
+ * shape 0.73 ms a layer on two threads, against 0.63). A sequence's rows at consecutive positions
+ * (seq_rows) are its group's heads, row by row: each key and value row read once for all of them, a row's
+ * scores past its own position never summed and its weights there exactly 0 in pass 2, so each row's result
+ * is bit for bit the one it gets alone. */
 static int paged_decode_avx512(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
-                               const int64_t *block_tables, const int64_t *context_lens, void *out,
+                               const int64_t *block_tables, const int64_t *context_lens,
+                               const int64_t *row_starts, int64_t num_rows, void *out,
                                int64_t num_heads, int64_t num_kv_heads,
                                int64_t head_dim, int64_t num_slots, int64_t block_size, int64_t max_blocks,
                                float scale, int64_t work_begin, int64_t work_end, const int kv_bf16)
 {
     const int64_t groups = num_heads / num_kv_heads, elem = kv_bf16 ? 2 : 4, row_bytes = head_dim * elem;
-    const int64_t max_len = max_context_len(context_lens, num_kv_heads, work_begin, work_end);
-    /* scratch: scores [groups, max_len rounded up to 16], 1/sum [groups], the queries and the output
-     * [groups, head_dim] each, q as bf16 [groups, head_dim] (half a float each) */
-    const int64_t stride = (max_len + 15) / 16 * 16;
-    float *scores = malloc(sizeof(float) * (size_t)(groups * (stride + 1 + 2 * head_dim + head_dim / 2)));
+    int64_t max_len, max_rows;
+    if (work_sizes(context_lens, row_starts, num_rows, num_kv_heads, work_begin, work_end, &max_len,
+                   &max_rows))
+        return -4;
+    /* scratch, for max_rows * groups query heads: scores [heads, max_len rounded up to 16], 1/sum [heads],
+     * the queries and the output [heads, head_dim] each, q as bf16 [heads, head_dim] (half a float each) */
+    const int64_t stride = (max_len + 15) / 16 * 16, max_heads = max_rows * groups;
+    float *scores = malloc(sizeof(float) * (size_t)(max_heads * (stride + 1 + 2 * head_dim + head_dim / 2)));
     if (scores == NULL) return -1;
-    float *inv = scores + groups * stride, *qh = inv + groups, *o = qh + groups * head_dim;
-    uint16_t *q16 = (uint16_t *)(o + groups * head_dim);
+    float *inv = scores + max_heads * stride, *qh = inv + max_heads, *o = qh + max_heads * head_dim;
+    uint16_t *q16 = (uint16_t *)(o + max_heads * head_dim);
 #if defined(__AVX512BF16__)
     const int use_dp = kv_bf16;
 #else
     const int use_dp = 0;
 #endif
     for (int64_t w = work_begin; w < work_end; ++w) {
-        const struct work_item it = work_item(w, k_cache, v_cache, block_tables, context_lens, num_heads,
-                                              num_kv_heads, num_slots, max_blocks, row_bytes);
-        const int64_t len = it.len, *table = it.table;
+        const struct work_item it = work_item(w, k_cache, v_cache, block_tables, context_lens, row_starts,
+                                              num_heads, num_kv_heads, num_slots, max_blocks, row_bytes);
+        const int64_t len = it.len, *table = it.table, heads = it.rows * groups;
         const char *kh = it.kh, *vh = it.vh;
         group_queries(qh, q, q_stride, &it, groups, head_dim, kv_bf16);
         if (use_dp)
-            for (int64_t j = 0; j < groups * head_dim; j += 16)
+            for (int64_t j = 0; j < heads * head_dim; j += 16)
                 _mm256_storeu_si256((__m256i *)(q16 + j), _mm512_cvtepi32_epi16(_mm512_srli_epi32(
                     _mm512_castps_si512(_mm512_loadu_ps(qh + j)), 16))); /* exact: q was bf16 */
         /* pass 1: scores; keys in runs of up to 16 within a block */
@@ -345,7 +396,7 @@ static int paged_decode_avx512(const void *q, int64_t q_stride, const void *k_ca
             if (next) prefetch_row(next, n * row_bytes);
             for (int64_t i0 = 0; i0 < n; i0 += 16) {
                 const int m = n - i0 < 16 ? (int)(n - i0) : 16;
-                for (int64_t g = 0; g < groups; ++g) {
+                for (int64_t g = 0; g < heads; ++g) {
                     __m512 acc[16];
                     for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
                     for (int i = 0; i < m; ++i) {
@@ -367,24 +418,26 @@ static int paged_decode_avx512(const void *q, int64_t q_stride, const void *k_ca
                 }
             }
         }
-        for (int64_t g = 0; g < groups; ++g) {
+        for (int64_t g = 0; g < heads; ++g) {
             float *sg = scores + g * stride;
+            const int64_t own = len - (it.rows - 1 - g / groups); /* the positions this head's row sees */
             /* the padding up to 16: e^-88 each after exp512, nothing beside the max's 1 (and pass 2 skips it) */
-            for (int64_t j = len; j < (len + 15) / 16 * 16; ++j) sg[j] = -INFINITY;
+            for (int64_t j = own; j < (own + 15) / 16 * 16; ++j) sg[j] = -INFINITY;
             __m512 mx = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
-            for (int64_t j = 0; j < len; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sg + j));
+            for (int64_t j = 0; j < own; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sg + j));
             const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-            for (int64_t j = 0; j < len; j += 16) {
+            for (int64_t j = 0; j < own; j += 16) {
                 const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sg + j), top));
                 _mm512_storeu_ps(sg + j, e);
                 sum = _mm512_add_ps(sum, e);
             }
             inv[g] = 1.0f / _mm512_reduce_add_ps(sum);
+            for (int64_t j = own; j < len; ++j) sg[j] = 0.0f; /* pass 2 runs to the last row's position */
         }
-        /* pass 2: values, 64 dimensions at a time, each row read once for up to 4 query heads of the group */
+        /* pass 2: values, 64 dimensions at a time, each row read once for up to 4 query heads */
         for (int64_t d0 = 0; d0 < head_dim; d0 += 64)
-            for (int64_t g0 = 0; g0 < groups; g0 += 4) {
-                const int gt = groups - g0 < 4 ? (int)(groups - g0) : 4;
+            for (int64_t g0 = 0; g0 < heads; g0 += 4) {
+                const int gt = heads - g0 < 4 ? (int)(heads - g0) : 4;
                 const int64_t dims = head_dim - d0 < 64 ? head_dim - d0 : 64;
                 const float *sg = scores + g0 * stride;
                 float *og = o + g0 * head_dim + d0;
@@ -409,11 +462,11 @@ static int paged_decode_avx512(const void *q, int64_t q_stride, const void *k_ca
 #endif
 
 #define DECODE_ARGS const void *q, int64_t q_stride, const void *k_cache, const void *v_cache, \
-    const int64_t *block_tables, const int64_t *context_lens, void *out, int64_t num_heads, \
-    int64_t num_kv_heads, int64_t head_dim, int64_t num_slots, int64_t block_size, int64_t max_blocks, \
-    float scale, int64_t work_begin, int64_t work_end
-#define DECODE_PARAMS q, q_stride, k_cache, v_cache, block_tables, context_lens, out, num_heads, \
-    num_kv_heads, head_dim, num_slots, block_size, max_blocks, scale, work_begin, work_end
+    const int64_t *block_tables, const int64_t *context_lens, const int64_t *row_starts, int64_t num_rows, \
+    void *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t num_slots, \
+    int64_t block_size, int64_t max_blocks, float scale, int64_t work_begin, int64_t work_end
+#define DECODE_PARAMS q, q_stride, k_cache, v_cache, block_tables, context_lens, row_starts, num_rows, out, \
+    num_heads, num_kv_heads, head_dim, num_slots, block_size, max_blocks, scale, work_begin, work_end
 #define DECODE_CALL(bf16) paged_decode(DECODE_PARAMS, bf16)
 
 #if HAVE_AVX512

@@ -39,9 +39,11 @@
 
 /* the kernels (engine/kernels/csrc/*.c), each over its own [begin, end) */
 int paged_decode_f32(const void *, int64_t, const void *, const void *, const int64_t *, const int64_t *,
-                     void *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t, int64_t);
+                     const int64_t *, int64_t, void *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                     float, int64_t, int64_t);
 int paged_decode_bf16(const void *, int64_t, const void *, const void *, const int64_t *, const int64_t *,
-                      void *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t, int64_t);
+                      const int64_t *, int64_t, void *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                      float, int64_t, int64_t);
 int int8_linear_f32(const float *, const int8_t *, const float *, float *, int64_t, int64_t, int64_t, int64_t,
                     int64_t, int64_t);
 int int8_dequantize_f32(const int8_t *, const float *, float *, int64_t, int64_t, int64_t, int64_t, int64_t);
@@ -79,11 +81,11 @@ static int run_kernel_as_is(int kernel, const args_t *a, int64_t b, int64_t e)
     const int64_t *i = a->i;
     switch (kernel) {
     case 0:
-        return paged_decode_f32(P(0), i[1], P(2), P(3), P(4), P(5), P(6), i[7], i[8], i[9], i[10], i[11],
-                                i[12], a->f, b, e);
+        return paged_decode_f32(P(0), i[1], P(2), P(3), P(4), P(5), P(6), i[7], P(8), i[9], i[10], i[11],
+                                i[12], i[13], i[14], a->f, b, e);
     case 1:
-        return paged_decode_bf16(P(0), i[1], P(2), P(3), P(4), P(5), P(6), i[7], i[8], i[9], i[10], i[11],
-                                 i[12], a->f, b, e);
+        return paged_decode_bf16(P(0), i[1], P(2), P(3), P(4), P(5), P(6), i[7], P(8), i[9], i[10], i[11],
+                                 i[12], i[13], i[14], a->f, b, e);
     case 2: return int8_linear_f32(P(0), P(1), P(2), P(3), i[4], i[5], i[6], i[7], b, e);
     case 3: return int8_dequantize_f32(P(0), P(1), P(2), i[3], i[4], i[5], b, e);
     case 4: return rms_norm_f32(P(0), P(1), P(2), P(3), P(4), i[5], a->f, b, e);
@@ -260,7 +262,7 @@ int pool_openmp(void)
 int pool_run(int kernel, const int64_t *ints, int64_t num_ints, float f, int64_t work, int64_t num_threads)
 {
     /* run_kernel's */
-    static const int64_t arity[] = {13, 13, 8, 6, 6, 6, 6, 6, 3, 3, 4, 4, 3, 4, 9, 9, 3, 1, 7, 7};
+    static const int64_t arity[] = {15, 15, 8, 6, 6, 6, 6, 6, 3, 3, 4, 4, 3, 4, 9, 9, 3, 1, 7, 7};
     if (kernel < 0 || kernel >= (int)(sizeof arity / sizeof arity[0])) return -2;
     if (num_ints != arity[kernel]) return -3;
     const args_t args = {ints, f};

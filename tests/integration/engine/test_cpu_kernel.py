@@ -2,6 +2,7 @@
 without a compiler) against transformers."""
 
 import ctypes
+import itertools
 import math
 import multiprocessing
 import os
@@ -10,11 +11,14 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from engine import LLM
+from engine.core.scheduler import ScheduledSeq
+from engine.executor.attention.torch_backend import TorchBackend
 from engine.kernels import cpu as cpu_kernel
 
 pytestmark = pytest.mark.skipif(
@@ -93,6 +97,51 @@ def test_kernel_reads_queries_in_place_in_the_projections_output(dtype, head_dim
     padded = torch.zeros(5, 6, head_dim, dtype=dtype)  # a layer's padding rows past the sequences'
     assert kernel(q, k_cache, v_cache, tables, lens, 16, 0.3, padded) is padded
     assert torch.equal(padded[:3], want) and not padded[3:].any()
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 48])  # the AVX-512 kernel and the portable one
+def test_a_sequences_consecutive_rows_read_together_get_what_each_gets_alone(head_dim, dtype, num_threads):
+    """A drafted step's verifying rows: a sequence's rows at consecutive positions in one work item
+    (row_starts), its blocks read once for all of them; each row's output is bit for bit what it gets as a
+    sequence of its own seeing the context up to itself."""
+    kernel = cpu_kernel.load(num_threads)
+    gen = torch.Generator().manual_seed(5)
+    k_cache, v_cache = (torch.randn(2, 512, head_dim, generator=gen).to(dtype) for _ in range(2))
+    counts, lens = [1, 5, 3, 2], [40, 70, 3, 17]  # rows a sequence; the last row's context
+    tables = torch.randperm(32, generator=gen)[:20].view(4, 5)
+    q = torch.randn(sum(counts), 6, head_dim, generator=gen).to(dtype)
+    row_starts = torch.tensor([0, *itertools.accumulate(counts)])
+    grouped = kernel(q, k_cache, v_cache, tables, torch.tensor(lens), 16, 0.2, row_starts=row_starts)
+    alone = kernel(
+        q,
+        k_cache,
+        v_cache,
+        tables.repeat_interleave(torch.tensor(counts), dim=0),
+        torch.tensor([n - c + 1 + i for c, n in zip(counts, lens, strict=True) for i in range(c)]),
+        16,
+        0.2,
+    )
+    assert torch.equal(grouped, alone)
+    with pytest.raises(ValueError, match="past its context"):  # 3 rows after a context of 2
+        kernel(q, k_cache, v_cache, tables, torch.tensor([40, 70, 2, 17]), 16, 0.2, row_starts=row_starts)
+    with pytest.raises(ValueError, match="outside q's rows"):
+        kernel(q[:-1], k_cache, v_cache, tables, torch.tensor(lens), 16, 0.2, row_starts=row_starts)
+    with pytest.raises(ValueError, match="row_starts"):
+        kernel(q, k_cache, v_cache, tables, torch.tensor(lens), 16, 0.2, row_starts=row_starts[:-1])
+
+
+def test_the_backend_groups_a_sequences_consecutive_decode_rows():
+    """TorchBackend hands the kernel one entry per run of a sequence's rows at consecutive positions (as
+    a drafted step's verifying rows come), and none where every sequence has one row."""
+    a, b = (SimpleNamespace(block_table=table) for table in ([4, 7], [2]))
+    backend = TorchBackend(torch.device("cpu"), torch.float32, None)
+    rows = [ScheduledSeq(a, p, 1, 1) for p in (20, 21, 22)] + [ScheduledSeq(b, 5, 1, 1)]
+    tables, lens, starts = backend._row_groups(rows + [ScheduledSeq(a, 30, 1, 1)])
+    assert tables.tolist() == [[4, 7], [2, 0], [4, 7]]
+    assert lens.tolist() == [23, 6, 31] and starts.tolist() == [0, 3, 4, 5]
+    assert backend._row_groups([rows[0], rows[3]]) is None and backend._row_groups([]) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
