@@ -42,6 +42,7 @@ SOURCES = tuple(
         "silu_mul.c",
         "thread_pool.c",
         "draft_step.c",
+        "few_rows.c",
     )
 )
 HEADERS = (CSRC / "kernel_math.h",)
@@ -60,6 +61,7 @@ KERNELS = {
     "lora_rows": {torch.float32: 14, torch.bfloat16: 15},
     "race_scores": 16,
     "head_norm": {torch.float32: 18, torch.bfloat16: 19},
+    "few_rows": 20,
 }
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 # below this many elements an elementwise kernel (RMSNorm, RoPE, SiLU * up) runs on the calling thread
@@ -520,6 +522,41 @@ class SiluMulKernel:
         return out
 
 
+class FewRowsKernel:
+    """few_rows_f32 (engine/kernels/csrc/few_rows.c): F.linear(x, w) for up to MAX_ROWS rows of float32 x and
+    a float32 weight [out, in], the weight read once for all rows and each row's result the same at any row
+    count; the weight's rows split over threads."""
+
+    MAX_ROWS = 8  # past this many rows a GEMM's blocking pays for reading the weight again
+
+    def __init__(self, library: ctypes.CDLL, threads: Threads) -> None:
+        self.threads = threads
+
+    def runs(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether this kernel computes F.linear(x, weight): x [rows <= MAX_ROWS, in], weight [out, in]."""
+        return (
+            x.device.type == "cpu"
+            and x.dtype == weight.dtype == torch.float32
+            and x.dim() == weight.dim() == 2
+            and 0 < x.shape[0] <= self.MAX_ROWS
+            and x.shape[1] == weight.shape[1]
+            and x.is_contiguous()
+            and weight.is_contiguous()
+        )
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if not self.runs(x, weight):
+            raise ValueError(
+                f"few_rows reads raw memory: contiguous CPU float32 x [1..{self.MAX_ROWS}, in] and weight "
+                "[out, in]"
+            )
+        (rows, n_in), n_out = x.shape, weight.shape[0]
+        out = x.new_empty(rows, n_out)
+        ints = (x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, n_in, n_out)
+        self.threads.run(KERNELS["few_rows"], ints, n_out)
+        return out
+
+
 class Int8RowsKernel:
     """w8a8's activations (engine/kernels/csrc/int8_rows.c), float32 or bfloat16, rows split over threads
     past Threads.parallel_elements: `quantize` rounds each row of x to int8 with its own scale, `scale`
@@ -731,6 +768,11 @@ def int8_rows(num_threads: int) -> Int8RowsKernel | None:
 def lora_rows(num_threads: int) -> LoraRowsKernel | None:
     """The LoRA delta kernel for this machine, or None."""
     return _kernel(LoraRowsKernel, num_threads)
+
+
+def few_rows(num_threads: int) -> FewRowsKernel | None:
+    """The few-rows product kernel for this machine, or None."""
+    return _kernel(FewRowsKernel, num_threads)
 
 
 def race(num_threads: int) -> RaceKernel | None:

@@ -68,6 +68,7 @@ int head_norm_f32(float *, const float *, const float *, int64_t, int64_t, int64
 int head_norm_bf16(uint16_t *, const uint16_t *, const uint16_t *, int64_t, int64_t, int64_t, int64_t, float,
                    int64_t, int64_t);
 int draft_part(void *, int64_t, int64_t);
+int few_rows_f32(const float *, const float *, float *, int64_t, int64_t, int64_t, int64_t, int64_t);
 
 typedef struct {
     const int64_t *i; /* the kernel's integer and pointer arguments, in order */
@@ -104,6 +105,7 @@ static int run_kernel_as_is(int kernel, const args_t *a, int64_t b, int64_t e)
     case DRAFT_PART: return draft_part(P(0), b, e); /* its parts meet at barriers: one range a thread */
     case 18: return head_norm_f32(P(0), P(1), P(2), i[3], i[4], i[5], i[6], a->f, b, e);
     case 19: return head_norm_bf16(P(0), P(1), P(2), i[3], i[4], i[5], i[6], a->f, b, e);
+    case 20: return few_rows_f32(P(0), P(1), P(2), i[3], i[4], i[5], b, e);
     default: return -2;
     }
 }
@@ -262,7 +264,7 @@ int pool_openmp(void)
 int pool_run(int kernel, const int64_t *ints, int64_t num_ints, float f, int64_t work, int64_t num_threads)
 {
     /* run_kernel's */
-    static const int64_t arity[] = {15, 15, 8, 6, 6, 6, 6, 6, 3, 3, 4, 4, 3, 4, 9, 9, 3, 1, 7, 7};
+    static const int64_t arity[] = {15, 15, 8, 6, 6, 6, 6, 6, 3, 3, 4, 4, 3, 4, 9, 9, 3, 1, 7, 7, 6};
     if (kernel < 0 || kernel >= (int)(sizeof arity / sizeof arity[0])) return -2;
     if (num_ints != arity[kernel]) return -3;
     const args_t args = {ints, f};

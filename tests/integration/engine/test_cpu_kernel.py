@@ -144,6 +144,26 @@ def test_the_backend_groups_a_sequences_consecutive_decode_rows():
     assert backend._row_groups([rows[0], rows[3]]) is None and backend._row_groups([]) is None
 
 
+@pytest.mark.parametrize("shape", [(4099, 384), (1000, 77)])
+def test_the_few_rows_product_is_f_linear_giving_each_row_what_it_gets_alone(shape):
+    """The LM head of a decode step with its draft: F.linear's result within float rounding, and each row's
+    logits bit for bit the same at any row count or thread count (greedy drafted tokens then match plain
+    decoding's)."""
+    kernel, one_thread = cpu_kernel.few_rows(2), cpu_kernel.few_rows(1)
+    gen = torch.Generator().manual_seed(6)
+    weight = torch.randn(*shape, generator=gen)
+    x = torch.randn(kernel.MAX_ROWS, shape[1], generator=gen)
+    for rows in range(1, kernel.MAX_ROWS + 1):
+        got = kernel(x[:rows], weight)
+        torch.testing.assert_close(got, torch.nn.functional.linear(x[:rows], weight), rtol=1e-5, atol=1e-4)
+        assert torch.equal(got, one_thread(x[:rows], weight))
+        assert all(torch.equal(got[r], kernel(x[r : r + 1], weight)[0]) for r in range(rows))
+    assert not kernel.runs(torch.randn(kernel.MAX_ROWS + 1, shape[1]), weight)
+    assert not kernel.runs(x[:2].bfloat16(), weight.bfloat16())
+    with pytest.raises(ValueError, match="few_rows"):
+        kernel(x[:2, :-1], weight)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_write_puts_new_rows_where_index_copy_does(dtype):
     kernel = cpu_kernel.load(1)
