@@ -10,7 +10,7 @@ from engine import LLM, SamplingParams
 from engine.core.block_manager import BlockManager
 from engine.core.scheduler import ScheduledSeq
 from engine.core.sequence import Sequence
-from engine.executor.draft_model import FusedDraftStep, _DraftSeq
+from engine.executor.draft_model import FusedDraftStep, _DraftSeq, _step_seconds
 from tests.harness import TINY
 
 pytestmark = pytest.mark.skipif(
@@ -137,6 +137,18 @@ def test_a_drafts_tokens_in_one_call_are_the_torch_forwards_each_given_the_ones_
             for cache in (layer.self_attn.k_cache, layer.self_attn.v_cache):
                 ours, theirs = (cache[:, _slots(s, fed, runner.layout.block_size)] for s in (state, check))
                 torch.testing.assert_close(ours, theirs, rtol=2e-2, atol=2e-2)  # bf16-read weights
+
+
+def test_the_one_call_is_timed_at_load_drafting_as_many_tokens_as_it_will():
+    """The load-time choice times the one call as it runs, num_speculative_tokens a call (timed one token a
+    call, one thread had won and then ran the drafts 1.5x slower): a timed call drafts them all, after a
+    context that leaves room for them in max_model_len."""
+    runner = LLM(
+        str(TINY), dtype="float32", linear_kernel="aten", block_size=4, max_model_len=128
+    ).engine.model_runner
+    fused, drafts = FusedDraftStep.of(runner), []
+    seconds = _step_seconds(runner, lambda rows: drafts.append(fused(rows, {rows[0].seq.seq_id: 5})), 5)
+    assert seconds > 0 and drafts and all(len(tokens) == 5 for d in drafts for tokens in d.values())
 
 
 def _slots(state: _DraftSeq, num_positions: int, block_size: int) -> list[int]:
