@@ -151,6 +151,29 @@ def test_the_one_call_is_timed_at_load_drafting_as_many_tokens_as_it_will():
     assert seconds > 0 and drafts and all(len(tokens) == 5 for d in drafts for tokens in d.values())
 
 
+def test_after_a_context_read_through_torch_the_further_tokens_come_in_one_call():
+    """A sequence's first drafts read its context as a chunk through the torch forward; its further draft
+    tokens then come from the one call, the tokens the torch forward drafts one step at a time."""
+    llm = LLM(
+        str(TINY),
+        dtype="float32",
+        max_model_len=128,
+        speculative_config={"model": str(TINY), "num_speculative_tokens": 4},
+    )
+    proposer = llm.engine.scheduler.proposer
+    fused, drafts = proposer.fused, {}
+    assert fused is not None
+    for one_call in (fused, None):
+        proposer.fused = one_call
+        seq = Sequence("s", [(7 * j) % 400 + 5 for j in range(40)], SamplingParams(max_tokens=64))
+        seq.output_token_ids.append(9)
+        seq.num_computed_tokens = seq.num_tokens - 1  # decoding: the draft model reads all 41 tokens
+        proposer.prepare([seq], drafting=True)
+        drafts[one_call is None] = proposer.drafts[seq.seq_id]
+        proposer.release(seq)
+    assert len(drafts[False]) == 4 and drafts[False] == drafts[True]
+
+
 def _slots(state: _DraftSeq, num_positions: int, block_size: int) -> list[int]:
     table = state.block_table
     return [table[p // block_size] * block_size + p % block_size for p in range(num_positions)]
