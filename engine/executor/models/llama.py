@@ -732,9 +732,9 @@ class LlamaForCausalLM(nn.Module):
                 layer.after_attention(x, attn)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The LM head on CPU in float32 at up to 8 rows (a decode step of a sequence and its draft) reads its
-        weight once for all rows and gives each row the logits it gets alone (engine/kernels/csrc/few_rows.c;
-        aten read it about twice from 5 rows)."""
+        """The LM head on CPU in float32 at up to 16 rows (a decode step of a few sequences, or of one and its
+        draft) reads its weight once for all rows and gives each row the logits it gets alone
+        (engine/kernels/csrc/few_rows.c; aten read it about twice from 5 rows)."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         num_rows = hidden.shape[0]
         kernel = _cpu_kernel(cpu_kernel.few_rows, hidden)
