@@ -16,9 +16,9 @@
 /* out[r0 + r, j0 + j] for r < NR (<= 4), j < 4 where j0 + j < j_end: 16 sums in registers, one 16-value step
  * of the inputs at a time (the last one masked), each weight row's step loaded once for the NR x rows; the
  * sums reduced together by sum16x16 (lane r * 4 + j). Past j_end a weight row is read again, not stored. */
-static inline __attribute__((always_inline)) void tile(const float *x, const float *w, float *out, int64_t n_in,
-                                                       int64_t n_out, int64_t r0, int64_t j0, int64_t j_end,
-                                                       const int NR)
+static inline __attribute__((always_inline)) void tile(const float *x, const float *w, float *out,
+                                                       int64_t n_in, int64_t n_out, int64_t r0, int64_t j0,
+                                                       int64_t j_end, const int NR)
 {
     const float *wj[4];
     for (int j = 0; j < 4; ++j) wj[j] = w + (j0 + j < j_end ? j0 + j : j_end - 1) * n_in;
