@@ -73,6 +73,7 @@ class TorchBackend:
 
     def build(self, batch: StepBatch) -> "AttentionMetadata":
         tables, lengths, mask, window_mask = self._decode_context(batch.decodes, batch.block_size)
+        row_groups = _row_groups(batch.decodes, tables, lengths) if self.decode_kernel is not None else None
         return AttentionMetadata(
             batch.block_size,
             batch.slot_mapping,
@@ -83,7 +84,7 @@ class TorchBackend:
             self.decode_kernel,
             [self._segment(r0, r1, item, batch.block_size) for r0, r1, item in batch.prefills],
             window_mask,
-            self._row_groups(batch.decodes) if self.decode_kernel is not None else None,
+            row_groups,
         )
 
     def _decode_context(self, decodes: list[ScheduledSeq], bs: int) -> tuple:
@@ -105,28 +106,6 @@ class TorchBackend:
         # the query sits at lens - 1 and sees keys (lens - 1 - window, lens - 1]
         window_mask = self._additive((key_pos >= lens) | (key_pos < lens - window)) if needs_window else None
         return tables, lengths, mask, window_mask
-
-    def _row_groups(self, decodes: list[ScheduledSeq]) -> tuple[torch.Tensor, ...] | None:
-        """The decode kernel's (block tables, context lengths, row_starts) with each run of one sequence's
-        rows at consecutive positions (a drafted step's verifying rows) as one entry, its blocks then read
-        once for all of them; None where no sequence has more than one row."""
-        starts = [0] + [
-            i
-            for i in range(1, len(decodes))
-            if decodes[i].seq is not decodes[i - 1].seq or decodes[i].start != decodes[i - 1].start + 1
-        ]
-        if len(starts) >= len(decodes):  # none, or one row each
-            return None
-        lasts = [decodes[end - 1] for end in [*starts[1:], len(decodes)]]
-        max_blocks = max(len(d.seq.block_table) for d in lasts)
-        long = dict(dtype=torch.long, device=self.device)
-        return (
-            torch.tensor(
-                [d.seq.block_table + [0] * (max_blocks - len(d.seq.block_table)) for d in lasts], **long
-            ),
-            torch.tensor([d.start + 1 for d in lasts], **long),
-            torch.tensor([*starts, len(decodes)], **long),
-        )
 
     def _additive(self, masked: torch.Tensor) -> torch.Tensor:
         """[num_decodes, num_keys] bool, True = hidden -> [1, num_decodes, 1, num_keys] 0 or -inf."""
@@ -155,6 +134,24 @@ class TorchBackend:
             causal,
             causal & (key_pos > q_pos - window) if needs_window else None,
         )
+
+
+def _row_groups(
+    decodes: list[ScheduledSeq], tables: torch.Tensor | None, lengths: torch.Tensor | None
+) -> tuple[torch.Tensor, ...] | None:
+    """The decode kernel's (block tables, context lengths, row_starts) with each run of one sequence's rows at
+    consecutive positions (a drafted step's verifying rows) as one entry, its blocks then read once for all
+    of them: each run's last row's table and length; None where no sequence has more than one row."""
+    starts = [0] + [
+        i
+        for i in range(1, len(decodes))
+        if decodes[i].seq is not decodes[i - 1].seq or decodes[i].start != decodes[i - 1].start + 1
+    ]
+    if len(starts) >= len(decodes):  # none, or one row each
+        return None
+    bounds = torch.tensor([*starts, len(decodes)], dtype=torch.long, device=lengths.device)
+    lasts = bounds[1:] - 1
+    return tables[lasts], lengths[lasts], bounds
 
 
 @dataclass

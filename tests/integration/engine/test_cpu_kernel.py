@@ -18,6 +18,7 @@ import torch
 
 from engine import LLM
 from engine.core.scheduler import ScheduledSeq
+from engine.executor.attention.base import StepBatch
 from engine.executor.attention.torch_backend import TorchBackend
 from engine.kernels import cpu as cpu_kernel
 
@@ -137,11 +138,15 @@ def test_the_backend_groups_a_sequences_consecutive_decode_rows():
     a drafted step's verifying rows come), and none where every sequence has one row."""
     a, b = (SimpleNamespace(block_table=table) for table in ([4, 7], [2]))
     backend = TorchBackend(torch.device("cpu"), torch.float32, None)
+
+    def groups(decodes):
+        return backend.build(StepBatch(16, 8, torch.zeros(len(decodes), dtype=torch.long), decodes, []))
+
     rows = [ScheduledSeq(a, p, 1, 1) for p in (20, 21, 22)] + [ScheduledSeq(b, 5, 1, 1)]
-    tables, lens, starts = backend._row_groups(rows + [ScheduledSeq(a, 30, 1, 1)])
+    tables, lens, starts = groups([*rows, ScheduledSeq(a, 30, 1, 1)]).decode_row_groups
     assert tables.tolist() == [[4, 7], [2, 0], [4, 7]]
     assert lens.tolist() == [23, 6, 31] and starts.tolist() == [0, 3, 4, 5]
-    assert backend._row_groups([rows[0], rows[3]]) is None and backend._row_groups([]) is None
+    assert groups([rows[0], rows[3]]).decode_row_groups is None and groups([]).decode_row_groups is None
 
 
 @pytest.mark.parametrize("shape", [(4099, 384), (1000, 77)])
