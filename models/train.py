@@ -7,12 +7,14 @@ committed); every 20th file, in sorted order, is held out for validation. The sa
 pairs in the ChatML template (chat_pairs.py: "Write a function that <docstring line>" -> the function).
 Each model is trained on 256-token windows, half of each batch from the code stream (random windows,
 every token scored) and half from the chat stream (windows that begin with a conversation, only the
-answers scored), with AdamW and a cosine schedule, bounded by steps and by wall seconds.
-The time boxes (18 + 7.5 minutes; under 27 minutes in all with the tokenizer and evaluation) bind
+answers scored), with AdamW and a cosine schedule, bounded by steps and by wall seconds. The primary
+learns the data's tokens; the tiny fallback then learns the shipped primary's next-token distribution
+(TEACHERS), which makes it the primary's draft model for speculative decoding.
+The time boxes (18 + 10 minutes; under 30 minutes in all with the tokenizer and evaluation) bind
 first on a 2-core machine: ~1.0 s per small step, so the primary's 1100-step limit is out of reach
-there, while the tiny model's 1000 steps (~0.25 s each) fit when the machine is idle. The schedule
-is then annealed by elapsed time, so a busy machine yields fewer tokens and worse models; where the
-step limits bind the run is bit-reproducible.
+there, while the tiny model's 1000 steps (~0.44 s each with the primary's forward) fit when the
+machine is idle. The schedule is then annealed by elapsed time, so a busy machine yields fewer tokens
+and worse models; where the step limits bind the run is bit-reproducible.
 """
 
 import argparse
@@ -81,6 +83,12 @@ ARCHS = {
 }
 
 
+# student -> teacher: the fallback learns the primary's next-token distribution (from the shipped primary's
+# weights, trained first in the same run or already in --out-dir), so that as the primary's draft model its
+# tokens are the ones the primary keeps (speculative decoding, docs/serving.md)
+TEACHERS = {"tiny": "small"}
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out-dir", type=Path, default=MODELS_DIR)
@@ -101,7 +109,7 @@ def parse_args() -> argparse.Namespace:
     # half the tiny model's at twice its width (measured: at 3e-3 it did worse per token than the tiny one)
     p.add_argument("--small-lr", type=float, default=1.5e-3)
     p.add_argument("--tiny-steps", type=int, default=1000)
-    p.add_argument("--tiny-seconds", type=float, default=450.0, help="wall-clock cap on training")
+    p.add_argument("--tiny-seconds", type=float, default=600.0, help="wall-clock cap on training")
     p.add_argument("--tiny-lr", type=float, default=3e-3)
     p.add_argument("--val-windows", type=int, default=128, help="256-token windows scored for val_loss")
     p.add_argument("--threads", type=int, default=2)
@@ -236,7 +244,10 @@ def train(
     max_steps: int,
     max_seconds: float,
     peak_lr: float,
+    teacher: torch.nn.Module | None = None,
 ) -> dict:
+    """Next-token cross-entropy on the data; with a teacher, the KL divergence from the teacher's next-token
+    distribution instead, at the same scored positions."""
     model.train()
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]  # norms: weight decay would shrink them
@@ -259,7 +270,10 @@ def train(
             windows(code, args.batch_size - args.chat_rows, args.seq_len, gen),
             windows(chat, args.chat_rows, args.seq_len, gen),
         )
-        scored, count = lm_loss(model, torch.cat([code_ids, chat_ids]), torch.cat([code_labels, chat_labels]))
+        ids, labels = torch.cat([code_ids, chat_ids]), torch.cat([code_labels, chat_labels])
+        scored, count = (
+            lm_loss(model, ids, labels) if teacher is None else distill_loss(model, teacher, ids, labels)
+        )
         loss = scored / count
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -292,6 +306,19 @@ def lm_loss(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> 
         logits.flatten(0, 1).float(), targets, ignore_index=IGNORE, reduction="sum"
     )
     return total, int((targets != IGNORE).sum())
+
+
+def distill_loss(
+    model: torch.nn.Module, teacher: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, int]:
+    """(summed KL(teacher || model) of the next-token distributions, number of scored tokens) over
+    [batch, seq_len + 1] windows, at the positions lm_loss scores."""
+    scored = labels[:, 1:] != IGNORE
+    with torch.no_grad():
+        target = torch.log_softmax(teacher(input_ids=ids[:, :-1]).logits[scored].float(), dim=-1)
+    log_probs = torch.log_softmax(model(input_ids=ids[:, :-1]).logits[scored].float(), dim=-1)
+    total = torch.nn.functional.kl_div(log_probs, target, log_target=True, reduction="sum")
+    return total, int(scored.sum())
 
 
 @torch.no_grad()
@@ -384,8 +411,17 @@ def run_one(name: str, tokenizer, streams: dict[str, Stream], args, corpus_info:
     steps, seconds, lr = (getattr(args, f"{name}_{k}") for k in ("steps", "seconds", "lr"))
     model = build_model(tokenizer, ARCHS[name], args.seed)
     params = sum(p.numel() for p in model.parameters())
-    print(f"{name}: {params / 1e6:.2f} M params, up to {steps} steps / {seconds:.0f} s", flush=True)
-    stats = train(model, streams["code_train"], streams["chat_train"], args, steps, seconds, lr)
+    teacher = None
+    if teacher_name := TEACHERS.get(name):
+        teacher = AutoModelForCausalLM.from_pretrained(
+            args.out_dir / f"pagedserve-coder-{teacher_name}", dtype=torch.float32
+        ).eval()
+    print(
+        f"{name}: {params / 1e6:.2f} M params, up to {steps} steps / {seconds:.0f} s"
+        + (f", distilled from {teacher_name}" if teacher else ""),
+        flush=True,
+    )
+    stats = train(model, streams["code_train"], streams["chat_train"], args, steps, seconds, lr, teacher)
     out = args.out_dir / f"pagedserve-coder-{name}"
     save(model, tokenizer, out, args.temperature)
     # score what was shipped: the bf16 weights, reloaded from disk and upcast
@@ -394,6 +430,10 @@ def run_one(name: str, tokenizer, streams: dict[str, Stream], args, corpus_info:
         "architecture": "LlamaForCausalLM",
         "params": params,
         **stats,
+        "train_loss": "KL divergence from the primary's next-token distribution"
+        if teacher
+        else "cross-entropy",
+        "distilled_from": f"pagedserve-coder-{teacher_name}" if teacher else None,
         "val_loss": round(val_loss(shipped, streams["code_val"], args.seq_len, args.val_windows), 4),
         "chat_val_loss": round(val_loss(shipped, streams["chat_val"], args.seq_len, args.val_windows), 4),
         "uniform_baseline": round(math.log(len(tokenizer)), 4),
