@@ -272,7 +272,7 @@ def _filter(
     normalizer = torch.where(k > 0, torch.logsumexp(values, dim=-1), torch.logsumexp(rows, dim=-1))
     probs = torch.exp(values - normalizer[:, None])
     before = torch.cumsum(probs, dim=-1) - probs  # mass of the strictly more likely tokens
-    drop |= before >= p[:, None]
+    drop |= (before >= p[:, None]) & (p < 1.0)[:, None]  # (a float32 sum can pass 1.0: top_p 1 is off)
     drop |= probs < (m[:, None] * probs[:, :1])
     drop[:, 0] = False
     filtered = torch.full_like(rows, float("-inf")).scatter(
@@ -297,7 +297,7 @@ def _filter_sorted(
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     probs = torch.softmax(sorted_logits, dim=-1)
     before = torch.cumsum(probs, dim=-1) - probs  # mass of the strictly more likely tokens
-    drop |= before >= top_p[:, None]
+    drop |= (before >= top_p[:, None]) & (top_p < 1.0)[:, None]
     drop |= probs < (min_p[:, None] * probs[:, :1])  # [B, 1] floor per row
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))

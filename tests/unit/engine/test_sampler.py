@@ -107,6 +107,22 @@ def test_logprobs_hold_top_n_and_the_sampled_token():
     assert math.isclose(token.logprobs[1], float(expected[1]), rel_tol=1e-6)
 
 
+def test_top_p_one_cuts_nothing_where_the_summed_probabilities_pass_one():
+    """top_p 1.0 is off. On peaked rows a float32 running sum of the sorted probabilities passes 1.0 before
+    the last token (on an AVX2 EPYC: all 64 rows here), which must not cut the tail of the top k or of
+    the whole row."""
+    from engine.executor.sampler import NUCLEUS_CANDIDATES, _filter, _filter_sorted
+
+    vocab = 3 * NUCLEUS_CANDIDATES
+    logits = torch.randn(64, vocab, generator=torch.Generator().manual_seed(0)) * 4
+    top_p, min_p = torch.ones(64), torch.zeros(64)
+    for k in (100, NUCLEUS_CANDIDATES, vocab):  # top-k among the candidates, and sorting whole rows
+        top_k = torch.full((64,), k)
+        assert ((~_filter(logits, top_k, top_p, min_p).isinf()).sum(dim=-1) == k).all()
+    kept = ~_filter_sorted(logits, torch.zeros(64, dtype=torch.long), top_p, min_p).isinf()
+    assert kept.all()
+
+
 def test_filters_over_the_most_likely_tokens_match_sorting_whole_rows():
     """`_filter` looks among each row's most likely tokens (torch.topk) and sorts whole rows only where a
     nucleus reaches past them: the same tokens survive, with the same logits, as sorting every row."""
