@@ -100,6 +100,24 @@ def test_int8_linear_each_path_matches_the_dequantized_weight(dtype, m):
     torch.testing.assert_close(got.double(), want, rtol=rtol, atol=atol)
 
 
+def test_oneDNN_int8_products_are_used_only_where_they_are_exact(monkeypatch):
+    """On an AVX2 EPYC without VNNI oneDNN's int8 product returned another product; `onednn_int8` checks
+    it once against `_int_mm`, and a layer then keeps `_int_mm` on its plain weight."""
+    real = onednn_int8()
+    if real:  # a CPU where it is exact: make it wrong by one, as that CPU's was wrong
+        product = torch.ops.onednn.qlinear_pointwise
+        monkeypatch.setattr(torch.ops.onednn, "qlinear_pointwise", lambda *args: product(*args) + 1)
+    onednn_int8.cache_clear()
+    try:
+        assert not onednn_int8()
+        layer = Int8Linear(96, 40, bias=False, group_size=None, dtype=torch.float32, int8_activations=True)
+        assert not layer.pack() and layer.packed is None
+    finally:
+        monkeypatch.undo()
+        onednn_int8.cache_clear()
+    assert onednn_int8() == real
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("packed", [False, True])
 def test_w8a8_quantizes_each_row_of_a_many_row_product(dtype, packed):
@@ -111,7 +129,7 @@ def test_w8a8_quantizes_each_row_of_a_many_row_product(dtype, packed):
     layer.weight.copy_(q)
     layer.scales.copy_(scale)
     if packed and not layer.pack():
-        pytest.skip("this torch has no oneDNN int8 linear operators")
+        pytest.skip("no exact oneDNN int8 linear operators on this torch and CPU")
     x = torch.randn(300, 96).to(dtype)
     x_scale = x.double().abs().amax(dim=1, keepdim=True) / 127
     want = (x.double() / x_scale).round() @ q.double().t() * x_scale * scale.double().view(1, -1)
