@@ -339,8 +339,9 @@ def onednn_int8() -> bool:
         return False
     gen = torch.Generator().manual_seed(0)
     x, w = (torch.randint(-127, 128, (rows, 64), dtype=torch.int8, generator=gen) for rows in (32, 16))
+    packed = torch.ops.onednn.qlinear_prepack(w, None)
     got = torch.ops.onednn.qlinear_pointwise(
-        x, 1.0, 0, torch.ops.onednn.qlinear_prepack(w, None), torch.ones(16), torch.zeros(16, dtype=torch.int64),
+        x, 1.0, 0, packed, torch.ones(16), torch.zeros(16).long(),
         None, 1.0, 0, torch.float32, "none", [], "",
     )  # fmt: skip
     return torch.equal(got, torch._int_mm(x, w.t()).float())
