@@ -430,9 +430,7 @@ def run_one(name: str, tokenizer, streams: dict[str, Stream], args, corpus_info:
         "architecture": "LlamaForCausalLM",
         "params": params,
         **stats,
-        "train_loss": "KL divergence from the primary's next-token distribution"
-        if teacher
-        else "cross-entropy",
+        # final_train_loss: the KL divergence from this teacher's distribution where there is one
         "distilled_from": f"pagedserve-coder-{teacher_name}" if teacher else None,
         "val_loss": round(val_loss(shipped, streams["code_val"], args.seq_len, args.val_windows), 4),
         "chat_val_loss": round(val_loss(shipped, streams["chat_val"], args.seq_len, args.val_windows), 4),
